@@ -1,0 +1,60 @@
+"""The `tokenbatch` command line.
+
+Each command lives beside its domain code and is imported only when used, so `tokenbatch traces info` never pays for the engine's compilation.
+
+A command module provides ``configure(parser)`` and ``run(args) -> int``. Any ``TokenBatchError``
+is printed as one line and exits 2; no traceback for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import TokenBatchError
+
+#: name -> (module, one-line help)
+COMMANDS = {
+    "traces": ("tokenbatch_env.traces.cli", "inspect, convert and generate traces"),
+    "profiles": ("tokenbatch_env.engine.profiles_cli", "list, show and fit engine profiles"),
+    "simulate": ("tokenbatch_env.engine.simulate_cli", "replay a trace through the engine"),
+    "audit": ("tokenbatch_env.capacity_cli", "fluid capacity audit of a contract and workload"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="tokenbatch", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"tokenbatch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name == command:
+            mod = importlib.import_module(module)
+            mod.configure(p)
+            p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        parser = build_parser(command if command in COMMANDS else None)
+        args = parser.parse_args(argv)
+        if getattr(args, "_run", None) is None:
+            parser.print_help()
+            return 0 if command is None else 2
+        return int(args._run(args) or 0)
+    except TokenBatchError as e:
+        print(f"tokenbatch: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tokenbatch: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The batched continuous-batching engine: state, step, KV pool, cost model, profiles."""

@@ -1,0 +1,118 @@
+"""Engine profiles: a cost model plus the engine configuration it was measured for.
+
+Profiles are package data (``tokenbatch_env/data/profiles/<name>.json``) carrying their provenance
+("fitted", "derived", "synthetic"), so every report can say where its iteration times came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ProfileError
+from .cost_model import CostModel
+
+#: A fitted profile whose mean absolute % error on any batch kind exceeds this is rejected.
+MAX_MAPE_PCT = 10.0
+PROVENANCES = ("fitted", "derived", "synthetic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    provenance: str
+    cost: CostModel
+    block_size: int = 16
+    num_blocks: int = 512              # total GPU blocks, including block 0 (reserved in vLLM mode)
+    max_num_batched_tokens: int = 2048  # B
+    max_num_seqs: int = 256
+    max_model_len_limit: int = 4096    # the model's own context limit
+    watermark_blocks: int = 0          # vLLM's admission watermark, in blocks
+    async_scheduling: bool = False
+    kv_bytes_per_token: int = 524288
+    pcie_gb_per_s: float = 25.0        # for swap preemption (beyond vLLM)
+    mape_pct: Optional[dict] = None    # {"prefill": .., "decode": .., "mixed": ..} for fitted profiles
+    description: str = ""
+    source: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.provenance not in PROVENANCES:
+            raise ProfileError(f"profile {self.name!r}: provenance must be one of {PROVENANCES}, "
+                               f"got {self.provenance!r}")
+        for f in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
+                  "max_model_len_limit"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ProfileError(f"profile {self.name!r}: {f} must be a positive integer, got {v!r}")
+        if self.num_blocks < 2:
+            raise ProfileError(f"profile {self.name!r}: num_blocks must be >= 2 (block 0 is reserved)")
+        if not isinstance(self.watermark_blocks, int) or not 0 <= self.watermark_blocks < self.usable_blocks:
+            raise ProfileError(f"profile {self.name!r}: watermark_blocks must be in [0, usable blocks)")
+        if self.mape_pct is not None:
+            worst = max(self.mape_pct.values())
+            if worst > MAX_MAPE_PCT:
+                raise ProfileError(f"profile {self.name!r}: fit error {worst:.1f}% > {MAX_MAPE_PCT}% on "
+                                   f"{max(self.mape_pct, key=self.mape_pct.get)} batches; rejected")
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def max_model_len(self) -> int:
+        return min(self.max_model_len_limit, self.usable_blocks * self.block_size)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["cost"] = self.cost.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, *, where: str = "profile") -> "Profile":
+        if not isinstance(d, dict):
+            raise ProfileError(f"{where}: expected a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ProfileError(f"{where}: unknown field(s) {unknown}; valid: {sorted(known)}")
+        missing = sorted({"name", "provenance", "cost"} - set(d))
+        if missing:
+            raise ProfileError(f"{where}: missing field(s) {missing}")
+        kw = dict(d)
+        try:
+            kw["cost"] = CostModel(**kw["cost"])
+        except TypeError as e:
+            raise ProfileError(f"{where}: bad cost block: {e}") from None
+        return cls(**kw)
+
+
+def _data_dir():
+    return resources.files("tokenbatch_env") / "data" / "profiles"
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.name[:-5] for p in _data_dir().iterdir() if p.name.endswith(".json"))
+
+
+@lru_cache(maxsize=None)
+def load_profile(name_or_path: str) -> Profile:
+    """A shipped profile by name, or a JSON file by path."""
+    if name_or_path.endswith(".json") or "/" in name_or_path:
+        path = Path(name_or_path)
+        if not path.exists():
+            raise ProfileError(f"profile file {name_or_path!r} not found")
+        text, where = path.read_text(), str(path)
+    else:
+        res = _data_dir() / f"{name_or_path}.json"
+        if not res.is_file():
+            raise ProfileError(f"unknown profile {name_or_path!r}; valid: {', '.join(list_profiles())}")
+        text, where = res.read_text(), f"profile {name_or_path!r}"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{where}: invalid JSON: {e}") from None
+    return Profile.from_dict(data, where=where)

@@ -1,0 +1,232 @@
+"""The Trace: one row per request, columnar, with a content digest every result cites.
+
+DESIGN.md section 2. Times are int64 nanoseconds; SLOs are stored in integer nanoseconds too, so the
+digest is a hash of integer arrays only. Prefix sharing is a CSR array of block-hash chains at
+``block_size`` granularity: request ``i`` owns ``prefix_hashes[prefix_offsets[i]:prefix_offsets[i+1]]``,
+the hashes of its leading *shared* full blocks. Blocks past its chain are unique to the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Optional
+
+import numpy as np
+
+from ..errors import TraceError
+
+#: Digest format version: bump when the canonical byte layout changes.
+DIGEST_VERSION = b"tokenbatch-trace-v1"
+#: Largest token count we accept in any single field (guards against absurd sizes).
+MAX_TOKENS = 10_000_000
+#: Largest SLO we accept: one day.
+MAX_SLO_NS = 86_400 * 10**9
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK64
+    x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
+    x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
+    return x ^ (x >> np.uint64(31))
+
+
+def block_hash(namespace: int, key, index) -> np.ndarray:
+    """H(namespace, key, index) as non-negative int64: the hash of shared block ``index`` of ``key``.
+
+    Deterministic on every machine (pure integer arithmetic). ``namespace`` separates the sources
+    of keys (prefix groups vs. Mooncake hash ids) so they never collide by construction.
+    """
+    with np.errstate(over="ignore"):
+        k = np.asarray(key, dtype=np.int64).astype(np.uint64)
+        j = np.asarray(index, dtype=np.int64).astype(np.uint64)
+        h = _splitmix64(np.uint64(namespace) * np.uint64(0x100000001B3) + np.uint64(1))
+        h = _splitmix64(h ^ k)
+        h = _splitmix64(h ^ j)
+        return (h >> np.uint64(1)).astype(np.int64)
+
+
+def _as_int64(name: str, values, n: Optional[int] = None) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise TraceError(f"must be one-dimensional, got shape {arr.shape}", column=name)
+    if arr.dtype.kind == "f":
+        bad = ~np.isfinite(arr)
+        if bad.any():
+            raise TraceError("NaN or infinite value", row=int(np.argmax(bad)), column=name)
+        if (arr != np.round(arr)).any():
+            raise TraceError("non-integer value", row=int(np.argmax(arr != np.round(arr))), column=name)
+    elif arr.dtype.kind not in "iub" and arr.size:
+        raise TraceError(f"must be integers, got dtype {arr.dtype}", column=name)
+    out = arr.astype(np.int64, copy=True)
+    if n is not None and out.shape[0] != n:
+        raise TraceError(f"has {out.shape[0]} rows, expected {n}", column=name)
+    out.setflags(write=False)
+    return out
+
+
+def _check_range(name: str, arr: np.ndarray, lo: int, hi: int, what: str) -> None:
+    bad = (arr < lo) | (arr > hi)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise TraceError(f"{what} (got {int(arr[row])}, allowed {lo}..{hi})", row=row, column=name)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Trace:
+    """A validated, immutable request trace. Build with ``Trace.build(...)`` (validates, copies)."""
+
+    arrival_ns: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    ttft_slo_ns: Optional[np.ndarray]
+    tpot_slo_ns: Optional[np.ndarray]
+    priority: np.ndarray
+    class_id: np.ndarray
+    prefix_offsets: np.ndarray
+    prefix_hashes: np.ndarray
+    block_size: int = 16
+    name: str = "trace"
+    source: str = ""
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build(cls, *, arrival_ns, prompt_tokens, output_tokens, ttft_slo_ns=None, tpot_slo_ns=None,
+              priority=None, class_id=None, prefix_offsets=None, prefix_hashes=None,
+              block_size: int = 16, name: str = "trace", source: str = "",
+              file: Optional[str] = None) -> "Trace":
+        """Validate and freeze. Errors name ``file`` (if given), the row and the column."""
+        try:
+            arrival = _as_int64("arrival_ns", arrival_ns)
+            n = arrival.shape[0]
+            prompt = _as_int64("prompt_tokens", prompt_tokens, n)
+            output = _as_int64("output_tokens", output_tokens, n)
+            _check_range("arrival_ns", arrival, 0, np.iinfo(np.int64).max // 4, "arrival time out of range")
+            dec = np.flatnonzero(np.diff(arrival) < 0)
+            if dec.size:
+                raise TraceError("timestamps decrease", row=int(dec[0]) + 1, column="arrival_ns")
+            _check_range("prompt_tokens", prompt, 1, MAX_TOKENS, "token count must be >= 1 and not absurd")
+            _check_range("output_tokens", output, 1, MAX_TOKENS, "token count must be >= 1 and not absurd")
+            if (ttft_slo_ns is None) != (tpot_slo_ns is None):
+                raise TraceError("give both SLO columns or neither", column="ttft_slo_ns")
+            t1 = t2 = None
+            if ttft_slo_ns is not None:
+                t1 = _as_int64("ttft_slo_ns", ttft_slo_ns, n)
+                t2 = _as_int64("tpot_slo_ns", tpot_slo_ns, n)
+                _check_range("ttft_slo_ns", t1, 1, MAX_SLO_NS, "SLO must be > 0 and at most a day")
+                _check_range("tpot_slo_ns", t2, 1, MAX_SLO_NS, "SLO must be > 0 and at most a day")
+            prio = _as_int64("priority", np.zeros(n, np.int64) if priority is None else priority, n)
+            cls_ = _as_int64("class_id", np.zeros(n, np.int64) if class_id is None else class_id, n)
+            _check_range("class_id", cls_, 0, 1_000_000, "class id out of range")
+            if prefix_offsets is None:
+                offsets = np.zeros(n + 1, np.int64)
+                hashes = np.zeros(0, np.int64)
+            else:
+                offsets = _as_int64("prefix_offsets", prefix_offsets, n + 1)
+                hashes = _as_int64("prefix_hashes", np.zeros(0, np.int64) if prefix_hashes is None
+                                   else prefix_hashes)
+                if offsets[0] != 0 or offsets[-1] != hashes.shape[0]:
+                    raise TraceError("CSR offsets must start at 0 and end at len(prefix_hashes)",
+                                     column="prefix_offsets")
+                lens = np.diff(offsets)
+                if (lens < 0).any():
+                    raise TraceError("CSR offsets decrease", row=int(np.argmax(lens < 0)),
+                                     column="prefix_offsets")
+                over = lens > prompt // int(block_size)
+                if over.any():
+                    raise TraceError("prefix chain longer than the prompt's full blocks",
+                                     row=int(np.argmax(over)), column="prefix_hashes")
+            if not isinstance(block_size, (int, np.integer)) or int(block_size) < 1:
+                raise TraceError(f"block_size must be a positive integer, got {block_size!r}")
+        except TraceError as e:
+            if file is not None and e.file is None:
+                raise TraceError(e.reason, file=file, row=e.row, column=e.column) from None
+            raise
+        return cls(arrival, prompt, output, t1, t2, prio, cls_, offsets, hashes, int(block_size),
+                   str(name), str(source))
+
+    # ------------------------------------------------------------------ views
+    def __len__(self) -> int:
+        return int(self.arrival_ns.shape[0])
+
+    @property
+    def num_requests(self) -> int:
+        return len(self)
+
+    @property
+    def has_slos(self) -> bool:
+        return self.ttft_slo_ns is not None
+
+    @property
+    def ttft_slo_ms(self) -> Optional[np.ndarray]:
+        return None if self.ttft_slo_ns is None else self.ttft_slo_ns / 1e6
+
+    @property
+    def tpot_slo_ms(self) -> Optional[np.ndarray]:
+        return None if self.tpot_slo_ns is None else self.tpot_slo_ns / 1e6
+
+    @property
+    def prefix_lengths(self) -> np.ndarray:
+        return np.diff(self.prefix_offsets)
+
+    def prefix_chain(self, i: int) -> np.ndarray:
+        return self.prefix_hashes[self.prefix_offsets[i]:self.prefix_offsets[i + 1]]
+
+    def replace(self, **changes) -> "Trace":
+        """A validated copy with some columns or metadata changed."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields.update(changes)
+        return Trace.build(**fields)
+
+    def subset(self, index) -> "Trace":
+        """Rows ``index`` (a slice or sorted int array), keeping their prefix chains."""
+        idx = np.arange(len(self))[index] if isinstance(index, slice) else np.asarray(index, np.int64)
+        if idx.size and (np.diff(idx) < 0).any():
+            raise TraceError("subset indices must be sorted (arrival order)")
+        lens = self.prefix_lengths[idx]
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        if idx.size:
+            starts = self.prefix_offsets[idx]
+            pos = np.repeat(starts - offsets[:-1], lens) + np.arange(offsets[-1])
+            hashes = self.prefix_hashes[pos]
+        else:
+            hashes = np.zeros(0, np.int64)
+        take = lambda a: None if a is None else a[idx]  # noqa: E731
+        return Trace.build(arrival_ns=self.arrival_ns[idx], prompt_tokens=self.prompt_tokens[idx],
+                           output_tokens=self.output_tokens[idx], ttft_slo_ns=take(self.ttft_slo_ns),
+                           tpot_slo_ns=take(self.tpot_slo_ns), priority=self.priority[idx],
+                           class_id=self.class_id[idx], prefix_offsets=offsets, prefix_hashes=hashes,
+                           block_size=self.block_size, name=self.name, source=self.source)
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def digest(self) -> str:
+        """SHA-256 over the canonical integer arrays (metadata excluded): same requests, same digest."""
+        cached = self.__dict__.get("_digest")
+        if cached is None:
+            h = hashlib.sha256(DIGEST_VERSION)
+            h.update(np.int64(len(self)).tobytes())
+            h.update(np.int64(self.block_size).tobytes())
+            cols = [("arrival_ns", self.arrival_ns), ("prompt_tokens", self.prompt_tokens),
+                    ("output_tokens", self.output_tokens), ("ttft_slo_ns", self.ttft_slo_ns),
+                    ("tpot_slo_ns", self.tpot_slo_ns), ("priority", self.priority),
+                    ("class_id", self.class_id), ("prefix_offsets", self.prefix_offsets),
+                    ("prefix_hashes", self.prefix_hashes)]
+            for name, arr in cols:
+                h.update(name.encode() + b"\0")
+                if arr is None:
+                    h.update(b"none\0")
+                else:
+                    h.update(np.ascontiguousarray(arr, dtype="<i8").tobytes())
+            cached = h.hexdigest()
+            object.__setattr__(self, "_digest", cached)
+        return cached
+
+    def equals(self, other: "Trace") -> bool:
+        return isinstance(other, Trace) and self.digest == other.digest
+
+    def __repr__(self) -> str:
+        return (f"Trace(name={self.name!r}, requests={len(self)}, slos={self.has_slos}, "
+                f"digest={self.digest[:12]})")
