@@ -1,0 +1,176 @@
+"""Engine configuration and the construction of the batched state from traces (one per copy)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..traces.trace import Trace
+from . import kernel as K
+from .profiles import Profile
+
+NEVER = np.iinfo(np.int64).max // 4
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine options beyond the profile. vLLM V1 behaviour by default (DESIGN.md section 3).
+
+    ``async_scheduling=None`` takes the profile's setting. Options marked beyond-vLLM are off by
+    default and every report names them.
+    """
+
+    prefix_caching: bool = True
+    async_scheduling: Optional[bool] = None
+    max_wait_ms: Optional[float] = None       # rule 12: client time-out for a first token
+    timeout_running: bool = False             # rule 12: also time out running requests
+    skip_hol: bool = False                    # beyond vLLM: skip head-of-line blocking (not yet built)
+    resume_first: bool = False                # score policies: preempted requests resume first
+    max_iterations: int = 50_000_000          # iteration cap per copy (truncation)
+    record_iterations: int = 0                # per-iteration records kept per copy (0 = none)
+    max_num_batched_tokens: Optional[int] = None  # override the profile's B
+    max_num_seqs: Optional[int] = None
+    num_blocks: Optional[int] = None
+
+    def __post_init__(self):
+        if self.skip_hol:
+            raise ConfigError("skip_hol (beyond-vLLM) is not implemented yet")
+        if self.max_wait_ms is not None and not (np.isfinite(self.max_wait_ms) and self.max_wait_ms > 0):
+            raise ConfigError(f"max_wait_ms must be a positive number or None, got {self.max_wait_ms!r}")
+        for f in ("max_iterations", "record_iterations"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{f} must be a non-negative integer, got {v!r}")
+        for f in ("max_num_batched_tokens", "max_num_seqs", "num_blocks"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or v < (2 if f == "num_blocks" else 1)):
+                raise ConfigError(f"{f} must be a positive integer or None, got {v!r}")
+
+    def resolve(self, profile: Profile) -> Profile:
+        """The profile with this config's overrides applied."""
+        ch = {}
+        if self.max_num_batched_tokens is not None:
+            ch["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.max_num_seqs is not None:
+            ch["max_num_seqs"] = self.max_num_seqs
+        if self.num_blocks is not None:
+            ch["num_blocks"] = self.num_blocks
+            ch["watermark_blocks"] = min(profile.watermark_blocks, self.num_blocks - 2)
+        if self.async_scheduling is not None:
+            ch["async_scheduling"] = self.async_scheduling
+        return dataclasses.replace(profile, **ch) if ch else profile
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def make_cfg(profile: Profile, config: EngineConfig, mode: int) -> np.ndarray:
+    cfg = np.zeros(K.N_CFG, np.int64)
+    ps = profile.cost.ps
+    cfg[K.C_BUDGET] = profile.max_num_batched_tokens
+    cfg[K.C_MAX_SEQS] = profile.max_num_seqs
+    cfg[K.C_BS] = profile.block_size
+    cfg[K.C_USABLE] = profile.usable_blocks
+    cfg[K.C_WATERMARK] = profile.watermark_blocks
+    cfg[K.C_MAX_LEN] = profile.max_model_len
+    cfg[K.C_PREFIX] = int(config.prefix_caching)
+    cfg[K.C_ASYNC] = int(profile.async_scheduling)
+    cfg[K.C_MODE] = mode
+    cfg[K.C_MAX_WAIT] = -1 if config.max_wait_ms is None else int(round(config.max_wait_ms * 1e6))
+    cfg[K.C_TIMEOUT_RUNNING] = int(config.timeout_running)
+    cfg[K.C_SKIP_HOL] = int(config.skip_hol)
+    cfg[K.C_MAX_ITERS] = config.max_iterations
+    cfg[K.C_PS0:K.C_PS_KV + 1] = ps
+    cfg[K.C_RESUME_FIRST] = int(config.resume_first)
+    return cfg
+
+
+def capped_outputs(prompt: np.ndarray, output: np.ndarray, max_model_len: int):
+    """Rule 8: output capped at max_model_len - prompt (recorded length_capped)."""
+    room = np.maximum(max_model_len - prompt, 1)
+    out = np.minimum(output, room)
+    return out, output > room
+
+
+def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig) -> K.EngineArrays:
+    """Lay N traces out as the struct of arrays, one copy each, padded to the longest."""
+    if len(traces) == 0:
+        raise ConfigError("need at least one trace (one per copy)")
+    bs = profile.block_size
+    for t in traces:
+        if t.block_size != bs:
+            raise ConfigError(f"trace {t.name!r} has prefix chains at block size {t.block_size}, the "
+                              f"profile {profile.name!r} uses {bs}")
+    C = len(traces)
+    R = max(1, max(len(t) for t in traces))
+    S = profile.max_num_seqs
+    # table slots: running requests, plus (async) finished ones whose blocks free one iteration later
+    slots = S * (2 if profile.async_scheduling else 1)
+    NB = profile.usable_blocks
+    maxb = (profile.max_model_len + bs - 1) // bs + 1
+    i64 = np.int64
+
+    def pad(col, fill=0, dtype=i64):
+        out = np.full((C, R), fill, dtype)
+        for c, t in enumerate(traces):
+            out[c, :len(t)] = col(t)
+        return out
+
+    arrival = pad(lambda t: t.arrival_ns, NEVER)
+    prompt = pad(lambda t: t.prompt_tokens, 1)
+    output = pad(lambda t: t.output_tokens, 1)
+    out_len, capped = capped_outputs(prompt, output, profile.max_model_len)
+    prio = pad(lambda t: t.priority)
+
+    # prefix chains -> dense per-copy ids; blocks past a chain get unique ids
+    H = max(1, max(len(t.prefix_hashes) for t in traces))
+    chain_off = np.zeros((C, R + 1), i64)
+    chain_val = np.zeros((C, H), i64)
+    uniq_base = np.zeros((C, R), i64)
+    U = 1
+    for c, t in enumerate(traces):
+        n = len(t)
+        chain_off[c, :n + 1] = t.prefix_offsets
+        chain_off[c, n + 1:] = t.prefix_offsets[-1]
+        uniq, inv = np.unique(t.prefix_hashes, return_inverse=True)
+        chain_val[c, :len(inv)] = inv
+        if config.prefix_caching and n:
+            maxblocks = (prompt[c, :n] + out_len[c, :n] + bs - 1) // bs + 1
+            room = maxblocks - t.prefix_lengths
+            uniq_base[c, :n] = len(uniq) + np.concatenate([[0], np.cumsum(room)[:-1]])
+            U = max(U, int(len(uniq) + room.sum()))
+    n_req = np.array([len(t) for t in traces], i64)
+
+    z = lambda *shape, dtype=i64, fill=0: np.full(shape, fill, dtype)  # noqa: E731
+    tdt = np.int16 if NB + 2 < 32767 else np.int32
+    # free queue: sentinels head=NB, tail=NB+1, blocks 0..NB-1 in order
+    fq_next = np.empty((C, NB + 2), np.int32)
+    fq_prev = np.empty((C, NB + 2), np.int32)
+    order = np.concatenate([[NB], np.arange(NB), [NB + 1]])
+    fq_next[:, order[:-1]] = order[1:]
+    fq_prev[:, order[1:]] = order[:-1]
+    fq_next[:, NB + 1] = -1
+    fq_prev[:, NB] = -1
+    rec = max(config.record_iterations, 1)
+    return K.EngineArrays(
+        n_req=n_req, arrival=arrival, prompt=prompt, out_len=out_len, prio=prio, capped=capped,
+        chain_off=chain_off, chain_val=chain_val, uniq_base=uniq_base,
+        now=np.where(n_req > 0, arrival[:, 0], 0).astype(i64), it=z(C), next_arr=z(C), n_ended=z(C),
+        key_hi=z(C, fill=1), key_lo=z(C, fill=-1), n_run=z(C), n_wait=z(C),
+        n_free=z(C, fill=NB), n_slot_free=z(C, fill=slots), n_pend=z(C),
+        n_iter_rec=z(C, fill=0 if config.record_iterations else rec),
+        status=z(C, R, dtype=np.int8), end_state=z(C, R, dtype=np.int8), computed=z(C, R),
+        gen=z(C, R), qkey=z(C, R), slot_of=z(C, R, fill=-1), held=z(C, R), n_cached=z(C, R),
+        first_sched=z(C, R, fill=-1), first_token=z(C, R, fill=-1), first_token_it=z(C, R, fill=-1),
+        finish=z(C, R, fill=-1), finish_it=z(C, R, fill=-1), n_preempt=z(C, R), recomputed=z(C, R),
+        resumed=z(C, R, dtype=np.bool_),
+        run_ids=z(C, S), wait_ids=z(C, R), slot_free=np.tile(np.arange(slots - 1, -1, -1, dtype=i64), (C, 1)),
+        pend_ids=z(C, S), table=z(C, slots, maxb, dtype=tdt),
+        ref=z(C, NB, dtype=np.int32), bhash=z(C, NB, fill=-1), hnext=z(C, NB, fill=-1, dtype=np.int32),
+        fq_prev=fq_prev, fq_next=fq_next, hash_head=z(C, U, fill=-1, dtype=np.int32),
+        sched_r=z(C, S), sched_new=z(C, S), sched_cb=z(C, S),
+        iter_rec=z(C, rec, K.N_ITER_COLS),
+    )
