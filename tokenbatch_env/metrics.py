@@ -9,7 +9,8 @@ from .engine.outcomes import request_metrics  # noqa: F401  (re-exported)
 
 
 def _pct(x: np.ndarray, q: float) -> float:
-    return float(np.percentile(x, q)) if x.size else float("nan")
+    # no interpolation, so +inf entries (requests without a first token) stay meaningful
+    return float(np.percentile(x, q, method="inverted_cdf")) if x.size else float("nan")
 
 
 def summarize(rec: dict, trace) -> dict:

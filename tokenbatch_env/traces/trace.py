@@ -33,6 +33,43 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+#: Hash namespaces for ``block_hash``: keys from different sources never collide by construction.
+NS_PREFIX_GROUP = 1  # generators: key = prefix group id, index = block index in the group's prefix
+NS_MOONCAKE = 2  # Mooncake traces: key = hash id (one 512-token block), index = engine block in it
+NS_UNIQUE = 3  # per-request unique blocks, where a generator needs explicit hashes for them
+
+
+def _splitmix64_inplace(x: np.ndarray) -> np.ndarray:
+    """``_splitmix64`` on a uint64 array, overwriting it (uint64 array arithmetic wraps mod 2**64)."""
+    x += np.uint64(0x9E3779B97F4A7C15)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def block_hash_runs(namespace: int, keys, per_key: int) -> np.ndarray:
+    """``block_hash(namespace, k, 0..per_key-1)`` for each ``k`` in ``keys``, concatenated.
+
+    Equal to ``block_hash(namespace, np.repeat(keys, per_key), np.tile(np.arange(per_key), len(keys)))``
+    but computes each distinct key's run once: fast for long chains of repeated keys (Mooncake).
+    """
+    per_key = int(per_key)
+    k = np.asarray(keys, dtype=np.int64).reshape(-1)
+    if k.size == 0 or per_key <= 0:
+        return np.zeros(0, np.int64)
+    uniq, inverse = np.unique(k, return_inverse=True)
+    with np.errstate(over="ignore"):
+        h0 = _splitmix64(np.uint64(namespace) * np.uint64(0x100000001B3) + np.uint64(1))
+        hk = _splitmix64_inplace(uniq.astype(np.uint64) ^ h0)
+        table = hk[:, None] ^ np.arange(per_key, dtype=np.uint64)[None, :]
+        _splitmix64_inplace(table)
+        table >>= np.uint64(1)
+    return table.view(np.int64)[inverse.reshape(-1)].reshape(-1)
+
+
 def block_hash(namespace: int, key, index) -> np.ndarray:
     """H(namespace, key, index) as non-negative int64: the hash of shared block ``index`` of ``key``.
 
