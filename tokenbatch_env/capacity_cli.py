@@ -1,0 +1,66 @@
+"""`tokenbatch audit`: the fluid capacity audit (DESIGN.md section 9).
+
+    tokenbatch audit CONTRACT.json WORKLOAD.json [--json]
+    tokenbatch audit --trace FILE --profile NAME [--contract FILE] [--json]   (not yet available)
+
+Exit status: 0 within the declared bound, 1 rejected (the report lists the violations), 2 invalid
+input (one line naming the file and field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .capacity import CapacityError, audit_batching, format_report, load_contract, load_workload
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.usage = ("%(prog)s CONTRACT WORKLOAD [--json]\n"
+                    "       %(prog)s --trace FILE --profile NAME [--contract FILE] [--json]")
+    parser.description = ("Audit a workload against a batching contract with the closed-form fluid "
+                          "capacity model (no simulation). Exit 0 within bound, 1 rejected, "
+                          "2 invalid input.")
+    parser.add_argument("contract_file", nargs="?", metavar="CONTRACT",
+                        help="batching contract JSON (its fields by name; content_id optional)")
+    parser.add_argument("workload_file", nargs="?", metavar="WORKLOAD",
+                        help="batching workload JSON (scheduler and request classes nested)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the report as a JSON object keyed by its field names")
+    trace = parser.add_argument_group(
+        "trace mode", "derive the scheduler profile and request classes from a trace replayed "
+                      "under an engine profile, instead of CONTRACT and WORKLOAD")
+    trace.add_argument("--trace", metavar="FILE", help="trace file (replaces CONTRACT WORKLOAD)")
+    trace.add_argument("--profile", metavar="NAME", help="engine profile name (with --trace)")
+    trace.add_argument("--contract", dest="trace_contract", metavar="FILE",
+                       help="batching contract JSON for trace mode (with --trace)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.trace is not None:
+        if args.contract_file is not None or args.workload_file is not None:
+            raise CapacityError("give CONTRACT WORKLOAD or --trace FILE, not both",
+                                where="audit")
+        if args.profile is None:
+            raise CapacityError("--trace needs --profile NAME", where="audit")
+        return run_trace(args)
+    if args.profile is not None or args.trace_contract is not None:
+        raise CapacityError("--profile and --contract go with --trace FILE",
+                            where="audit")
+    if args.contract_file is None or args.workload_file is None:
+        raise CapacityError("needs CONTRACT and WORKLOAD files (or --trace FILE --profile NAME)",
+                            where="audit")
+    contract = load_contract(args.contract_file)
+    workload = load_workload(args.workload_file)
+    report = audit_batching(contract, workload)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(format_report(report, contract, workload), end="")
+    return 0 if report.within_bound else 1
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    """Trace mode: ``args.trace``, ``args.profile``, optional ``args.trace_contract`` and
+    ``args.json``. Placeholder until the engine mapping of DESIGN.md section 9 is wired in."""
+    raise CapacityError("--trace mode is not yet available", where="audit")
