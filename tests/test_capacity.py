@@ -1025,7 +1025,7 @@ def test_cli_missing_file(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     ((), "needs CONTRACT and WORKLOAD"),
     ((CONTRACT_JSON,), "needs CONTRACT and WORKLOAD"),
-    (("--trace", "t.csv", "--profile", "linear"), "not yet available"),
+    (("--trace", "t.csv", "--profile", "linear"), "cannot read file"),
     (("--trace", "t.csv"), "--trace needs --profile"),
     ((CONTRACT_JSON, "--trace", "t.csv", "--profile", "linear"), "not both"),
     ((CONTRACT_JSON, WORKLOAD_JSON, "--profile", "linear"), "go with --trace"),

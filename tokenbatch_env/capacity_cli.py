@@ -1,7 +1,12 @@
 """`tokenbatch audit`: the fluid capacity audit (DESIGN.md section 9).
 
     tokenbatch audit CONTRACT.json WORKLOAD.json [--json]
-    tokenbatch audit --trace FILE --profile NAME [--contract FILE] [--json]   (not yet available)
+    tokenbatch audit --trace FILE --profile NAME [--contract FILE] [--priority-iterations N]
+                     [--json]
+
+Trace mode derives the records from the trace and the engine profile, audits them, replays the
+trace through the simulator (FCFS) and prints the fluid prediction beside the measurement; the
+mapping is documented in ``tokenbatch_env/capacity_bridge.py``.
 
 Exit status: 0 within the declared bound, 1 rejected (the report lists the violations), 2 invalid
 input (one line naming the file and field).
@@ -34,6 +39,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     trace.add_argument("--profile", metavar="NAME", help="engine profile name (with --trace)")
     trace.add_argument("--contract", dest="trace_contract", metavar="FILE",
                        help="batching contract JSON for trace mode (with --trace)")
+    trace.add_argument("--priority-iterations", dest="priority_iterations", type=int, default=None,
+                       metavar="N", help="max_consecutive_priority_iterations of the derived "
+                                         "scheduler profile (default 1: FCFS never reorders)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,6 +69,43 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_trace(args: argparse.Namespace) -> int:
-    """Trace mode: ``args.trace``, ``args.profile``, optional ``args.trace_contract`` and
-    ``args.json``. Placeholder until the engine mapping of DESIGN.md section 9 is wired in."""
-    raise CapacityError("--trace mode is not yet available", where="audit")
+    """Trace mode: ``args.trace``, ``args.profile``, optional ``args.trace_contract``,
+    ``args.priority_iterations`` and ``args.json``. Derives the contract and workload from the trace
+    and the engine profile (``capacity_bridge``), audits them, simulates FCFS and prints both."""
+    from .capacity_bridge import DEFAULT_PRIORITY_ITERATIONS, audit_trace, format_trace_audit
+
+    priority_iterations = getattr(args, "priority_iterations", None)
+    if priority_iterations is None:
+        priority_iterations = DEFAULT_PRIORITY_ITERATIONS
+    contract = load_contract(args.trace_contract) if args.trace_contract is not None else None
+    trace, profile = _trace_and_profile(args.trace, args.profile)
+    result = audit_trace(trace, profile, contract=contract, priority_iterations=priority_iterations)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, default=_json_default))
+    else:
+        print(format_trace_audit(result), end="")
+    return 0 if result.report.within_bound else 1
+
+
+def _trace_and_profile(path: str, name: str):
+    """Load the profile (cheap, so a bad name fails first) and the trace; errors are one line."""
+    import os
+
+    from .engine.profiles import load_profile
+    from .traces.io import load_trace
+
+    profile = load_profile(name)
+    if not os.path.exists(path):
+        raise CapacityError("cannot read file", where=str(path), detail="no such file")
+    trace, _report = load_trace(path)
+    return trace, profile
+
+
+def _json_default(value):
+    import numpy as np
+
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

@@ -38,3 +38,55 @@ def summarize(rec: dict, trace) -> dict:
         "makespan_s": span_ns / 1e9,
     }
     return out
+
+
+# ------------------------------------------------------------------------- uncertainty (section 6)
+BOOTSTRAP_B = 10_000
+
+
+def _bootstrap_indices(n: int, B: int, rng: np.random.Generator, block: int | None) -> np.ndarray:
+    if block is None or block <= 1:
+        return rng.integers(0, n, size=(B, n))
+    # moving-block bootstrap: concatenate random length-`block` runs of consecutive units
+    n_blocks = -(-n // block)
+    starts = rng.integers(0, n - block + 1, size=(B, n_blocks))
+    idx = (starts[:, :, None] + np.arange(block)[None, None, :]).reshape(B, -1)
+    return idx[:, :n]
+
+
+def default_block(n: int) -> int:
+    """Block length for the moving-block bootstrap: ceil(n^(1/3)) (a standard rate)."""
+    return max(1, int(np.ceil(n ** (1 / 3))))
+
+
+def bootstrap_ci(values, *, B: int = BOOTSTRAP_B, seed: int = 0, alpha: float = 0.05,
+                 block: int | None = None) -> tuple[float, float, float]:
+    """(mean, lo, hi): the 95% percentile bootstrap CI of the mean of per-unit values (units =
+    traces or windows). ``block`` > 1 uses a moving-block bootstrap (windows cut from one trace)."""
+    v = np.asarray(values, np.float64)
+    if v.ndim != 1 or v.size == 0:
+        raise ValueError("bootstrap_ci needs a non-empty 1-D array of per-unit values")
+    if not np.isfinite(v).all():
+        raise ValueError("bootstrap_ci: values must be finite")
+    if v.size == 1:
+        return float(v[0]), float(v[0]), float(v[0])
+    rng = np.random.default_rng(seed)
+    means = v[_bootstrap_indices(v.size, B, rng, block)].mean(axis=1)
+    lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
+    return float(v.mean()), float(lo), float(hi)
+
+
+def paired_difference(a, b, **kw) -> tuple[float, float, float]:
+    """Mean of a - b over paired units (same traces, windows, loads) with its bootstrap CI."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"paired_difference: shapes differ {a.shape} vs {b.shape}")
+    return bootstrap_ci(a - b, **kw)
+
+
+def win_rate(a, b) -> float:
+    """Share of paired units where a beats b; ties count 1/2."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.size == 0:
+        return float("nan")
+    return float(((a > b) + 0.5 * (a == b)).mean())

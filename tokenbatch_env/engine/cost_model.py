@@ -63,19 +63,12 @@ class CostModel:
         A lower bound on any real TTFT of the same remaining prefill, since every coefficient
         is non-negative and the engine cannot do better than running the prompt alone.
         """
-        p = np.asarray(prompt_tokens, np.int64)
         if budget < 1:
             raise ProfileError(f"token budget must be >= 1, got {budget}")
-        out = np.zeros(p.shape, np.int64)
-        done = np.zeros(p.shape, np.int64)
-        n_chunks = int(((p.max() if p.size else 0) + budget - 1) // budget)
-        for _ in range(n_chunks):
-            chunk = np.minimum(p - done, budget)
-            active = chunk > 0
-            t = self.iteration_ns(chunk, chunk * chunk, chunk * done, 0, 0)
-            out += np.where(active, t, 0)
-            done += np.maximum(chunk, 0)
-        return out
+        from .scoring import idle_prefill_ns_array  # the engine's own formula (numba)
+
+        p = np.asarray(prompt_tokens, np.int64)
+        return idle_prefill_ns_array(p.ravel(), int(budget), self.ps).reshape(p.shape)
 
     def per_token_ms(self, budget: int) -> tuple[float, float]:
         """(u_p, u_d): ms per prefill / decode token at a full batch (DESIGN.md section 4)."""
