@@ -1,0 +1,425 @@
+"""Upper bound on the number of requests any scheduler can serve within SLA (DESIGN.md section 6).
+
+``upper_bound(trace, profile)`` returns a :class:`BoundResult` whose ``ub`` is >= the ``met`` count
+of *every* policy the engine can run on ``trace`` (FCFS, priority, score policies, oracles, shedding,
+time-outs), because every step below only relaxes the engine. All coefficients of the cost model
+are >= 0, which is what makes each step a relaxation.
+
+Notation (request i): a = arrival (ns), N = prompt tokens, O = output tokens, T1/T2 = TTFT/TPOT SLO
+(ns), bs = block size, B = max_num_batched_tokens, c_* = cost coefficients in integer ps.
+
+Best-case cached prefix
+-----------------------
+The engine looks up cached blocks only when a request holds nothing (admission, resume); hits are a
+contiguous run of cached full blocks from block 0, capped at ``floor((tokens - 1)/bs)`` blocks
+(vLLM's "at least one token is computed" cap; ``tokens = N`` before the first token). Blocks of i
+that other requests can have computed are exactly its shared chain (``trace.prefix_chain(i)``); the
+blocks past the chain are unique to i (they can only be hit after i itself computed them). So the
+largest prefix i can ever find cached *before it computed anything* is
+
+    h_i = bs * min(len(chain_i), floor((N - 1)/bs))        (0 with prefix caching off),
+
+and every position in ``[h_i, N)`` must be computed by i itself, at least once, before its first
+token: P_i = N - h_i prefill tokens.
+
+(a) Unattainable requests
+-------------------------
+* ``N >= max_model_len`` (rejected at arrival) or ``O > max_model_len - N`` (``length_capped``,
+  never met).
+* TTFT. Before its first token, i's prefill runs as one or more *passes* (a preemption restarts a
+  pass at the then-cached prefix). Each pass is a run of chunks ``[s, s+k)``, one per iteration,
+  and an iteration containing such a chunk lasts at least ``c0 + c_p k + c_c2 k^2 + c_attn k s``
+  (the other terms and the other requests only add). Gluing passes (truncating an earlier pass at
+  the start of the next one, which only lowers its cost) shows the total is >= the cost of ONE pass
+  from some h <= h_i to N. For one contiguous pass of P = N - h tokens in m chunks
+  ``sum_j k_j s_j = h P + (P^2 - sum k^2)/2``, so its cost is
+
+      m c0 + c_p P + (c_c2 - c_attn/2) sum k^2 + c_attn (N^2 - h^2)/2.
+
+  With alpha = c_c2 - c_attn/2 >= 0 (all shipped profiles) the chunk-dependent part is minimised
+  by m ~ P sqrt(alpha/c0) equal-sized chunks (m >= ceil(P/B)); we evaluate the exact integer
+  minimum over m (discrete convexity: candidates around the real optimum, plus m = ceil(P/B)).
+  Every term decreases with h, so h = h_i is the minimum. (alpha < 0: a looser valid bound, m =
+  ceil(P/B) and sum k^2 <= N min(N, B).) NOTE: this is *not* ``CostModel.idle_prefill_ns(P, B)``:
+  with c_c2 > c_attn/2 (stress-512, llama2-7b-a100: splitting a 2048 chunk into two of 1024 saves
+  ~5.6 ms) chunking at B is not the fastest way to prefill, so ``idle_prefill_ns`` is not a lower
+  bound on TTFT. Each iteration's ns time is ``ceil(ps/1000)``, so ``ceil(sum ps / 1000)`` is a
+  lower bound on the sum. i is unattainable if this exceeds T1.
+* TPOT. Each of the O-1 later tokens is emitted by its own iteration after the first token's
+  iteration: either a decode (``c0 + c_d + c_kv * ctx``, ctx >= N; we use the smallest context N),
+  or the recompute-completing chunk of a resume after a preemption. A resume of ``t = N + g``
+  tokens hits at most ``floor((t-1)/bs)`` blocks, so its last chunk has k >= ((t-1) mod bs) + 1
+  tokens; a 1-token chunk with ``computed == t - 1`` is *classified as a decode* by the kernel
+  (kernel.py cost loop), so a cheaper-than-decode emission needs k >= 2 prefill tokens:
+  ``c0 + c_p k + c_c2 k^2``. With prefix caching off a resume recomputes all t >= N+1 tokens
+  between two emissions: ``c0 ceil((N+1)/B) + c_p (N+1)``. Per emission we take the min of the two
+  (in ns, rounded up per iteration) and sum over g = 1..O-1; i is unattainable if the sum exceeds
+  ``T2 (O-1)`` (plus a float-rounding margin, see ``_tpot_margin``, only when T2(O-1) >= 2^52 ns).
+
+(b) Work relaxation
+-------------------
+An iteration with p prefill and d decode tokens, p + d <= B, lasts at least
+``c0 + c_p p + c_d d >= p u_p + d u_d`` with ``u_p = c0/B + c_p``, ``u_d = c0/B + c_d``. Share each
+iteration's time among the requests in it in proportion to these terms: the engine is then a single
+unit-speed machine, and i receives
+
+    w^p_i = P_i u_p                    before its first token, i.e. inside [a_i, D1_i],
+    w_i   = w^p_i + sum_g e_g          before it finishes,     i.e. inside [a_i, D2_i],
+
+where D1 = a + T1 and D2 = a + T1 + T2 (O-1) (iterations start at or after the arrival and end by
+the first token / finish time, which a met request has by D1 / D2), and e_g is the work of the
+g-th later emission: u_d for a decode or a 1-token resume chunk, >= k u_p for a k-token resume chunk
+(the same k bound as above; with caching off k >= N+1). Preemption, recompute, KV limits,
+max_num_seqs, swaps and idle gaps only add work or remove freedom, so the met set of any policy is
+a set of jobs (w_i, a_i, D_i) feasibly scheduled on one preemptive machine.
+All work values are rounded DOWN to whole ns (less work = weaker constraint = larger bound).
+
+For a set of disjoint intervals I, the met jobs whose window [a, D] lies inside I are processed
+inside I, so their works sum to <= |I|: their number is at most ``count(I)``, the number of
+smallest works (among jobs inside I) whose sum fits |I|. Jobs inside no interval count 1 each. So
+
+    UB = min over sets of disjoint intervals of  sum_I count(I) + #(jobs inside no interval),
+
+computed by a DP over the sorted distinct release/deadline times (intervals with other endpoints
+never help: shrinking an interval to the hull of the windows inside it keeps its job set and only
+lowers count). ``F[j] = min(F[j-1] + #(D == t_j), min_{l<j} F[l] + count([t_l, t_j]) +
+#(t_l < D <= t_j, a < t_l))``; count uses a Fenwick tree over work ranks, O(K^2 log n) for K
+endpoints. For large traces (K^2 > DP_BUDGET) two restricted DPs are run and the smaller result
+kept: intervals of at most ``max_span`` consecutive endpoints, and intervals whose endpoints lie on a
+grid of ``GRID_POINTS`` endpoint quantiles (a job is inside [g_l, g_j] iff g_l <= a and D <= g_j).
+Each minimises over FEWER interval sets, so its minimum is LARGER -- still a valid upper bound
+(``BoundResult.exact_dp`` says which was used). The single interval spanning everything is always
+added as a candidate.
+
+The bound is computed with (w, D2) and with (w^p, D1); ``ub`` is the min of both and of the number
+of attainable requests. Exactness: each relaxation is the true optimum of the one-machine problem
+when the met set is, e.g., a single request, or requests whose windows are disjoint and roomy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Union
+
+import numba as nb
+import numpy as np
+
+from .engine.profiles import Profile, load_profile
+from .traces.trace import Trace
+
+#: Default budget of DP transitions (K endpoints x span) before ``max_span`` is restricted.
+DP_BUDGET = 60_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundResult:
+    """Upper bound on met requests. ``ub`` = min(n_attainable, ub_work_d2, ub_work_d1)."""
+
+    ub: int
+    ub_fraction: float          # ub / arrived (0.0 for an empty trace)
+    n_requests: int
+    n_unattainable: int
+    n_attainable: int
+    ub_work_d2: int             # work relaxation with (w, D2)
+    ub_work_d1: int             # work relaxation with (w^p, D1)
+    n_rejected_or_capped: int   # part of n_unattainable: prompt >= max_model_len or output capped
+    n_ttft_impossible: int      # part of n_unattainable: best-case TTFT > T1 (not counting the above)
+    n_tpot_impossible: int      # part of n_unattainable: best-case TPOT > T2 (not counting the above)
+    exact_dp: bool              # False if max_span restricted the interval sets (bound still valid)
+    max_span: int
+    attainable: np.ndarray = dataclasses.field(repr=False)   # bool [n]
+    ttft_min_ns: np.ndarray = dataclasses.field(repr=False)  # int64 [n], best-case TTFT (lower bound)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("attainable")
+        d.pop("ttft_min_ns")
+        return d
+
+
+# ------------------------------------------------------------------------------ per-request parts
+def best_case_hits(trace: Trace, block_size: int, prefix_caching: bool = True) -> np.ndarray:
+    """h_i: tokens of i's prompt that can be cached before i computed anything (see module doc)."""
+    n = len(trace)
+    if not prefix_caching or n == 0:
+        return np.zeros(n, np.int64)
+    if trace.block_size != block_size:
+        # chains are stored at the trace's block granularity; a different engine block size makes
+        # them meaningless for hits: be conservative (more cached = smaller work = larger bound)
+        chain_tokens = trace.prefix_lengths.astype(np.int64) * trace.block_size
+        blocks = chain_tokens // block_size
+    else:
+        blocks = trace.prefix_lengths.astype(np.int64)
+    N = trace.prompt_tokens.astype(np.int64)
+    return block_size * np.minimum(blocks, np.maximum(N - 1, 0) // block_size)
+
+
+def min_prefill_ps2(N, h, ps: np.ndarray, B: int) -> np.ndarray:
+    """Twice the minimum, over all chunkings (chunks <= B), of the ps cost of prefilling tokens
+    [h, N) in one pass (module doc, (a)). Integer, vectorised. Exact for alpha >= 0."""
+    N = np.asarray(N, np.int64)
+    h = np.asarray(h, np.int64)
+    c0, cp, cc2, cat = (int(x) for x in ps[:4])
+    P = N - h
+    alpha2 = 2 * cc2 - cat                                       # 2 * alpha
+    base = 2 * cp * P + cat * (N * N - h * h)                    # 2 c_p P + c_attn (N^2 - h^2)
+    m_lo = np.maximum((P + B - 1) // B, 1)
+    if alpha2 < 0:
+        # sum k^2 <= P * min(P, B) <= N * min(N, B) for any P in [P_i, N] (valid, loose)
+        sk = N * np.minimum(N, B)
+        return base + 2 * c0 * m_lo + alpha2 * sk
+    best = None
+    if alpha2 == 0:
+        cands = [m_lo]
+    else:
+        m_star = np.floor(P * math.sqrt(alpha2 / (2.0 * c0))).astype(np.int64)
+        cands = [m_lo] + [m_star + d for d in range(-2, 4)]
+    for m in cands:
+        m = np.clip(m, m_lo, np.maximum(P, 1))
+        q, r = P // m, P % m
+        sk = r * (q + 1) ** 2 + (m - r) * q * q
+        v = 2 * c0 * m + alpha2 * sk
+        best = v if best is None else np.minimum(best, v)
+    return base + best
+
+
+def _ceil_div(a, b):
+    return -((-a) // b)
+
+
+def _residue_counts(N, O, bs):
+    """cnt[i, r] = #{g in 1..O-1 : (N + g - 1) mod bs == r}, i.e. x in [N, N+O-2]."""
+    r = np.arange(bs, dtype=np.int64)[None, :]
+    hi = (N + O - 2)[:, None]
+    lo = (N - 1)[:, None]
+    return np.where(O[:, None] > 1, (hi - r) // bs - (lo - r) // bs, 0)
+
+
+def _tpot_margin(v):
+    """Slack for ``met``'s float test ``(finish - first)/(O-1) <= T2``: exact below 2^52 ns."""
+    return np.where(v >= (1 << 52), v >> 50, 0)
+
+
+@dataclasses.dataclass
+class _Parts:
+    attainable: np.ndarray
+    capped: np.ndarray
+    ttft_bad: np.ndarray
+    tpot_bad: np.ndarray
+    ttft_min_ns: np.ndarray
+    wp_ns: np.ndarray
+    w_ns: np.ndarray
+    d1: np.ndarray
+    d2: np.ndarray
+
+
+def request_parts(trace: Trace, prof: Profile, prefix_caching: bool = True) -> _Parts:
+    """Per-request attainability, works (ns, rounded down) and deadlines (ns)."""
+    if not trace.has_slos:
+        raise ValueError("upper_bound needs a trace with SLOs (ttft_slo_ns / tpot_slo_ns)")
+    n = len(trace)
+    bs, B, mml = prof.block_size, prof.max_num_batched_tokens, prof.max_model_len
+    ps = [int(x) for x in prof.cost.ps]
+    c0, cp, cc2, cat, cd, ckv = ps
+    a = trace.arrival_ns.astype(np.int64)
+    N0 = trace.prompt_tokens.astype(np.int64)
+    O0 = trace.output_tokens.astype(np.int64)
+    T1 = trace.ttft_slo_ns.astype(np.int64)
+    T2 = trace.tpot_slo_ns.astype(np.int64)
+    capped = (N0 >= mml) | (O0 > mml - N0)
+    # clip to the model length so that integer arithmetic stays far from overflow (rows are dropped)
+    N = np.minimum(N0, mml)
+    O = np.clip(O0, 1, mml)
+    h = best_case_hits(trace, bs, prefix_caching)
+    P = N - h
+
+    # (a) TTFT
+    ttft_min = _ceil_div(min_prefill_ps2(N, h, np.array(ps), B), 2000)
+    ttft_bad = ~capped & (ttft_min > T1)
+
+    # (a) TPOT and (b) decode work, per later emission, by residue r = (N + g - 1) mod bs
+    dec_ns = _ceil_div(c0 + cd + ckv * N, 1000)                       # [n], smallest context N
+    cnt = _residue_counts(N, O, bs)                                   # [n, bs]
+    UP, UD = c0 + B * cp, c0 + B * cd                                 # B*u_p, B*u_d in ps
+    if prefix_caching:
+        k = np.arange(1, bs + 1, dtype=np.int64)[None, :]            # chunk >= r + 1
+        res_ns = _ceil_div(c0 + cp * k + cc2 * k * k, 1000)          # [1, bs]
+        emit_ns = np.minimum(dec_ns[:, None], res_ns)
+        emit_ns[:, 0] = dec_ns                                        # k = 1 is a decode
+        emit_w = np.minimum(UD, UP * k)                               # [1, bs]
+        emit_w = np.broadcast_to(emit_w, cnt.shape).copy()
+        emit_w[:, 0] = UD
+    else:
+        res_ns = _ceil_div(c0 * ((N + B) // B) + cp * (N + 1), 1000)
+        emit_ns = np.minimum(dec_ns, res_ns)[:, None] + np.zeros((1, bs), np.int64)
+        emit_w = np.minimum(UD, UP * (N + 1))[:, None] + np.zeros((1, bs), np.int64)
+    tpot_sum = (cnt * emit_ns).sum(axis=1)
+    span2 = T2 * (O - 1)
+    tpot_bad = ~capped & ~ttft_bad & (tpot_sum > span2 + _tpot_margin(span2))
+
+    attainable = ~(capped | ttft_bad | tpot_bad)
+    # (b) works in ns rounded down; B*u in ps -> divide by 1000*B
+    wp = (P * UP) // (1000 * B)
+    w = (P * UP + (cnt * emit_w).sum(axis=1)) // (1000 * B)
+    d1 = a + T1
+    d2 = d1 + span2 + _tpot_margin(span2)
+    return _Parts(attainable, capped, ttft_bad, tpot_bad, ttft_min, wp, w, d1, d2)
+
+
+# ------------------------------------------------------------------------------ the interval DP
+@nb.njit(cache=True)
+def _interval_dp(t, ia, idd, rank, w, span):
+    n = ia.shape[0]
+    K = t.shape[0]
+    # jobs grouped by release index (CSR)
+    rel_cnt = np.zeros(K + 1, np.int64)
+    for i in range(n):
+        rel_cnt[ia[i] + 1] += 1
+    for j in range(K):
+        rel_cnt[j + 1] += rel_cnt[j]
+    rel_ids = np.empty(n, np.int64)
+    fill = rel_cnt[:K].copy()
+    for i in range(n):
+        rel_ids[fill[ia[i]]] = i
+        fill[ia[i]] += 1
+    n_end = np.zeros(K, np.int64)
+    for i in range(n):
+        n_end[idd[i]] += 1
+    cum_end = np.zeros(K + 1, np.int64)  # cum_end[j+1] = #jobs with idd <= j
+    for j in range(K):
+        cum_end[j + 1] = cum_end[j] + n_end[j]
+    # Fenwick trees over ranks 1..n
+    ft_c = np.zeros(n + 1, np.int64)
+    ft_s = np.zeros(n + 1, np.int64)
+    top = 1
+    while top * 2 <= n:
+        top *= 2
+    inserted = np.empty(n, np.int64)
+    G = np.zeros(K + 1, np.int64)
+    for j in range(K):
+        best = G[j] + n_end[j]
+        n_ins = 0
+        lmin = j - span
+        if lmin < 0:
+            lmin = 0
+        for l in range(j - 1, lmin - 1, -1):
+            for q in range(rel_cnt[l], rel_cnt[l + 1]):
+                i = rel_ids[q]
+                if idd[i] <= j:
+                    p = rank[i] + 1
+                    wi = w[i]
+                    while p <= n:
+                        ft_c[p] += 1
+                        ft_s[p] += wi
+                        p += p & (-p)
+                    inserted[n_ins] = i
+                    n_ins += 1
+            if n_ins == 0:
+                # no job inside: count 0 and every job ending in (l, j] is uncovered -> no gain
+                continue
+            L = t[j] - t[l]
+            pos = 0
+            acc = 0
+            cnt = 0
+            step = top
+            while step > 0:
+                nxt = pos + step
+                if nxt <= n and acc + ft_s[nxt] <= L:
+                    pos = nxt
+                    acc += ft_s[nxt]
+                    cnt += ft_c[nxt]
+                step //= 2
+            uncovered = cum_end[j + 1] - cum_end[l + 1] - n_ins
+            v = G[l + 1] + cnt + uncovered
+            if v < best:
+                best = v
+        G[j + 1] = best
+        for q in range(n_ins):
+            i = inserted[q]
+            p = rank[i] + 1
+            wi = w[i]
+            while p <= n:
+                ft_c[p] -= 1
+                ft_s[p] -= wi
+                p += p & (-p)
+    return G[K]
+
+
+def count_fit(w, length: int) -> int:
+    """Number of smallest works whose sum is <= length."""
+    cs = np.cumsum(np.sort(np.asarray(w, np.int64)))
+    return int(np.searchsorted(cs, length, side="right"))
+
+
+#: Candidate endpoints of the coarse grid DP used (beside the span-restricted DP) on large traces.
+GRID_POINTS = 1000
+
+
+def _run_dp(t, r, d, w, rank, span):
+    la = np.searchsorted(t, r, side="right") - 1   # last candidate <= release
+    ld = np.searchsorted(t, d, side="left")        # first candidate >= deadline
+    return int(_interval_dp(t, la.astype(np.int64), ld.astype(np.int64), rank, w, int(span)))
+
+
+def interval_bound(release, deadline, work, *, max_span: Optional[int] = None) -> tuple[int, bool, int]:
+    """The DP of (b) for jobs (work, release, deadline) in integer ns. Returns (bound, exact, span).
+
+    Exact (all interval sets with endpoints at release/deadline times) when ``K^2 <= DP_BUDGET`` for
+    K distinct endpoints or ``max_span >= K``. Otherwise the min of two RESTRICTED DPs, each valid
+    (fewer interval sets -> larger minimum): intervals of at most ``span`` consecutive endpoints, and
+    intervals with endpoints on a grid of ``GRID_POINTS`` endpoint quantiles (long intervals).
+    """
+    r = np.asarray(release, np.int64)
+    d = np.asarray(deadline, np.int64)
+    w = np.asarray(work, np.int64)
+    n = r.shape[0]
+    if n == 0:
+        return 0, True, 0
+    t = np.unique(np.concatenate([r, d]))
+    K = t.shape[0]
+    auto = max_span is None
+    if auto:
+        max_span = K if K * K <= DP_BUDGET else max(64, DP_BUDGET // K)
+    span = int(min(max_span, K))
+    rank = np.empty(n, np.int64)
+    rank[np.argsort(w, kind="stable")] = np.arange(n)
+    ub = _run_dp(t, r, d, w, rank, span)
+    if span < K and auto:
+        grid = np.unique(t[np.linspace(0, K - 1, GRID_POINTS).round().astype(np.int64)])
+        ub = min(ub, _run_dp(grid, r, d, w, rank, grid.shape[0]))
+    ub = min(ub, count_fit(w, int(t[-1] - t[0])))
+    return ub, span >= K, span
+
+
+# ------------------------------------------------------------------------------ API
+def upper_bound(trace: Trace, profile: Union[str, Profile], *, prefix_caching: Optional[bool] = None,
+                config=None, max_span: Optional[int] = None) -> BoundResult:
+    """Upper bound on the number of requests of ``trace`` that any policy can serve within SLA.
+
+    ``profile``: a name or Profile; ``config`` (an ``EngineConfig``) applies its overrides (B,
+    num_blocks, ...) and, unless ``prefix_caching`` is given, its prefix-caching switch (default on).
+    ``max_span`` (endpoints per interval; None = automatic) trades tightness for speed on large
+    traces; any value gives a valid bound.
+    """
+    prof = load_profile(profile) if isinstance(profile, str) else profile
+    if config is not None:
+        prof = config.resolve(prof)
+        if prefix_caching is None:
+            prefix_caching = bool(config.prefix_caching)
+    if prefix_caching is None:
+        prefix_caching = True
+    n = len(trace)
+    parts = request_parts(trace, prof, prefix_caching)
+    ok = parts.attainable
+    a = trace.arrival_ns.astype(np.int64)[ok]
+    ub2, ex2, sp2 = interval_bound(a, parts.d2[ok], parts.w_ns[ok], max_span=max_span)
+    ub1, ex1, sp1 = interval_bound(a, parts.d1[ok], parts.wp_ns[ok], max_span=max_span)
+    n_att = int(ok.sum())
+    ub = min(n_att, ub1, ub2)
+    return BoundResult(
+        ub=ub, ub_fraction=(ub / n if n else 0.0), n_requests=n, n_unattainable=n - n_att,
+        n_attainable=n_att, ub_work_d2=ub2, ub_work_d1=ub1,
+        n_rejected_or_capped=int(parts.capped.sum()), n_ttft_impossible=int(parts.ttft_bad.sum()),
+        n_tpot_impossible=int(parts.tpot_bad.sum()), exact_dp=bool(ex1 and ex2),
+        max_span=max(sp1, sp2), attainable=ok.copy(), ttft_min_ns=parts.ttft_min_ns)
