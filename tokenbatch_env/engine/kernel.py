@@ -20,8 +20,8 @@ try:  # numba is a runtime dependency; the interpreted path keeps working withou
         return _numba_njit(cache=True, nogil=True)(fn)
 
     def helper(fn):
-        """Small helpers are inlined at numba-IR level: passing the struct of arrays to a separate
-        function costs a reference-count round trip per array per call (measured 3x slower)."""
+        """Small helpers are inlined at numba-IR level. Even inlined, each call still costs an NRT
+        incref/decref per array argument, so hot paths call them only when there is work to do."""
         return _numba_njit(cache=True, nogil=True, inline="always")(fn)
 except ImportError:  # pragma: no cover
     def njit(fn):
@@ -113,139 +113,139 @@ class EngineArrays(NamedTuple):
     iter_rec: np.ndarray         # [C, maxrec, N_ITER_COLS]
 
 
+# Performance note. Every ``A.field`` read of the NamedTuple inside a numba function is a new
+# reference to the array (an NRT incref/decref pair, i.e. two atomic operations plus an opaque call
+# that blocks LLVM's load hoisting). The hot path therefore never touches ``A``: ``run_copies``
+# unpacks the fields once and every function below receives plain arrays.
+
 # ---------------------------------------------------------------------------------- block pool
 @helper
-def _fq_remove(A, c, b):
-    p = A.fq_prev[c, b]
-    n = A.fq_next[c, b]
-    A.fq_next[c, p] = n
-    A.fq_prev[c, n] = p
-    A.fq_prev[c, b] = -1
-    A.fq_next[c, b] = -1
-    A.n_free[c] -= 1
+def _fq_remove(fq_prev, fq_next, n_free, c, b):
+    p = fq_prev[c, b]
+    n = fq_next[c, b]
+    fq_next[c, p] = n
+    fq_prev[c, n] = p
+    fq_prev[c, b] = -1
+    fq_next[c, b] = -1
+    n_free[c] -= 1
 
 
 @helper
-def _fq_append(A, c, b, head, tail):
-    p = A.fq_prev[c, tail]
-    A.fq_next[c, p] = b
-    A.fq_prev[c, b] = p
-    A.fq_next[c, b] = tail
-    A.fq_prev[c, tail] = b
-    A.n_free[c] += 1
+def _fq_append(fq_prev, fq_next, n_free, c, b, tail):
+    p = fq_prev[c, tail]
+    fq_next[c, p] = b
+    fq_prev[c, b] = p
+    fq_next[c, b] = tail
+    fq_prev[c, tail] = b
+    n_free[c] += 1
 
 
 @helper
-def _fq_prepend(A, c, b, head):
-    n = A.fq_next[c, head]
-    A.fq_next[c, head] = b
-    A.fq_prev[c, b] = head
-    A.fq_next[c, b] = n
-    A.fq_prev[c, n] = b
-    A.n_free[c] += 1
+def _fq_prepend(fq_prev, fq_next, n_free, c, b, head):
+    n = fq_next[c, head]
+    fq_next[c, head] = b
+    fq_prev[c, b] = head
+    fq_next[c, b] = n
+    fq_prev[c, n] = b
+    n_free[c] += 1
 
 
 @helper
-def _uncache(A, c, b):
+def _uncache(bhash, hash_head, hnext, c, b):
     """Remove block b from the hash map (it is about to be reused)."""
-    h = A.bhash[c, b]
+    h = bhash[c, b]
     if h < 0:
         return
-    cur = A.hash_head[c, h]
+    cur = hash_head[c, h]
     if cur == b:
-        A.hash_head[c, h] = A.hnext[c, b]
+        hash_head[c, h] = hnext[c, b]
     else:
         while cur >= 0:
-            nxt = A.hnext[c, cur]
+            nxt = hnext[c, cur]
             if nxt == b:
-                A.hnext[c, cur] = A.hnext[c, b]
+                hnext[c, cur] = hnext[c, b]
                 break
             cur = nxt
-    A.hnext[c, b] = -1
-    A.bhash[c, b] = -1
+    hnext[c, b] = -1
+    bhash[c, b] = -1
 
 
 @helper
-def _alloc(A, c, r, k, head):
+def _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held, c, r, k, head):
     """Pop k blocks from the free queue's front (evicting cached ones lazily) into r's table."""
-    s = A.slot_of[c, r]
+    s = slot_of[c, r]
     for _ in range(k):
-        b = A.fq_next[c, head]
-        _fq_remove(A, c, b)
-        _uncache(A, c, b)
-        A.ref[c, b] = 1
-        A.table[c, s, A.held[c, r]] = b
-        A.held[c, r] += 1
+        b = fq_next[c, head]
+        _fq_remove(fq_prev, fq_next, n_free, c, b)
+        _uncache(bhash, hash_head, hnext, c, b)
+        ref[c, b] = 1
+        table[c, s, held[c, r]] = b
+        held[c, r] += 1
 
 
 @helper
-def _block_hash_id(A, c, r, j):
-    lo = A.chain_off[c, r]
-    n = A.chain_off[c, r + 1] - lo
+def _block_hash_id(chain_off, chain_val, uniq_base, c, r, j):
+    lo = chain_off[c, r]
+    n = chain_off[c, r + 1] - lo
     if j < n:
-        return A.chain_val[c, lo + j]
-    return A.uniq_base[c, r] + (j - n)
+        return chain_val[c, lo + j]
+    return uniq_base[c, r] + (j - n)
 
 
 @helper
-def _cache_blocks(A, c, r, upto_tokens, bs):
+def _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, chain_val, uniq_base,
+                  c, r, upto_tokens, bs):
     """Hash r's full blocks up to ``upto_tokens`` into the prefix cache (vLLM caches on allocation)."""
     full = upto_tokens // bs
-    s = A.slot_of[c, r]
-    j = A.n_cached[c, r]
+    j = n_cached[c, r]
+    if j >= full:
+        return
+    s = slot_of[c, r]
     while j < full:
-        b = A.table[c, s, j]
-        if A.bhash[c, b] < 0:
-            h = _block_hash_id(A, c, r, j)
-            A.bhash[c, b] = h
+        b = table[c, s, j]
+        if bhash[c, b] < 0:
+            h = _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)
+            bhash[c, b] = h
             # append to the hash's block list (the first inserted is returned on lookup)
-            cur = A.hash_head[c, h]
+            cur = hash_head[c, h]
             if cur < 0:
-                A.hash_head[c, h] = b
+                hash_head[c, h] = b
             else:
-                while A.hnext[c, cur] >= 0:
-                    cur = A.hnext[c, cur]
-                A.hnext[c, cur] = b
-            A.hnext[c, b] = -1
+                while hnext[c, cur] >= 0:
+                    cur = hnext[c, cur]
+                hnext[c, cur] = b
+            hnext[c, b] = -1
         j += 1
-    if full > A.n_cached[c, r]:
-        A.n_cached[c, r] = full
+    n_cached[c, r] = full
 
 
 @helper
-def _free_request_blocks(A, c, r, head, tail):
+def _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
+                         slot_free, n_slot_free, c, r, head, tail):
     """Release r's blocks in reverse order (tail evicted first); hashless ones go to the front."""
-    s = A.slot_of[c, r]
-    for j in range(A.held[c, r] - 1, -1, -1):
-        b = A.table[c, s, j]
-        A.ref[c, b] -= 1
-        if A.ref[c, b] == 0:
-            if A.bhash[c, b] < 0:
-                _fq_prepend(A, c, b, head)
+    s = slot_of[c, r]
+    for j in range(held[c, r] - 1, -1, -1):
+        b = table[c, s, j]
+        ref[c, b] -= 1
+        if ref[c, b] == 0:
+            if bhash[c, b] < 0:
+                _fq_prepend(fq_prev, fq_next, n_free, c, b, head)
             else:
-                _fq_append(A, c, b, head, tail)
-    A.held[c, r] = 0
-    A.n_cached[c, r] = 0
-    A.slot_free[c, A.n_slot_free[c]] = s
-    A.n_slot_free[c] += 1
-    A.slot_of[c, r] = -1
+                _fq_append(fq_prev, fq_next, n_free, c, b, tail)
+    held[c, r] = 0
+    n_cached[c, r] = 0
+    slot_free[c, n_slot_free[c]] = s
+    n_slot_free[c] += 1
+    slot_of[c, r] = -1
 
 
 @helper
-def _take_slot(A, c, r):
-    A.n_slot_free[c] -= 1
-    A.slot_of[c, r] = A.slot_free[c, A.n_slot_free[c]]
-    A.held[c, r] = 0
-    A.n_cached[c, r] = 0
-
-
-@helper
-def _prefix_hits(A, c, r, num_tokens, bs):
+def _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs):
     """Cached leading blocks of r: a contiguous chain from block 0, capped at num_tokens - 1."""
     max_blocks = (num_tokens - 1) // bs
     k = 0
     while k < max_blocks:
-        if A.hash_head[c, _block_hash_id(A, c, r, k)] < 0:
+        if hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, k)] < 0:
             break
         k += 1
     return k
@@ -253,26 +253,26 @@ def _prefix_hits(A, c, r, num_tokens, bs):
 
 # ---------------------------------------------------------------------------------- ordering
 @helper
-def _order_key(A, c, r, mode, tier, score):
-    """(tier, score): higher is served first. FCFS and priority are vLLM's own orders."""
+def _better(qkey, prio, arrival, c, r1, r2, mode, tier, score):
+    """True if r1 is served before r2. The order key is (tier, score), higher first -- FCFS:
+    (0, -queue_key), priority: (0, -priority), both vLLM's own orders -- then arrival asc, id asc."""
     if mode == MODE_FCFS:
-        return 0, -float(A.qkey[c, r])
-    if mode == MODE_PRIORITY:
-        return 0, -float(A.prio[c, r])
-    return int(tier[c, r]), float(score[c, r])
-
-
-@helper
-def _better(A, c, r1, r2, mode, tier, score):
-    """True if r1 is served before r2: tier desc, score desc, arrival asc, id asc."""
-    t1, s1 = _order_key(A, c, r1, mode, tier, score)
-    t2, s2 = _order_key(A, c, r2, mode, tier, score)
-    if t1 != t2:
-        return t1 > t2
+        s1 = -float(qkey[c, r1])
+        s2 = -float(qkey[c, r2])
+    elif mode == MODE_PRIORITY:
+        s1 = -float(prio[c, r1])
+        s2 = -float(prio[c, r2])
+    else:
+        t1 = int(tier[c, r1])
+        t2 = int(tier[c, r2])
+        if t1 != t2:
+            return t1 > t2
+        s1 = float(score[c, r1])
+        s2 = float(score[c, r2])
     if s1 != s2:
         return s1 > s2
-    a1 = A.arrival[c, r1]
-    a2 = A.arrival[c, r2]
+    a1 = arrival[c, r1]
+    a2 = arrival[c, r2]
     if a1 != a2:
         return a1 < a2
     return r1 < r2
@@ -280,329 +280,376 @@ def _better(A, c, r1, r2, mode, tier, score):
 
 # ---------------------------------------------------------------------------------- list helpers
 @helper
-def _run_remove_at(A, c, i):
-    n = A.n_run[c]
+def _run_remove_at(run_ids, n_run, c, i):
+    n = n_run[c]
     for k in range(i, n - 1):
-        A.run_ids[c, k] = A.run_ids[c, k + 1]
-    A.n_run[c] = n - 1
+        run_ids[c, k] = run_ids[c, k + 1]
+    n_run[c] = n - 1
 
 
 @helper
-def _wait_add(A, c, r):
-    A.wait_ids[c, A.n_wait[c]] = r
-    A.n_wait[c] += 1
-    A.status[c, r] = WAITING
+def _wait_add(wait_ids, n_wait, status, c, r):
+    wait_ids[c, n_wait[c]] = r
+    n_wait[c] += 1
+    status[c, r] = WAITING
 
 
 @helper
-def _wait_remove_at(A, c, i):
-    n = A.n_wait[c] - 1
-    A.wait_ids[c, i] = A.wait_ids[c, n]
-    A.n_wait[c] = n
+def _wait_remove_at(wait_ids, n_wait, c, i):
+    n = n_wait[c] - 1
+    wait_ids[c, i] = wait_ids[c, n]
+    n_wait[c] = n
 
 
 @helper
-def _end(A, c, r, state, t):
-    A.status[c, r] = ENDED
-    A.end_state[c, r] = state
-    A.finish[c, r] = t
-    A.n_ended[c] += 1
+def _end(status, end_state, finish, n_ended, c, r, state, t):
+    status[c, r] = ENDED
+    end_state[c, r] = state
+    finish[c, r] = t
+    n_ended[c] += 1
 
 
 # ---------------------------------------------------------------------------------- one iteration
 @njit
-def _iterate_copy(A, c, cfg, tier, score, shed):
-    """Advance copy c by one engine iteration. Returns 1 if an iteration ran, 0 if the copy is done."""
-    n = A.n_req[c]
-    if A.n_ended[c] >= n:
-        return 0
+def _run_copies(cfg, tier, score, shed, active, max_steps, until_ns,
+                n_req, arrival, prompt, out_len, prio, capped, chain_off, chain_val,
+                uniq_base, now, it, next_arr, n_ended, key_hi, key_lo, n_run,
+                n_wait, n_free, n_slot_free, n_pend, n_iter_rec, status, end_state, computed,
+                gen, qkey, slot_of, held, n_cached, first_sched, first_token, first_token_it,
+                finish, finish_it, n_preempt, recomputed, resumed, run_ids, wait_ids, slot_free,
+                pend_ids, table, ref, bhash, hnext, fq_prev, fq_next, hash_head,
+                sched_r, sched_new, sched_cb, iter_rec):
+    """``run_copies`` with the struct of arrays unpacked. One iteration of copy c is the body of the
+    inner loop (written inline: a call with more than 30 arguments cannot be inlined by numba)."""
     bs = cfg[C_BS]
     mode = cfg[C_MODE]
-    nb = A.ref.shape[1]
+    max_wait = cfg[C_MAX_WAIT]
+    nb = ref.shape[1]
     head = nb
     tail = nb + 1
     prefix_on = cfg[C_PREFIX] != 0
-
-    # Idle engine: jump the clock to the next arrival.
-    if A.n_run[c] == 0 and A.n_wait[c] == 0 and A.n_pend[c] == 0:
-        if A.next_arr[c] < n and A.arrival[c, A.next_arr[c]] > A.now[c]:
-            A.now[c] = A.arrival[c, A.next_arr[c]]
-    now = A.now[c]
-
-    # Rule 1: arrivals visible iff arrival <= iteration start. Rule 8: too-long prompts rejected.
-    while A.next_arr[c] < n and A.arrival[c, A.next_arr[c]] <= now:
-        r = A.next_arr[c]
-        A.next_arr[c] += 1
-        if A.prompt[c, r] >= cfg[C_MAX_LEN]:
-            _end(A, c, r, E_REJECTED, A.arrival[c, r])
-            continue
-        A.qkey[c, r] = A.key_hi[c]
-        A.key_hi[c] += 1
-        _wait_add(A, c, r)
-
-    # Rule 12: client time-outs; the shed mechanism (the caller's mask).
-    i = 0
-    while i < A.n_wait[c]:
-        r = A.wait_ids[c, i]
-        gone = False
-        if shed[c, r]:
-            _end(A, c, r, E_SHED, now)
-            gone = True
-        elif cfg[C_MAX_WAIT] >= 0 and A.gen[c, r] == 0 and now >= A.arrival[c, r] + cfg[C_MAX_WAIT]:
-            _end(A, c, r, E_TIMED_OUT, now)
-            gone = True
-        if gone:
-            _wait_remove_at(A, c, i)
-        else:
-            i += 1
-    if cfg[C_MAX_WAIT] >= 0 and cfg[C_TIMEOUT_RUNNING] != 0:
-        i = 0
-        while i < A.n_run[c]:
-            r = A.run_ids[c, i]
-            if A.gen[c, r] == 0 and now >= A.arrival[c, r] + cfg[C_MAX_WAIT]:
-                _run_remove_at(A, c, i)
-                _free_request_blocks(A, c, r, head, tail)
-                _end(A, c, r, E_TIMED_OUT, now)
-            else:
-                i += 1
-
-    if A.n_ended[c] >= n:
-        return 0
-    if A.n_run[c] == 0 and A.n_wait[c] == 0 and A.n_pend[c] == 0:
-        return 1  # everything visible ended; the next call jumps to the next arrival
-
-    budget = cfg[C_BUDGET]
-    ns = 0
-    preempted = 0
-
-    # Rule 2: RUNNING first, in admission order.
-    idx = 0
-    stop_running = False
-    while idx < A.n_run[c] and budget > 0 and not stop_running:
-        r = A.run_ids[c, idx]
-        num_tokens = A.prompt[c, r] + A.gen[c, r]
-        new = num_tokens - A.computed[c, r]
-        if new > budget:
-            new = budget
-        if new <= 0:
-            idx += 1
-            continue
-        scheduled = False
-        while True:
-            # Rule 3: lazy block claims; a request holds ceil(computed / bs) blocks.
-            need = (A.computed[c, r] + new + bs - 1) // bs - A.held[c, r]
-            if need <= A.n_free[c]:
-                if need > 0:
-                    _alloc(A, c, r, need, head)
-                if prefix_on:
-                    _cache_blocks(A, c, r, A.computed[c, r] + new, bs)
-                scheduled = True
-                break
-            # Rule 4: preempt a victim and retry.
-            if mode == MODE_FCFS:
-                vi = A.n_run[c] - 1
-            else:
-                vi = 0
-                for k in range(1, A.n_run[c]):
-                    if _better(A, c, A.run_ids[c, vi], A.run_ids[c, k], mode, tier, score):
-                        vi = k
-            v = A.run_ids[c, vi]
-            _run_remove_at(A, c, vi)
-            if vi < idx:
-                idx -= 1
-            # give back an already scheduled victim's tokens and budget
-            for k in range(ns):
-                if A.sched_r[c, k] == v:
-                    budget += A.sched_new[c, k]
-                    for q in range(k, ns - 1):
-                        A.sched_r[c, q] = A.sched_r[c, q + 1]
-                        A.sched_new[c, q] = A.sched_new[c, q + 1]
-                        A.sched_cb[c, q] = A.sched_cb[c, q + 1]
-                    ns -= 1
-                    break
-            A.recomputed[c, v] += A.computed[c, v]
-            _free_request_blocks(A, c, v, head, tail)
-            A.computed[c, v] = 0
-            A.n_preempt[c, v] += 1
-            A.resumed[c, v] = True
-            A.qkey[c, v] = A.key_lo[c]
-            A.key_lo[c] -= 1
-            _wait_add(A, c, v)
-            preempted += 1
-            if v == r:
-                if mode == MODE_FCFS:
-                    stop_running = True
-                break
-        if scheduled:
-            A.sched_r[c, ns] = r
-            A.sched_new[c, ns] = new
-            A.sched_cb[c, ns] = A.computed[c, r]
-            ns += 1
-            budget -= new
-            idx += 1
-
-    # Rules 5-6: admission, only if nothing was preempted in this iteration.
-    if preempted == 0:
-        while A.n_wait[c] > 0 and budget > 0 and A.n_run[c] < cfg[C_MAX_SEQS]:
-            # the best waiting request in queue order (resume_first pins preempted ones first)
-            bi = -1
-            for k in range(A.n_wait[c]):
-                rk = A.wait_ids[c, k]
-                if bi < 0:
-                    bi = k
-                    continue
-                rb = A.wait_ids[c, bi]
-                if cfg[C_RESUME_FIRST] != 0 and A.resumed[c, rk] != A.resumed[c, rb]:
-                    if A.resumed[c, rk]:
-                        bi = k
-                    continue
-                if _better(A, c, rk, rb, mode, tier, score):
-                    bi = k
-            r = A.wait_ids[c, bi]
-            num_tokens = A.prompt[c, r] + A.gen[c, r]
-            hits = _prefix_hits(A, c, r, num_tokens, bs) if prefix_on else 0
-            s = A.table.shape[1]
-            # hits that sit in the free queue count against free slots
-            evictable = 0
-            for j in range(hits):
-                b = A.hash_head[c, _block_hash_id(A, c, r, j)]
-                if A.ref[c, b] == 0:
-                    evictable += 1
-            full_blocks = (num_tokens + bs - 1) // bs
-            if full_blocks - hits + evictable + cfg[C_WATERMARK] > A.n_free[c]:
-                break  # head-of-line blocking (rule 6)
-            new = num_tokens - hits * bs
-            if new > budget:
-                new = budget
-            _wait_remove_at(A, c, bi)
-            _take_slot(A, c, r)
-            sl = A.slot_of[c, r]
-            for j in range(hits):  # touch the hit blocks
-                b = A.hash_head[c, _block_hash_id(A, c, r, j)]
-                if A.ref[c, b] == 0:
-                    _fq_remove(A, c, b)
-                A.ref[c, b] += 1
-                A.table[c, sl, j] = b
-            A.held[c, r] = hits
-            A.n_cached[c, r] = hits
-            A.computed[c, r] = hits * bs
-            need = (hits * bs + new + bs - 1) // bs - hits
-            if need > 0:
-                _alloc(A, c, r, need, head)
-            if prefix_on:
-                _cache_blocks(A, c, r, hits * bs + new, bs)
-            A.status[c, r] = RUNNING
-            A.resumed[c, r] = False
-            A.run_ids[c, A.n_run[c]] = r
-            A.n_run[c] += 1
-            A.sched_r[c, ns] = r
-            A.sched_new[c, ns] = new
-            A.sched_cb[c, ns] = hits * bs
-            ns += 1
-            budget -= new
-            if s < 0:  # pragma: no cover (keeps numba from pruning s)
-                break
-
-    # async scheduling (rule 10): blocks of requests that finished last iteration free now
-    pending = A.n_pend[c]
-    for k in range(pending):
-        _free_request_blocks(A, c, A.pend_ids[c, k], head, tail)
-    A.n_pend[c] = 0
-
-    if ns == 0:
-        # Nothing could run. With nothing running or pending, the head request can never fit
-        # (its whole sequence plus the watermark exceeds the empty pool): reject it.
-        if A.n_run[c] == 0 and A.n_wait[c] > 0 and preempted == 0 and pending == 0:
-            bi = 0
-            for k in range(1, A.n_wait[c]):
-                if _better(A, c, A.wait_ids[c, k], A.wait_ids[c, bi], mode, tier, score):
-                    bi = k
-            r = A.wait_ids[c, bi]
-            _wait_remove_at(A, c, bi)
-            _end(A, c, r, E_REJECTED, now)
-            return 1
-        if A.next_arr[c] < n and A.n_run[c] == 0:
-            A.now[c] = max(now, A.arrival[c, A.next_arr[c]])
-        return 1
-
-    # Cost model: integer picoseconds, rounded up to ns.
-    pre = 0
-    dec = 0
-    c2 = 0
-    attn = 0
-    kv = 0
-    for k in range(ns):
-        r = A.sched_r[c, k]
-        new = A.sched_new[c, k]
-        cb = A.sched_cb[c, k]
-        if new == 1 and A.gen[c, r] > 0 and cb == A.prompt[c, r] + A.gen[c, r] - 1:
-            dec += 1
-            kv += cb
-        else:
-            pre += new
-            c2 += new * new
-            attn += new * cb
-    t_ps = (cfg[C_PS0] + cfg[C_PS_PREFILL] * pre + cfg[C_PS_C2] * c2 + cfg[C_PS_ATTN] * attn
-            + cfg[C_PS_DECODE] * dec + cfg[C_PS_KV] * kv)
-    end = now + (t_ps + 999) // 1000
-    it = A.it[c]
-
-    # Rule 7: apply the iteration; tokens are emitted at the iteration's end.
-    for k in range(ns):
-        r = A.sched_r[c, k]
-        if A.first_sched[c, r] < 0:
-            A.first_sched[c, r] = now
-        A.computed[c, r] += A.sched_new[c, k]
-        if A.computed[c, r] == A.prompt[c, r] + A.gen[c, r]:
-            A.gen[c, r] += 1
-            if A.gen[c, r] == 1:
-                A.first_token[c, r] = end
-                A.first_token_it[c, r] = it
-            if A.gen[c, r] >= A.out_len[c, r]:
-                for q in range(A.n_run[c]):
-                    if A.run_ids[c, q] == r:
-                        _run_remove_at(A, c, q)
-                        break
-                _end(A, c, r, E_LENGTH_CAPPED if A.capped[c, r] else E_COMPLETED, end)
-                A.finish_it[c, r] = it
-                if cfg[C_ASYNC] != 0:
-                    A.pend_ids[c, A.n_pend[c]] = r
-                    A.n_pend[c] += 1
-                else:
-                    _free_request_blocks(A, c, r, head, tail)
-
-    # per-iteration record
-    m = A.n_iter_rec[c]
-    if m < A.iter_rec.shape[1]:
-        A.iter_rec[c, m, 0] = it
-        A.iter_rec[c, m, 1] = now
-        A.iter_rec[c, m, 2] = end
-        A.iter_rec[c, m, 3] = pre
-        A.iter_rec[c, m, 4] = dec
-        A.iter_rec[c, m, 5] = ns
-        A.iter_rec[c, m, 6] = preempted
-        A.iter_rec[c, m, 7] = cfg[C_USABLE] - A.n_free[c]
-        A.iter_rec[c, m, 8] = A.n_run[c]
-        A.iter_rec[c, m, 9] = A.n_wait[c]
-        A.n_iter_rec[c] = m + 1
-    A.now[c] = end
-    A.it[c] = it + 1
-    return 1
-
-
-@njit
-def run_copies(A, cfg, tier, score, shed, active, max_steps, until_ns):
-    """Advance every active copy by up to ``max_steps`` iterations, stopping a copy once its clock
-    reaches ``until_ns[c]`` (a decision epoch) or its iteration cap. Returns iterations run."""
     total = 0
-    for c in range(A.now.shape[0]):
+    for c in range(now.shape[0]):
         if not active[c]:
             continue
+        n = n_req[c]
+        # FCFS: index in wait_ids of the head of the queue (smallest queue key), -1 if unknown. The
+        # cache stays exact: arrivals get larger keys, FCFS victims the smallest (and in FCFS
+        # ``resumed`` is equivalent to a negative key, so resume_first does not change the order).
+        fbest = -1
+        # the shed/time-out pass over the waiting list is a no-op without shed marks or max_wait
+        scan_wait = max_wait >= 0
+        if not scan_wait:
+            for r in range(n):
+                if shed[c, r]:
+                    scan_wait = True
+                    break
         for _ in range(max_steps):
-            if A.now[c] >= until_ns[c] or A.it[c] >= cfg[C_MAX_ITERS]:
+            if now[c] >= until_ns[c] or it[c] >= cfg[C_MAX_ITERS]:
                 break
-            if _iterate_copy(A, c, cfg, tier, score, shed) == 0:
-                break
+            # ------------------------------------------------------------ one iteration of copy c
+            if n_ended[c] >= n:
+                break  # copy done
+
+            # Idle engine: jump the clock to the next arrival.
+            if n_run[c] == 0 and n_wait[c] == 0 and n_pend[c] == 0:
+                if next_arr[c] < n and arrival[c, next_arr[c]] > now[c]:
+                    now[c] = arrival[c, next_arr[c]]
+            t_now = now[c]
+
+            # Rule 1: arrivals visible iff arrival <= iteration start. Rule 8: too-long prompts rejected.
+            while next_arr[c] < n and arrival[c, next_arr[c]] <= t_now:
+                r = next_arr[c]
+                next_arr[c] += 1
+                if prompt[c, r] >= cfg[C_MAX_LEN]:
+                    _end(status, end_state, finish, n_ended, c, r, E_REJECTED, arrival[c, r])
+                    continue
+                qkey[c, r] = key_hi[c]
+                key_hi[c] += 1
+                _wait_add(wait_ids, n_wait, status, c, r)
+
+            # Rule 12: client time-outs; the shed mechanism (the caller's mask).
+            i = 0
+            while scan_wait and i < n_wait[c]:
+                r = wait_ids[c, i]
+                gone = False
+                if shed[c, r]:
+                    _end(status, end_state, finish, n_ended, c, r, E_SHED, t_now)
+                    gone = True
+                elif max_wait >= 0 and gen[c, r] == 0 and t_now >= arrival[c, r] + max_wait:
+                    _end(status, end_state, finish, n_ended, c, r, E_TIMED_OUT, t_now)
+                    gone = True
+                if gone:
+                    if fbest == i:
+                        fbest = -1
+                    elif fbest == n_wait[c] - 1:
+                        fbest = i
+                    _wait_remove_at(wait_ids, n_wait, c, i)
+                else:
+                    i += 1
+            if max_wait >= 0 and cfg[C_TIMEOUT_RUNNING] != 0:
+                i = 0
+                while i < n_run[c]:
+                    r = run_ids[c, i]
+                    if gen[c, r] == 0 and t_now >= arrival[c, r] + max_wait:
+                        _run_remove_at(run_ids, n_run, c, i)
+                        _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
+                                             slot_free, n_slot_free, c, r, head, tail)
+                        _end(status, end_state, finish, n_ended, c, r, E_TIMED_OUT, t_now)
+                    else:
+                        i += 1
+
+            if n_ended[c] >= n:
+                break  # copy done
+            if n_run[c] == 0 and n_wait[c] == 0 and n_pend[c] == 0:
+                total += 1  # everything visible ended; the next call jumps to the next arrival
+                continue
+
+            budget = cfg[C_BUDGET]
+            ns = 0
+            preempted = 0
+
+            # Rule 2: RUNNING first, in admission order.
+            idx = 0
+            stop_running = False
+            while idx < n_run[c] and budget > 0 and not stop_running:
+                r = run_ids[c, idx]
+                num_tokens = prompt[c, r] + gen[c, r]
+                new = num_tokens - computed[c, r]
+                if new > budget:
+                    new = budget
+                if new <= 0:
+                    idx += 1
+                    continue
+                scheduled = False
+                while True:
+                    # Rule 3: lazy block claims; a request holds ceil(computed / bs) blocks.
+                    need = (computed[c, r] + new + bs - 1) // bs - held[c, r]
+                    if need <= n_free[c]:
+                        if need > 0:
+                            _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held,
+                                   c, r, need, head)
+                        if prefix_on and (computed[c, r] + new) // bs > n_cached[c, r]:
+                            _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, chain_val,
+                                          uniq_base, c, r, computed[c, r] + new, bs)
+                        scheduled = True
+                        break
+                    # Rule 4: preempt a victim and retry.
+                    if mode == MODE_FCFS:
+                        vi = n_run[c] - 1
+                    else:
+                        vi = 0
+                        for k in range(1, n_run[c]):
+                            if _better(qkey, prio, arrival, c, run_ids[c, vi], run_ids[c, k], mode, tier, score):
+                                vi = k
+                    v = run_ids[c, vi]
+                    _run_remove_at(run_ids, n_run, c, vi)
+                    if vi < idx:
+                        idx -= 1
+                    # give back an already scheduled victim's tokens and budget
+                    for k in range(ns):
+                        if sched_r[c, k] == v:
+                            budget += sched_new[c, k]
+                            for q in range(k, ns - 1):
+                                sched_r[c, q] = sched_r[c, q + 1]
+                                sched_new[c, q] = sched_new[c, q + 1]
+                                sched_cb[c, q] = sched_cb[c, q + 1]
+                            ns -= 1
+                            break
+                    recomputed[c, v] += computed[c, v]
+                    _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
+                                         slot_free, n_slot_free, c, v, head, tail)
+                    computed[c, v] = 0
+                    n_preempt[c, v] += 1
+                    resumed[c, v] = True
+                    qkey[c, v] = key_lo[c]
+                    key_lo[c] -= 1
+                    _wait_add(wait_ids, n_wait, status, c, v)
+                    fbest = n_wait[c] - 1  # (only used in FCFS mode, where v now heads the queue)
+                    preempted += 1
+                    if v == r:
+                        if mode == MODE_FCFS:
+                            stop_running = True
+                        break
+                if scheduled:
+                    sched_r[c, ns] = r
+                    sched_new[c, ns] = new
+                    sched_cb[c, ns] = computed[c, r]
+                    ns += 1
+                    budget -= new
+                    idx += 1
+
+            # Rules 5-6: admission, only if nothing was preempted in this iteration.
+            if preempted == 0:
+                resume_first = cfg[C_RESUME_FIRST] != 0
+                while n_wait[c] > 0 and budget > 0 and n_run[c] < cfg[C_MAX_SEQS]:
+                    # the best waiting request in queue order (resume_first pins preempted ones first)
+                    if mode == MODE_FCFS and fbest >= 0:
+                        bi = fbest
+                        rb = wait_ids[c, bi]
+                    else:
+                        bi = 0
+                        rb = wait_ids[c, 0]
+                        for k in range(1, n_wait[c]):
+                            rk = wait_ids[c, k]
+                            if resume_first and resumed[c, rk] != resumed[c, rb]:
+                                if resumed[c, rk]:
+                                    bi = k
+                                    rb = rk
+                                continue
+                            if _better(qkey, prio, arrival, c, rk, rb, mode, tier, score):
+                                bi = k
+                                rb = rk
+                    r = rb
+                    fbest = bi
+                    num_tokens = prompt[c, r] + gen[c, r]
+                    hits = 0
+                    if prefix_on:
+                        hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs)
+                    # hits that sit in the free queue count against free slots
+                    evictable = 0
+                    for j in range(hits):
+                        b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]
+                        if ref[c, b] == 0:
+                            evictable += 1
+                    full_blocks = (num_tokens + bs - 1) // bs
+                    if full_blocks - hits + evictable + cfg[C_WATERMARK] > n_free[c]:
+                        break  # head-of-line blocking (rule 6)
+                    new = num_tokens - hits * bs
+                    if new > budget:
+                        new = budget
+                    _wait_remove_at(wait_ids, n_wait, c, bi)
+                    fbest = -1
+                    # take a table slot
+                    n_slot_free[c] -= 1
+                    sl = slot_free[c, n_slot_free[c]]
+                    slot_of[c, r] = sl
+                    for j in range(hits):  # touch the hit blocks
+                        b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]
+                        if ref[c, b] == 0:
+                            _fq_remove(fq_prev, fq_next, n_free, c, b)
+                        ref[c, b] += 1
+                        table[c, sl, j] = b
+                    held[c, r] = hits
+                    n_cached[c, r] = hits
+                    computed[c, r] = hits * bs
+                    need = (hits * bs + new + bs - 1) // bs - hits
+                    if need > 0:
+                        _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held,
+                               c, r, need, head)
+                    if prefix_on:
+                        _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, chain_val,
+                                      uniq_base, c, r, hits * bs + new, bs)
+                    status[c, r] = RUNNING
+                    resumed[c, r] = False
+                    run_ids[c, n_run[c]] = r
+                    n_run[c] += 1
+                    sched_r[c, ns] = r
+                    sched_new[c, ns] = new
+                    sched_cb[c, ns] = hits * bs
+                    ns += 1
+                    budget -= new
+
+            # async scheduling (rule 10): blocks of requests that finished last iteration free now
+            pending = n_pend[c]
+            for k in range(pending):
+                _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
+                                     slot_free, n_slot_free, c, pend_ids[c, k], head, tail)
+            n_pend[c] = 0
+
+            if ns == 0:
+                # Nothing could run. With nothing running or pending, the head request can never fit
+                # (its whole sequence plus the watermark exceeds the empty pool): reject it.
+                if n_run[c] == 0 and n_wait[c] > 0 and preempted == 0 and pending == 0:
+                    bi = 0
+                    for k in range(1, n_wait[c]):
+                        if _better(qkey, prio, arrival, c, wait_ids[c, k], wait_ids[c, bi], mode, tier, score):
+                            bi = k
+                    r = wait_ids[c, bi]
+                    if fbest == bi:
+                        fbest = -1
+                    elif fbest == n_wait[c] - 1:
+                        fbest = bi
+                    _wait_remove_at(wait_ids, n_wait, c, bi)
+                    _end(status, end_state, finish, n_ended, c, r, E_REJECTED, t_now)
+                    total += 1
+                    continue
+                if next_arr[c] < n and n_run[c] == 0:
+                    now[c] = max(t_now, arrival[c, next_arr[c]])
+                total += 1
+                continue
+
+            # Cost model: integer picoseconds, rounded up to ns.
+            pre = 0
+            dec = 0
+            c2 = 0
+            attn = 0
+            kv = 0
+            for k in range(ns):
+                r = sched_r[c, k]
+                new = sched_new[c, k]
+                cb = sched_cb[c, k]
+                if new == 1 and gen[c, r] > 0 and cb == prompt[c, r] + gen[c, r] - 1:
+                    dec += 1
+                    kv += cb
+                else:
+                    pre += new
+                    c2 += new * new
+                    attn += new * cb
+            t_ps = (cfg[C_PS0] + cfg[C_PS_PREFILL] * pre + cfg[C_PS_C2] * c2 + cfg[C_PS_ATTN] * attn
+                    + cfg[C_PS_DECODE] * dec + cfg[C_PS_KV] * kv)
+            end = t_now + (t_ps + 999) // 1000
+            itc = it[c]
+
+            # Rule 7: apply the iteration; tokens are emitted at the iteration's end.
+            for k in range(ns):
+                r = sched_r[c, k]
+                if first_sched[c, r] < 0:
+                    first_sched[c, r] = t_now
+                computed[c, r] += sched_new[c, k]
+                if computed[c, r] == prompt[c, r] + gen[c, r]:
+                    gen[c, r] += 1
+                    if gen[c, r] == 1:
+                        first_token[c, r] = end
+                        first_token_it[c, r] = itc
+                    if gen[c, r] >= out_len[c, r]:
+                        for q in range(n_run[c]):
+                            if run_ids[c, q] == r:
+                                _run_remove_at(run_ids, n_run, c, q)
+                                break
+                        _end(status, end_state, finish, n_ended, c, r,
+                             E_LENGTH_CAPPED if capped[c, r] else E_COMPLETED, end)
+                        finish_it[c, r] = itc
+                        if cfg[C_ASYNC] != 0:
+                            pend_ids[c, n_pend[c]] = r
+                            n_pend[c] += 1
+                        else:
+                            _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next,
+                                                 n_free, slot_free, n_slot_free, c, r, head, tail)
+
+            # per-iteration record
+            m = n_iter_rec[c]
+            if m < iter_rec.shape[1]:
+                iter_rec[c, m, 0] = itc
+                iter_rec[c, m, 1] = t_now
+                iter_rec[c, m, 2] = end
+                iter_rec[c, m, 3] = pre
+                iter_rec[c, m, 4] = dec
+                iter_rec[c, m, 5] = ns
+                iter_rec[c, m, 6] = preempted
+                iter_rec[c, m, 7] = cfg[C_USABLE] - n_free[c]
+                iter_rec[c, m, 8] = n_run[c]
+                iter_rec[c, m, 9] = n_wait[c]
+                n_iter_rec[c] = m + 1
+            now[c] = end
+            it[c] = itc + 1
             total += 1
     return total
 
+
+def run_copies(A, cfg, tier, score, shed, active, max_steps, until_ns):
+    """Advance every active copy by up to ``max_steps`` iterations, stopping a copy once its clock
+    reaches ``until_ns[c]`` (a decision epoch) or its iteration cap. Returns iterations run.
+
+    The struct of arrays is unpacked here, in Python, so the compiled code sees plain arrays."""
+    return _run_copies(cfg, tier, score, shed, active, max_steps, until_ns, *A)
