@@ -128,3 +128,28 @@ def score_request_priority(prompt_len, est_decode_len, wait_time_ms, sla_target_
     if math.isnan(score):
         raise PolicyError("index score is NaN for this request (check the inputs)")
     return float(score)
+
+
+# --------------------------------------------------------------------------- engine policies
+#: policy name -> (engine mode, in-engine policy id)
+def _engine_ids(name: str) -> tuple[int, int]:
+    from .engine import kernel as K
+    table = {"fcfs": (K.MODE_FCFS, _s.P_EXTERNAL), "priority": (K.MODE_PRIORITY, _s.P_EXTERNAL),
+             "sjf": (K.MODE_SCORE, _s.P_SJF), "srpt-oracle": (K.MODE_SCORE, _s.P_SJF),
+             "edf": (K.MODE_SCORE, _s.P_EDF), "llf": (K.MODE_SCORE, _s.P_LLF),
+             "index": (K.MODE_SCORE, _s.P_INDEX)}
+    return table[check_policy_name(name)]
+
+
+def engine_policy(name: str, *, params: Optional[IndexParams] = None, shed_margin=None,
+                  t_ref_ms: float = 1000.0):
+    """The engine's form of a named policy. ``srpt-oracle`` is ``sjf`` fed true lengths (the
+    caller must pass the oracle predictor's estimates); ``index`` uses ``params`` (defaults if
+    None) scaled by the suite-wide ``t_ref_ms``. ``shed_margin``: None/inf = no shedding."""
+    from .engine.simulate import EnginePolicy
+
+    mode, pid = _engine_ids(name)
+    theta = (params or IndexParams()).theta_vector(t_ref_ms) if name == "index" else None
+    margin = check_shed_margin(shed_margin)
+    label = name if margin is None else f"{name}+shed({margin:g})"
+    return EnginePolicy(label, mode, pid, theta, margin)

@@ -13,22 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-try:  # numba is a runtime dependency; the interpreted path keeps working without it
-    from numba import njit as _numba_njit
-
-    def njit(fn):
-        return _numba_njit(cache=True, nogil=True)(fn)
-
-    def helper(fn):
-        """Small helpers are inlined at numba-IR level. Even inlined, each call still costs an NRT
-        incref/decref per array argument, so hot paths call them only when there is work to do."""
-        return _numba_njit(cache=True, nogil=True, inline="always")(fn)
-except ImportError:  # pragma: no cover
-    def njit(fn):
-        fn.py_func = fn
-        return fn
-
-    helper = njit
+from ._jit import helper, njit
+from .scoring import P_EXTERNAL, idle_prefill_ns, policy_score, service_ms
 
 # ---------------------------------------------------------------------------------- constants
 # request status
@@ -42,7 +28,9 @@ MODE_FCFS, MODE_PRIORITY, MODE_SCORE = 0, 1, 2
 # cfg vector indices
 (C_BUDGET, C_MAX_SEQS, C_BS, C_USABLE, C_WATERMARK, C_MAX_LEN, C_PREFIX, C_ASYNC, C_MODE,
  C_MAX_WAIT, C_TIMEOUT_RUNNING, C_SKIP_HOL, C_MAX_ITERS,
- C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, N_CFG) = range(21)
+ C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, N_CFG) = range(22)
+# float cfg vector indices: ms per prefill / decode token at a full batch (DESIGN.md section 4)
+(F_U_P, F_U_D, N_FCFG) = range(3)
 
 # per-iteration record columns (DESIGN.md section 3, "per-iteration records")
 ITER_COLUMNS = ("iteration", "start_ns", "end_ns", "prefill_tokens", "decodes", "scheduled_reqs",
@@ -60,6 +48,8 @@ class EngineArrays(NamedTuple):
     out_len: np.ndarray          # output tokens to generate (capped at max_model_len - prompt)
     prio: np.ndarray             # vLLM priority (lower is served first)
     capped: np.ndarray           # bool: output was capped (end state length_capped)
+    t1: np.ndarray               # TTFT SLO (ns); used by in-engine scores and shedding
+    est: np.ndarray              # output-length estimate at arrival (float; NaN: use residual life)
     chain_off: np.ndarray        # [C, R+1] CSR offsets into chain_val
     chain_val: np.ndarray        # [C, H] dense shared-block ids (per copy)
     uniq_base: np.ndarray        # [C, R] dense id of the request's first unique block
@@ -311,8 +301,8 @@ def _end(status, end_state, finish, n_ended, c, r, state, t):
 
 # ---------------------------------------------------------------------------------- one iteration
 @njit
-def _run_copies(cfg, tier, score, shed, active, max_steps, until_ns,
-                n_req, arrival, prompt, out_len, prio, capped, chain_off, chain_val,
+def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed, active, max_steps, until_ns,
+                n_req, arrival, prompt, out_len, prio, capped, t1, est, chain_off, chain_val,
                 uniq_base, now, it, next_arr, n_ended, key_hi, key_lo, n_run,
                 n_wait, n_free, n_slot_free, n_pend, n_iter_rec, status, end_state, computed,
                 gen, qkey, slot_of, held, n_cached, first_sched, first_token, first_token_it,
@@ -328,6 +318,10 @@ def _run_copies(cfg, tier, score, shed, active, max_steps, until_ns,
     head = nb
     tail = nb + 1
     prefix_on = cfg[C_PREFIX] != 0
+    pid = cfg[C_PID]
+    score_inkernel = mode == MODE_SCORE and pid != P_EXTERNAL
+    usable = float(cfg[C_USABLE])
+    ps = cfg[C_PS0:C_PS0 + 4]
     total = 0
     for c in range(now.shape[0]):
         if not active[c]:
@@ -367,6 +361,68 @@ def _run_copies(cfg, tier, score, shed, active, max_steps, until_ns,
                 qkey[c, r] = key_hi[c]
                 key_hi[c] += 1
                 _wait_add(wait_ids, n_wait, status, c, r)
+
+            # In-engine scores (DESIGN.md section 4) and the common shed rule, from the state at
+            # the iteration's start: slack = arrival + T1 - now - prefill_time.
+            sm = shed_margin[c]
+            if score_inkernel or sm >= 0.0:
+                kvf = n_free[c] / usable
+                i = 0
+                while i < n_wait[c] + n_run[c]:
+                    waiting = i < n_wait[c]
+                    r = wait_ids[c, i] if waiting else run_ids[c, i - n_wait[c]]
+                    num_tokens = prompt[c, r] + gen[c, r]
+                    if waiting:
+                        hits = 0
+                        if prefix_on:
+                            hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r,
+                                                num_tokens, bs)
+                        done = hits * bs
+                        p_left = num_tokens - done
+                        blocks_needed = (num_tokens + bs - 1) // bs - hits
+                    else:
+                        done = computed[c, r]
+                        p_left = num_tokens - done
+                        if gen[c, r] > 0 and p_left == 1:
+                            p_left = 0  # decoding
+                        blocks_needed = held[c, r]
+                    first_out = gen[c, r] > 0
+                    to_deadline_ms = (arrival[c, r] + t1[c, r] - t_now) / 1e6
+                    slack_ms = to_deadline_ms
+                    if not first_out:
+                        slack_ms -= idle_prefill_ns(p_left, done, cfg[C_BUDGET], ps) / 1e6
+                    if waiting and not first_out and sm >= 0.0 and slack_ms < -sm * (t1[c, r] / 1e6):
+                        _end(status, end_state, finish, n_ended, c, r, E_SHED, t_now)
+                        if fbest == i:
+                            fbest = -1
+                        elif fbest == n_wait[c] - 1:
+                            fbest = i
+                        _wait_remove_at(wait_ids, n_wait, c, i)
+                        continue
+                    if score_inkernel:
+                        e = est[c, r]
+                        if e != e:  # NaN: the family's mean residual life
+                            g = gen[c, r] if gen[c, r] < mrl.shape[0] else mrl.shape[0] - 1
+                            d_left = mrl[g]
+                        else:
+                            d_left = e - gen[c, r]
+                            if d_left < 1.0:
+                                d_left = 1.0
+                        s_ms = service_ms(float(p_left), d_left, fcfg[F_U_P], fcfg[F_U_D])
+                        if waiting:
+                            ratio = hits * bs / prompt[c, r]
+                        else:
+                            ratio = (computed[c, r] if computed[c, r] < prompt[c, r] else prompt[c, r]) / prompt[c, r]
+                        tier[c, r] = -1 if (not first_out and slack_ms < 0.0) else 0
+                        sc = policy_score(pid, theta[c], ratio, s_ms, d_left, slack_ms, t1[c, r] / 1e6,
+                                          first_out, kvf, float(blocks_needed), usable,
+                                          to_deadline_ms, float(arrival[c, r] + t1[c, r]), float(bs))
+                        if sc != sc:
+                            nan_score[0] = c
+                            nan_score[1] = r
+                            return -1
+                        score[c, r] = sc
+                    i += 1
 
             # Rule 12: client time-outs; the shed mechanism (the caller's mask).
             i = 0
@@ -647,9 +703,20 @@ def _run_copies(cfg, tier, score, shed, active, max_steps, until_ns,
     return total
 
 
-def run_copies(A, cfg, tier, score, shed, active, max_steps, until_ns):
+def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns):
     """Advance every active copy by up to ``max_steps`` iterations, stopping a copy once its clock
     reaches ``until_ns[c]`` (a decision epoch) or its iteration cap. Returns iterations run.
 
+    ``theta[c]`` is copy c's policy parameter vector and ``shed_margin[c]`` its shed margin (< 0:
+    no shedding). With an in-engine policy (``cfg[C_PID]``) the kernel writes ``tier``/``score``
+    itself each iteration; with ``P_EXTERNAL`` they (and the ``shed`` mask) are the caller's.
+
     The struct of arrays is unpacked here, in Python, so the compiled code sees plain arrays."""
-    return _run_copies(cfg, tier, score, shed, active, max_steps, until_ns, *A)
+    nan_score = np.full(2, -1, np.int64)
+    total = _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed, active,
+                        max_steps, until_ns, *A)
+    if total < 0:
+        from ..errors import PolicyError
+        raise PolicyError(f"policy id {int(cfg[C_PID])} produced a NaN score for copy "
+                          f"{int(nan_score[0])}, request {int(nan_score[1])}")
+    return total

@@ -16,9 +16,24 @@ from ..traces.trace import Trace
 from . import kernel as K
 from .outcomes import request_metrics
 from .profiles import Profile, load_profile
-from .state import NEVER, EngineConfig, build_arrays, make_cfg
+from .scoring import N_INDEX_PARAMS, P_EXTERNAL
+from .state import NEVER, EngineConfig, build_arrays, make_cfg, make_fcfg
 
 BUILTIN_MODES = {"fcfs": K.MODE_FCFS, "priority": K.MODE_PRIORITY}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EnginePolicy:
+    """How the engine orders requests: vLLM's FCFS or priority order (``mode``), or an in-engine
+    score (``mode=MODE_SCORE`` and ``pid`` from ``engine.scoring``) with parameters ``theta``
+    ([NP] shared, or [C, NP] one row per copy). ``shed_margin`` (None, a number, or one per copy;
+    negative or None = off) applies the common shed rule in any mode."""
+
+    name: str
+    mode: int
+    pid: int = 0
+    theta: Optional[np.ndarray] = None
+    shed_margin: Union[None, float, np.ndarray] = None
 
 
 @dataclasses.dataclass
@@ -73,48 +88,74 @@ class SimResult:
         return self.arrays.n_ended < self.arrays.n_req
 
 
-def _resolve_policy(policy) -> tuple[int, Optional[Scorer], str]:
+def _resolve_policy(policy) -> tuple[EnginePolicy, Optional[Scorer]]:
     if isinstance(policy, Scorer):
-        return K.MODE_SCORE, policy, policy.name
+        return EnginePolicy(policy.name, K.MODE_SCORE, P_EXTERNAL), policy
+    if isinstance(policy, EnginePolicy):
+        return policy, None
     if isinstance(policy, str) and policy in BUILTIN_MODES:
-        return BUILTIN_MODES[policy], None, policy
-    raise ConfigError(f"unknown engine policy {policy!r}; valid: {sorted(BUILTIN_MODES)} or a Scorer")
+        return EnginePolicy(policy, BUILTIN_MODES[policy]), None
+    raise ConfigError(f"unknown engine policy {policy!r}; valid: {sorted(BUILTIN_MODES)}, an "
+                      f"EnginePolicy (see tokenbatch_env.policies) or a Scorer")
+
+
+def _per_copy(value, C: int, what: str, width: Optional[int] = None) -> np.ndarray:
+    a = np.asarray(value, np.float64)
+    shape = (C,) if width is None else (C, width)
+    if a.shape == shape:
+        return np.ascontiguousarray(a)
+    if a.shape == shape[1:]:
+        return np.ascontiguousarray(np.broadcast_to(a, shape))
+    raise ConfigError(f"{what}: expected shape {shape[1:]} or {shape}, got {a.shape}")
 
 
 def simulate(traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile] = "stress-512",
-             policy: Union[str, Scorer] = "fcfs", config: Optional[EngineConfig] = None,
-             *, progress: bool = False, chunk_steps: int = 20_000) -> SimResult:
+             policy: Union[str, EnginePolicy, Scorer] = "fcfs", config: Optional[EngineConfig] = None,
+             *, estimates: Optional[Sequence[np.ndarray]] = None,
+             residual_life: Optional[np.ndarray] = None, progress: bool = False,
+             chunk_steps: int = 20_000) -> SimResult:
     """Replay each trace on its own engine copy, all copies stepped together, until every request
-    has ended or the iteration cap is hit (unfinished requests are then ``unfinished``)."""
+    has ended or the iteration cap is hit (unfinished requests are then ``unfinished``).
+
+    ``estimates`` (one float array per trace) and ``residual_life`` (a mean-residual-life table,
+    see ``tokenbatch_env.predictors``) feed the in-engine scores; requests without an estimate use
+    the table (default: 1 token left)."""
     if isinstance(traces, Trace):
         traces = [traces]
     traces = list(traces)
     config = config or EngineConfig()
     prof = config.resolve(load_profile(profile) if isinstance(profile, str) else profile)
-    mode, scorer, name = _resolve_policy(policy)
-    A = build_arrays(traces, prof, config)
-    cfg = make_cfg(prof, config, mode)
+    pol, scorer = _resolve_policy(policy)
+    A = build_arrays(traces, prof, config, estimates)
+    cfg = make_cfg(prof, config, pol.mode, pol.pid)
+    fcfg = make_fcfg(prof)
     C, R = A.arrival.shape
+    theta = _per_copy(np.zeros(N_INDEX_PARAMS) if pol.theta is None else pol.theta, C,
+                      "policy theta", N_INDEX_PARAMS)
+    shed_margin = _per_copy(-1.0 if pol.shed_margin is None else pol.shed_margin, C, "shed_margin")
+    shed_margin = np.where(np.isfinite(shed_margin), shed_margin, -1.0)
+    mrl = np.ones(1) if residual_life is None else np.ascontiguousarray(residual_life, np.float64)
+    if mrl.ndim != 1 or mrl.size == 0 or not np.isfinite(mrl).all():
+        raise ConfigError("residual_life must be a non-empty 1-D table of finite values")
     until = np.full(C, NEVER, np.int64)
-    zeros_tier = np.zeros((C, R), np.int8)
-    zeros_score = np.zeros((C, R), np.float64)
+    tier = np.zeros((C, R), np.int8)
+    score = np.zeros((C, R), np.float64)
     no_shed = np.zeros((C, R), np.bool_)
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=int(A.n_req.sum()), unit="req", desc=f"simulate {name}", leave=False)
+        bar = tqdm(total=int(A.n_req.sum()), unit="req", desc=f"simulate {pol.name}", leave=False)
     try:
         while True:
             active = (A.n_ended < A.n_req) & (A.it < config.max_iterations)
             if not active.any():
                 break
+            shed, steps = no_shed, chunk_steps
             if scorer is not None:
                 tier, score, shed = scorer.fn(A, A.now)
                 steps = 1 if scorer.time_dependent else chunk_steps
-            else:
-                tier, score, shed, steps = zeros_tier, zeros_score, no_shed, chunk_steps
             before = int(A.n_ended.sum())
-            K.run_copies(A, cfg, tier, score, shed, active, steps, until)
+            K.run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, steps, until)
             if bar is not None:
                 bar.update(int(A.n_ended.sum()) - before)
     finally:
@@ -123,4 +164,4 @@ def simulate(traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile]
     # requests left at the iteration cap end as unfinished (not met)
     unfinished = (A.end_state == K.E_NONE) & (np.arange(R)[None, :] < A.n_req[:, None])
     A.end_state[unfinished] = K.E_UNFINISHED
-    return SimResult(traces, prof, config, name, A)
+    return SimResult(traces, prof, config, pol.name, A)

@@ -67,7 +67,13 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
-def make_cfg(profile: Profile, config: EngineConfig, mode: int) -> np.ndarray:
+def make_fcfg(profile: Profile) -> np.ndarray:
+    fcfg = np.zeros(K.N_FCFG, np.float64)
+    fcfg[K.F_U_P], fcfg[K.F_U_D] = profile.cost.per_token_ms(profile.max_num_batched_tokens)
+    return fcfg
+
+
+def make_cfg(profile: Profile, config: EngineConfig, mode: int, pid: int = 0) -> np.ndarray:
     cfg = np.zeros(K.N_CFG, np.int64)
     ps = profile.cost.ps
     cfg[K.C_BUDGET] = profile.max_num_batched_tokens
@@ -85,6 +91,7 @@ def make_cfg(profile: Profile, config: EngineConfig, mode: int) -> np.ndarray:
     cfg[K.C_MAX_ITERS] = config.max_iterations
     cfg[K.C_PS0:K.C_PS_KV + 1] = ps
     cfg[K.C_RESUME_FIRST] = int(config.resume_first)
+    cfg[K.C_PID] = pid
     return cfg
 
 
@@ -95,8 +102,12 @@ def capped_outputs(prompt: np.ndarray, output: np.ndarray, max_model_len: int):
     return out, output > room
 
 
-def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig) -> K.EngineArrays:
-    """Lay N traces out as the struct of arrays, one copy each, padded to the longest."""
+def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig,
+                 estimates: Optional[Sequence[np.ndarray]] = None) -> K.EngineArrays:
+    """Lay N traces out as the struct of arrays, one copy each, padded to the longest.
+
+    ``estimates[c]`` are copy c's output-length estimates (a predictor's, never the truth unless
+    labelled oracle); NaN or absent means "use the family's mean residual life"."""
     if len(traces) == 0:
         raise ConfigError("need at least one trace (one per copy)")
     bs = profile.block_size
@@ -124,6 +135,17 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
     output = pad(lambda t: t.output_tokens, 1)
     out_len, capped = capped_outputs(prompt, output, profile.max_model_len)
     prio = pad(lambda t: t.priority)
+    # traces without SLOs: deadlines never bind (in-engine scores and shedding need T1)
+    t1 = pad(lambda t: t.ttft_slo_ns if t.has_slos else np.full(len(t), NEVER // 4), NEVER // 4)
+    est = np.full((C, R), np.nan)
+    if estimates is not None:
+        if len(estimates) != C:
+            raise ConfigError(f"got {len(estimates)} estimate arrays for {C} traces")
+        for c, (t, e) in enumerate(zip(traces, estimates)):
+            e = np.asarray(e, np.float64)
+            if e.shape != (len(t),):
+                raise ConfigError(f"estimates for trace {c} have shape {e.shape}, expected ({len(t)},)")
+            est[c, :len(t)] = e
 
     # prefix chains -> dense per-copy ids; blocks past a chain get unique ids
     H = max(1, max(len(t.prefix_hashes) for t in traces))
@@ -156,7 +178,7 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
     fq_prev[:, NB] = -1
     rec = max(config.record_iterations, 1)
     return K.EngineArrays(
-        n_req=n_req, arrival=arrival, prompt=prompt, out_len=out_len, prio=prio, capped=capped,
+        n_req=n_req, arrival=arrival, prompt=prompt, out_len=out_len, prio=prio, capped=capped, t1=t1, est=est,
         chain_off=chain_off, chain_val=chain_val, uniq_base=uniq_base,
         now=np.where(n_req > 0, arrival[:, 0], 0).astype(i64), it=z(C), next_arr=z(C), n_ended=z(C),
         key_hi=z(C, fill=1), key_lo=z(C, fill=-1), n_run=z(C), n_wait=z(C),
