@@ -36,12 +36,23 @@ configs = st.fixed_dictionaries({
     "prefix_caching": st.booleans(),
     "async_scheduling": st.booleans(),
 })
-policies = st.sampled_from(["fcfs", "priority"])
+policies = st.sampled_from(["fcfs", "priority", "edf", "llf", "sjf", "index", "edf+shed", "fcfs+shed"])
+
+
+def _policy(name):
+    from tokenbatch_env.policies import engine_policy
+    if name in ("fcfs", "priority"):
+        return name
+    base, _, shed = name.partition("+")
+    return engine_policy(base, shed_margin=0.5 if shed else None, t_ref_ms=200.0)
 SETTINGS = dict(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _run(trace, policy, cfg):
-    return simulate(trace, "linear", policy, EngineConfig(record_iterations=100_000, **cfg))
+def _run(trace, policy, cfg, **extra):
+    trs = trace if isinstance(trace, list) else [trace]
+    est = [t.output_tokens * 1.3 for t in trs]
+    return simulate(trace, "linear", _policy(policy), EngineConfig(record_iterations=100_000, **cfg, **extra),
+                    estimates=est)
 
 
 @settings(**SETTINGS)
@@ -55,6 +66,7 @@ def test_invariants(trace, policy, cfg):
     # each request ends exactly once, with one end state
     assert A.n_ended[0] == n
     assert (rec["end_state"] != K.E_NONE).all() and (rec["end_state"] != K.E_UNFINISHED).all()
+    assert ((rec["end_state"] == K.E_SHED).sum() == 0) or "shed" in policy
     # blocks never negative nor above usable; all returned at the end (sync) or pending (async)
     assert (it["blocks_used"] >= 0).all() and (it["blocks_used"] <= usable).all()
     assert (A.ref[0] >= 0).all()
@@ -97,3 +109,18 @@ def test_copies_stepped_together_equal_each_alone(trs, policy, cfg):
 def test_deterministic(trace, policy, cfg):
     a, b = _run(trace, policy, cfg).records(0), _run(trace, policy, cfg).records(0)
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@settings(**SETTINGS)
+@given(traces(), policies, configs)
+def test_jumps_equal_single_steps(trace, policy, cfg):
+    jumped = _run(trace, policy, cfg, jumps=True)
+    stepped = _run(trace, policy, cfg, jumps=False)
+    a, b = jumped.records(0), stepped.records(0)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    ia, ib = jumped.iterations(0), stepped.iterations(0)
+    for k in ia:
+        assert np.array_equal(ia[k], ib[k]), k
+    for f in ("now", "it", "n_free", "ref", "bhash", "fq_next", "hash_head", "table"):
+        assert np.array_equal(getattr(jumped.arrays, f), getattr(stepped.arrays, f)), f

@@ -26,9 +26,9 @@ END_STATE_NAMES = ("none", "completed", "shed", "timed_out", "length_capped", "r
 MODE_FCFS, MODE_PRIORITY, MODE_SCORE = 0, 1, 2
 
 # cfg vector indices
-(C_BUDGET, C_MAX_SEQS, C_BS, C_USABLE, C_WATERMARK, C_MAX_LEN, C_PREFIX, C_ASYNC, C_MODE,
+(C_BUDGET, C_MAX_SEQS, C_BS, C_USABLE, C_WATERMARK, C_MAX_LEN, C_PREFIX, C_ASYNC, C_MODE, C_JUMPS,
  C_MAX_WAIT, C_TIMEOUT_RUNNING, C_SKIP_HOL, C_MAX_ITERS,
- C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, N_CFG) = range(22)
+ C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, N_CFG) = range(23)
 # float cfg vector indices: ms per prefill / decode token at a full batch (DESIGN.md section 4)
 (F_U_P, F_U_D, N_FCFG) = range(3)
 
@@ -101,6 +101,8 @@ class EngineArrays(NamedTuple):
     sched_new: np.ndarray        # [C, S] tokens scheduled
     sched_cb: np.ndarray         # [C, S] computed before
     iter_rec: np.ndarray         # [C, maxrec, N_ITER_COLS]
+    jump_ids: np.ndarray         # [C, S] scratch: running requests bucketed by block phase
+    jump_off: np.ndarray         # [C, bs + 1] scratch: bucket offsets
 
 
 # Performance note. Every ``A.field`` read of the NamedTuple inside a numba function is a new
@@ -308,7 +310,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 gen, qkey, slot_of, held, n_cached, first_sched, first_token, first_token_it,
                 finish, finish_it, n_preempt, recomputed, resumed, run_ids, wait_ids, slot_free,
                 pend_ids, table, ref, bhash, hnext, fq_prev, fq_next, hash_head,
-                sched_r, sched_new, sched_cb, iter_rec):
+                sched_r, sched_new, sched_cb, iter_rec, jump_ids, jump_off):
     """``run_copies`` with the struct of arrays unpacked. One iteration of copy c is the body of the
     inner loop (written inline: a call with more than 30 arguments cannot be inlined by numba)."""
     bs = cfg[C_BS]
@@ -460,6 +462,90 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
             if n_run[c] == 0 and n_wait[c] == 0 and n_pend[c] == 0:
                 total += 1  # everything visible ended; the next call jumps to the next arrival
                 continue
+
+            # Jump (DESIGN.md section 3, "Jumps"): while every running request is decoding, nothing
+            # waits or is pending, and no arrival, completion, unservable block claim, decision
+            # epoch or iteration cap falls inside, iterations only add one token per request. They
+            # are advanced here without the scheduling passes, with the same block claims in the
+            # same order, so the state afterwards is the one k single steps would give.
+            if (cfg[C_JUMPS] != 0 and n_wait[c] == 0 and n_pend[c] == 0 and n_run[c] > 0
+                    and n_run[c] <= cfg[C_BUDGET] and not (mode == MODE_SCORE and pid == P_EXTERNAL)):
+                D = n_run[c]
+                k_done = cfg[C_MAX_ITERS] - it[c]
+                kv0 = 0
+                all_decoding = True
+                for q in range(D):
+                    r = run_ids[c, q]
+                    if gen[c, r] == 0 or computed[c, r] != prompt[c, r] + gen[c, r] - 1:
+                        all_decoding = False
+                        break
+                    left = out_len[c, r] - gen[c, r] - 1  # iterations before the completing one
+                    if left < k_done:
+                        k_done = left
+                    kv0 += computed[c, r]
+                if all_decoding and k_done >= 2:
+                    # bucket the running requests by the iteration (mod bs) at which they claim a block
+                    for ph in range(bs + 1):
+                        jump_off[c, ph] = 0
+                    for q in range(D):
+                        r = run_ids[c, q]
+                        ph = (bs - computed[c, r] % bs) % bs
+                        jump_off[c, ph + 1] += 1
+                    for ph in range(bs):
+                        jump_off[c, ph + 1] += jump_off[c, ph]
+                    for q in range(D):  # stable: running order within a bucket
+                        r = run_ids[c, q]
+                        ph = (bs - computed[c, r] % bs) % bs
+                        jump_ids[c, jump_off[c, ph]] = r
+                        jump_off[c, ph] += 1
+                    for ph in range(bs, 0, -1):
+                        jump_off[c, ph] = jump_off[c, ph - 1]
+                    jump_off[c, 0] = 0
+                    next_t = arrival[c, next_arr[c]] if next_arr[c] < n else until_ns[c]
+                    if until_ns[c] < next_t:
+                        next_t = until_ns[c]
+                    a_ps = cfg[C_PS0] + cfg[C_PS_DECODE] * D + cfg[C_PS_KV] * kv0
+                    b_ps = cfg[C_PS_KV] * D
+                    t = now[c]
+                    free = n_free[c]
+                    k = 0
+                    while k < k_done and t < next_t:
+                        ph = k % bs
+                        claims = jump_off[c, ph + 1] - jump_off[c, ph]
+                        if claims > free:
+                            break  # an unservable claim: the normal step handles it
+                        for q in range(jump_off[c, ph], jump_off[c, ph + 1]):
+                            _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of,
+                                   held, c, jump_ids[c, q], 1, head)
+                        free -= claims
+                        end = t + (a_ps + b_ps * k + 999) // 1000
+                        m = n_iter_rec[c]
+                        if m < iter_rec.shape[1]:
+                            iter_rec[c, m, 0] = it[c] + k
+                            iter_rec[c, m, 1] = t
+                            iter_rec[c, m, 2] = end
+                            iter_rec[c, m, 3] = 0
+                            iter_rec[c, m, 4] = D
+                            iter_rec[c, m, 5] = D
+                            iter_rec[c, m, 6] = 0
+                            iter_rec[c, m, 7] = cfg[C_USABLE] - n_free[c]
+                            iter_rec[c, m, 8] = D
+                            iter_rec[c, m, 9] = 0
+                            n_iter_rec[c] = m + 1
+                        t = end
+                        k += 1
+                    if k > 0:
+                        for q in range(D):
+                            r = run_ids[c, q]
+                            computed[c, r] += k
+                            gen[c, r] += k
+                            if prefix_on and computed[c, r] // bs > n_cached[c, r]:
+                                _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off,
+                                              chain_val, uniq_base, c, r, computed[c, r], bs)
+                        now[c] = t
+                        it[c] += k
+                        total += k
+                        continue
 
             budget = cfg[C_BUDGET]
             ns = 0

@@ -31,6 +31,7 @@ class EngineConfig:
     resume_first: bool = False                # score policies: preempted requests resume first
     max_iterations: int = 50_000_000          # iteration cap per copy (truncation)
     record_iterations: int = 0                # per-iteration records kept per copy (0 = none)
+    jumps: bool = True                        # advance decode-only stretches at once (same results)
     max_num_batched_tokens: Optional[int] = None  # override the profile's B
     max_num_seqs: Optional[int] = None
     num_blocks: Optional[int] = None
@@ -92,6 +93,7 @@ def make_cfg(profile: Profile, config: EngineConfig, mode: int, pid: int = 0) ->
     cfg[K.C_PS0:K.C_PS_KV + 1] = ps
     cfg[K.C_RESUME_FIRST] = int(config.resume_first)
     cfg[K.C_PID] = pid
+    cfg[K.C_JUMPS] = int(config.jumps)
     return cfg
 
 
@@ -195,4 +197,5 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
         fq_prev=fq_prev, fq_next=fq_next, hash_head=z(C, U, fill=-1, dtype=np.int32),
         sched_r=z(C, S), sched_new=z(C, S), sched_cb=z(C, S),
         iter_rec=z(C, rec, K.N_ITER_COLS),
+        jump_ids=z(C, S), jump_off=z(C, bs + 1),
     )
