@@ -44,3 +44,57 @@ def measure_lambda_sat(traces: Union[Trace, Sequence[Trace]], profile: Union[str
         span = f[hi] - f[lo]
         rates.append((hi - lo) * 1e9 / span if span > 0 else float("inf"))
     return float(np.mean(rates))
+
+
+# ------------------------------------------------------------------------- suite manifests
+#: profiles whose lambda_sat every shipped suite's manifest records
+MANIFEST_PROFILES = ("stress-512", "llama2-7b-a100", "llama3-8b-h100")
+
+
+def _round6(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+def suite_lambda_sat(suite_name: str, profile: str) -> float:
+    """lambda_sat of a suite's family: the mean over its TRAIN traces, each replayed backlogged
+    under FCFS with the default engine configuration (6 significant digits, as recorded)."""
+    from ..traces.suites import load_suite
+
+    return _round6(measure_lambda_sat(load_suite(suite_name).traces("train"), profile))
+
+
+def write_suite_lambda_sat(suite_name: str, profiles=MANIFEST_PROFILES) -> dict:
+    """Measure and record lambda_sat in the suite's shipped manifest (atomic rewrite)."""
+    import json
+
+    from .._io import write_text_atomic
+    from ..traces.suites import _manifest_path
+
+    path = _manifest_path(suite_name)
+    manifest = json.loads(path.read_text())
+    lam = dict(manifest.get("lambda_sat") or {})
+    for p in profiles:
+        lam[p] = suite_lambda_sat(suite_name, p)
+    manifest["lambda_sat"] = dict(sorted(lam.items()))
+    write_text_atomic(path, json.dumps(manifest, indent=1) + "\n")
+    return manifest["lambda_sat"]
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from ..traces.suites import list_suites
+
+    ap = argparse.ArgumentParser(prog="python -m tokenbatch_env.engine.saturation",
+                                 description="Measure lambda_sat and record it in suite manifests.")
+    ap.add_argument("suites", nargs="*", help="suite names (default: every shipped suite)")
+    ap.add_argument("--profiles", default=",".join(MANIFEST_PROFILES))
+    args = ap.parse_args(argv)
+    for name in args.suites or list_suites():
+        lam = write_suite_lambda_sat(name, [p for p in args.profiles.split(",") if p])
+        print(f"{name}: " + ", ".join(f"{p} {v} req/s" for p, v in lam.items()))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,358 @@
+"""Benchmark report writers: JSON (deterministic), Markdown leaderboard, PNG plots, sidecar meta.
+
+``write_report(report, out_dir)`` builds every file in a temporary directory inside ``out_dir``
+and moves them into place only when all of them are complete (the JSON report last), with SIGINT
+held off during the moves: an exception or Ctrl-C leaves no partial report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+JSON_NAME, MD_NAME, META_NAME = "report.json", "report.md", "run_meta.json"
+PNG_GOODPUT, PNG_TTFT = "goodput_vs_load.png", "ttft_cdf.png"
+
+
+# ------------------------------------------------------------------------------------ JSON
+def round_sig(x: float, sig: int = 6):
+    """``x`` rounded to ``sig`` significant digits; +-inf -> "inf"/"-inf", NaN -> None."""
+    x = float(x)
+    if math.isnan(x):
+        return None
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    r = float(f"{x:.{sig}g}")
+    return 0.0 if r == 0 else r
+
+
+def rounded(obj, sig: int = 6):
+    """A JSON-ready copy of ``obj`` with every float rounded (ints and strings untouched)."""
+    if isinstance(obj, dict):
+        return {str(k): rounded(v, sig) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [rounded(v, sig) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return [rounded(v, sig) for v in obj.tolist()]
+    if isinstance(obj, (bool, np.bool_)):
+        return bool(obj)
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return round_sig(obj, sig)
+    return obj
+
+
+def report_json(data: dict) -> str:
+    return json.dumps(rounded(data), indent=1, allow_nan=False) + "\n"
+
+
+# ------------------------------------------------------------------------------------ text
+def _f(x, nd=3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    if math.isnan(x):
+        return "-"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.{nd}f}"
+
+
+def _ms(x) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}"
+
+
+def _ci(d, nd=3) -> str:
+    return f"{_f(d['mean'], nd)} [{_f(d['ci95'][0], nd)}, {_f(d['ci95'][1], nd)}]"
+
+
+def _diff(d, nd=3) -> str:
+    if d is None:
+        return "-"
+    return f"{d['diff']:+.{nd}f} [{d['ci95'][0]:+.{nd}f}, {d['ci95'][1]:+.{nd}f}]"
+
+
+def _load_entry(data, rho):
+    for e in data["loads"]:
+        if e["rho"] == rho:
+            return e
+    raise KeyError(rho)
+
+
+def primary_lines(data: dict) -> list:
+    p = data.get("primary_endpoint")
+    if not p:
+        return []
+    if "diff" not in p:
+        return [f"PRIMARY ENDPOINT: {p['definition']}"]
+    lines = [f"PRIMARY ENDPOINT (index+shed minus edf+shed, {data['workload']['name']}/{p['split']}, "
+             f"rho {p['rho']:g}, {p['units']} traces): {p['diff']:+.4f}  95% CI [{p['ci95'][0]:+.4f}, "
+             f"{p['ci95'][1]:+.4f}]  win rate {p['win_rate']:.3f}  "
+             f"(index+shed {p['index_plus_shed']:.4f}, edf+shed {p['edf_plus_shed']:.4f})"]
+    if not p["is_primary_split"]:
+        lines.append("  (not the pre-registered test set: other split or --max-traces)")
+    lines.append(f"  parameters: {p['parameters']['note']}")
+    return lines
+
+
+def leaderboard_rows(entry: dict, ub_printed: bool) -> list:
+    """Rows of the main leaderboard at one load (strings)."""
+    out = []
+    for d in sorted(entry["rows"], key=lambda d: -d["goodput"]["mean"]):
+        name = d["label"] + (" (reference)" if d["reference"] else "")
+        out.append([name, _ci(d["goodput"]), _diff(d["vs"].get("fcfs")), _diff(d["vs"].get("edf+shed")),
+                    _f(d["vs"]["edf+shed"]["win_rate"], 2) if "edf+shed" in d["vs"] else "-",
+                    "-" if d["relative_goodput"] is None else f"{d['relative_goodput']:+.1%}",
+                    _ms(d["ttft_ms"]["p99_all"]), _ms(d["ttft_ms"]["p99_completed"]),
+                    _f(d["sla_respect"]), str(d["shed"]), str(d["preemptions"]),
+                    _f(d.get("gap_closed"), 2) if ub_printed else "-"])
+    return out
+
+
+LB_HEADER = ["policy", "goodput [95% CI]", "vs fcfs", "vs edf+shed", "win vs edf+shed", "rel. goodput",
+             "TTFT p99 all (ms)", "TTFT p99 done (ms)", "SLA respect", "shed", "preempt", "gap closed"]
+
+
+def _table(header, rows) -> list:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def _text_table(header, rows) -> list:
+    w = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = lambda r: "  ".join(str(x).ljust(n) for x, n in zip(r, w)).rstrip()  # noqa: E731
+    return [fmt(header), fmt(["-" * n for n in w])] + [fmt(r) for r in rows]
+
+
+def _ub_line(entry) -> str:
+    if "upper_bound" not in entry:
+        return ""
+    ub = entry["upper_bound"]
+    s = (f"upper bound {_ci(ub)}  best observed {entry['best_observed']['label']} "
+         f"{entry['best_observed']['goodput']:.3f}  FCFS {entry['fcfs_goodput']:.3f}")
+    if "best_observed_reference" in entry:
+        b = entry["best_observed_reference"]
+        s += f"  (reference {b['label']} {b['goodput']:.3f})"
+    if not ub["gap_closed_printed"]:
+        s += "  (gap closed not shown: UB - FCFS < 0.02)"
+    return s
+
+
+def _header_lines(data) -> list:
+    w = data["workload"]
+    where = f"{w['name']}/{w['split']}" if w["split"] else w["name"]
+    lam = data["lambda_sat"]
+    return [f"workload   {where}: {w['units']} {'traces' if w['kind'] == 'suite' else 'windows'}, "
+            f"{w['requests_scored']} scored requests; bootstrap {w['bootstrap']}",
+            f"profile    {data['profile']['name']} [{data['profile']['provenance']}]; lambda_sat "
+            f"{lam['rps']:.4g} req/s ({lam['source']})",
+            f"predictor  {data['predictor']}; T_ref {data['t_ref_ms']:.1f} ms",
+            f"parameters {data['parameters']['note']}",
+            f"evidence   {data['evidence_id']}"]
+
+
+def console_summary(data: dict) -> str:
+    lines = primary_lines(data)
+    if lines:
+        lines.append("")
+    lines += _header_lines(data)
+    rho = data["primary_load"]
+    e = _load_entry(data, rho)
+    lines += ["", f"leaderboard at rho {rho:g} ({e['rate_rps']:.4g} req/s):"]
+    lines += _text_table(LB_HEADER, leaderboard_rows(e, "upper_bound" in e and e["upper_bound"]["gap_closed_printed"]))
+    ub = _ub_line(e)
+    if ub:
+        lines.append(ub)
+    lines += ["", "goodput by load:"]
+    labels = [d["label"] for d in data["loads"][0]["rows"]]
+    hdr = ["rho"] + labels + (["UB"] if "upper_bound" in data["loads"][0] else [])
+    rows = []
+    for e in data["loads"]:
+        r = [f"{e['rho']:g}"] + [f"{d['goodput']['mean']:.3f}" for d in e["rows"]]
+        if "upper_bound" in e:
+            r.append(f"{e['upper_bound']['mean']:.3f}")
+        rows.append(r)
+    lines += _text_table(hdr, rows)
+    cap = data.get("capacity")
+    if cap:
+        lines += ["", f"capacity at SLO (goodput >= {cap['target']:g}), ratio to FCFS:"]
+        for lab, c in cap["rows"].items():
+            r = c["ratio_to_fcfs"]
+            s = r if isinstance(r, str) else f"{r['geomean']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
+            extra = f"  savings ${c['savings_usd_per_year']:,.0f}/yr" if "savings_usd_per_year" in c else ""
+            lines.append(f"  {lab:<18} {s}  (not reached {c['not_reached']}, >= max load "
+                         f"{c['censored_at_max_load']}){extra}")
+    return "\n".join(lines) + "\n"
+
+
+def report_markdown(data: dict) -> str:
+    L = [f"# TokenBatch benchmark: {data['workload']['name']}", ""]
+    pl = primary_lines(data)
+    if pl:
+        L += ["## Primary endpoint", "", *[f"    {x}" for x in pl], ""]
+    L += ["## Setup", "", *[f"- {x}" for x in _header_lines(data)]]
+    for n in data["workload"]["notes"]:
+        L.append(f"- note: {n}")
+    rho = data["primary_load"]
+    e = _load_entry(data, rho)
+    L += ["", f"## Leaderboard at rho {rho:g}", ""]
+    ub_printed = "upper_bound" in e and e["upper_bound"]["gap_closed_printed"]
+    L += _table(LB_HEADER, leaderboard_rows(e, ub_printed))
+    ub = _ub_line(e)
+    if ub:
+        L += ["", ub]
+    L += ["", "## Goodput by load (mean [95% CI])", ""]
+    labels = [d["label"] for d in data["loads"][0]["rows"]]
+    hdr = ["rho"] + labels + (["upper bound"] if "upper_bound" in data["loads"][0] else [])
+    rows = []
+    for ent in data["loads"]:
+        r = [f"{ent['rho']:g}"] + [_ci(d["goodput"]) for d in ent["rows"]]
+        if "upper_bound" in ent:
+            r.append(_f(ent["upper_bound"]["mean"]))
+        rows.append(r)
+    L += _table(hdr, rows)
+    for ent in data["loads"]:
+        L += ["", f"## Secondary metrics at rho {ent['rho']:g}", ""]
+        hdr = ["policy", "TTFT p50/p99 all", "TTFT p50/p99 done", "TPOT p50/p99 all", "TPOT p50/p99 done",
+               "E2E p50/p99 all", "E2E p50/p99 done", "tok/s", "met req/s", "recomputed", "timed out",
+               "rejected", "TTFT p99 cache-miss", "max wait (ms)"]
+        rows = []
+        for d in ent["rows"]:
+            lat = lambda k, s: f"{_ms(d[k]['p50_' + s])} / {_ms(d[k]['p99_' + s])}"  # noqa: E731
+            rows.append([d["label"], lat("ttft_ms", "all"), lat("ttft_ms", "completed"), lat("tpot_ms", "all"),
+                         lat("tpot_ms", "completed"), lat("e2e_ms", "all"), lat("e2e_ms", "completed"),
+                         _f(d["throughput_tok_s"], 1), _f(d["met_req_s"], 3), str(d["recomputed_tokens"]),
+                         str(d["timed_out"]), str(d["rejected"]), _ms(d["ttft_p99_cache_miss_ms"]),
+                         _ms(d["max_wait_ms"])])
+        L += _table(hdr, rows)
+        classes = list(ent["rows"][0]["goodput_by_class"])
+        hdr = ["policy"] + [f"class {c}" for c in classes] + [f"prompt Q{i + 1}" for i in range(5)]
+        rows = [[d["label"]] + [_f(d["goodput_by_class"][c]["goodput"]) for c in classes]
+                + [_f(q["goodput"]) for q in d["goodput_by_prompt_quintile"]] for d in ent["rows"]]
+        L += ["", "Goodput per SLA class and per prompt-length quintile (edges "
+              + ", ".join(f"{x:g}" for x in data["prompt_quintile_edges"]) + " tokens):", ""]
+        L += _table(hdr, rows)
+    cap = data.get("capacity")
+    if cap:
+        L += ["", f"## Capacity at SLO (goodput >= {cap['target']:g})", "",
+              f"Grid {cap['grid']}, {cap['bisection_steps']} bisection steps.", ""]
+        hdr = ["policy", "ratio to FCFS (geomean [95% CI])", "mean rho reached", "not reached", ">= max load",
+               "savings $/yr"]
+        rows = []
+        for lab, c in cap["rows"].items():
+            r = c["ratio_to_fcfs"]
+            rows.append([lab, r if isinstance(r, str) else f"{r['geomean']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]",
+                         _f(c["reached_mean_rho"]), str(c["not_reached"]), str(c["censored_at_max_load"]),
+                         f"{c['savings_usd_per_year']:,.0f}" if "savings_usd_per_year" in c else "-"])
+        L += _table(hdr, rows)
+        if "savings_formula" in cap:
+            L += ["", f"Savings = {cap['savings_formula']}."]
+    L += ["", "## Definitions", ""] + [f"- **{k}**: {v}" for k, v in data["definitions"].items()]
+    L += ["", f"Evidence id `{data['evidence_id']}` (SHA-256 of the canonical JSON `evidence_inputs` in "
+          f"report.json). Wall time, host and date are in run_meta.json.", ""]
+    return "\n".join(L)
+
+
+# ------------------------------------------------------------------------------------ plots
+def plot_goodput(curves: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    x = curves["loads"]
+    for label, pts in curves["goodput"].items():
+        m = [p["mean"] for p in pts]
+        lo = [p["ci95"][0] for p in pts]
+        hi = [p["ci95"][1] for p in pts]
+        (line,) = ax.plot(x, m, marker="o", ms=3, label=label)
+        ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+    if curves.get("upper_bound"):
+        ax.plot(x, curves["upper_bound"], "k--", lw=1, label="upper bound")
+    ax.set_xlabel("load rho (x lambda_sat)")
+    ax.set_ylabel("goodput (met / arrived)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
+def plot_ttft_cdf(curves: dict, rho: float, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for label, v in curves["ttft_cdf"].items():
+        v = np.asarray(v)
+        n = v.size
+        fin = v[np.isfinite(v)]
+        if n == 0 or fin.size == 0:
+            continue
+        ax.step(np.maximum(fin, 1e-3), np.arange(1, fin.size + 1) / n, where="post", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms), all arrived requests (no first token = never reaches the curve)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.0)
+    ax.set_title(f"TTFT CDF at rho {rho:g}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------ writing
+@contextlib.contextmanager
+def _sigint_held():
+    """Defer SIGINT (main thread only) while files move into place."""
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    except (AttributeError, ValueError, OSError):  # pragma: no cover (non-POSIX)
+        old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def write_report(report, out_dir) -> list:
+    """Write report.json, report.md, the PNGs and run_meta.json into ``out_dir``; returns paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = report.data
+    tmp = Path(tempfile.mkdtemp(prefix=".bench-tmp-", dir=out))
+    try:
+        curves = dict(report.curves)
+        if data["loads"] and "upper_bound" in data["loads"][0]:
+            curves["upper_bound"] = [e["upper_bound"]["mean"] for e in data["loads"]]
+        plot_goodput(curves, tmp / PNG_GOODPUT)
+        plot_ttft_cdf(curves, data["primary_load"], tmp / PNG_TTFT)
+        (tmp / MD_NAME).write_text(report_markdown(data), encoding="utf-8")
+        (tmp / META_NAME).write_text(json.dumps(report.meta, indent=1, default=str) + "\n", encoding="utf-8")
+        (tmp / JSON_NAME).write_text(report_json(data), encoding="utf-8")
+        order = [PNG_GOODPUT, PNG_TTFT, MD_NAME, META_NAME, JSON_NAME]   # the JSON last
+        with _sigint_held():
+            for name in order:
+                os.replace(tmp / name, out / name)
+        return [out / n for n in order]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
