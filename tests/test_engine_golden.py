@@ -145,3 +145,37 @@ def test_empty_and_one_request_traces():
     rec = r.records(0)
     assert rec["first_token_ns"][0] == rec["finish_ns"][0] == 5 * MS + 5_050_000
     assert rec["tpot_ns"][0] == 0
+
+
+# ------------------------------------------------------------------ beyond vLLM (rule 11), off by default
+def test_skip_hol_admits_the_small_request_behind_a_blocked_one():
+    trace = tiny_trace([0, 1, 2], [16, 60, 16], [30, 2, 2])
+    hol = run(trace, num_blocks=5, prefix_caching=False).records(0)
+    skip = run(trace, num_blocks=5, prefix_caching=False, skip_hol=True).records(0)
+    # R holds 2 blocks after decoding; A (needs 4) blocks; B (needs 1) is admitted past it
+    assert hol["first_scheduled_ns"][2] >= hol["first_scheduled_ns"][1]
+    assert skip["first_scheduled_ns"][2] < skip["first_scheduled_ns"][1]
+
+
+def test_waiting_request_preempts_lower_score_running_one():
+    from tokenbatch_env.policies import engine_policy
+    # EDF: B arrives later with a much earlier deadline; A holds the blocks B needs
+    trace = tiny_trace([0, 5], [48, 48], [60, 2], t1_ms=10_000, t2_ms=1_000)
+    trace = trace.replace(ttft_slo_ns=np.array([10_000, 20], np.int64) * MS)
+    edf = engine_policy("edf", t_ref_ms=100.0)
+    plain = run(trace, edf, num_blocks=5, prefix_caching=False).records(0)
+    pre = run(trace, edf, num_blocks=5, prefix_caching=False, waiting_preempts=True).records(0)
+    assert plain["preemptions"][0] == 0 and plain["first_token_ns"][1] > plain["finish_ns"][0] - 1
+    assert pre["preemptions"][0] == 1
+    assert pre["first_token_ns"][1] < pre["finish_ns"][0]
+
+
+def test_admission_control_refuses_hopeless_arrivals():
+    # ten 1000-token prompts at once, T1 = 200 ms; at 0.05 ms/token (+5 ms / 2048) only ~3 fit
+    trace = tiny_trace([0] * 10, [1000] * 10, [2] * 10, t1_ms=200, t2_ms=1000)
+    off = run(trace).records(0)
+    on = run(trace, admission_control=True).records(0)
+    assert (off["end_state"] == K.E_COMPLETED).all()
+    refused = on["end_state"] == K.E_REJECTED
+    assert 0 < refused.sum() < 10 and refused[-1] and not refused[0]
+    assert on["met"].sum() >= off["met"].sum()

@@ -35,6 +35,9 @@ configs = st.fixed_dictionaries({
     "max_num_seqs": st.sampled_from([2, 4, 64]),
     "prefix_caching": st.booleans(),
     "async_scheduling": st.booleans(),
+    "skip_hol": st.booleans(),
+    "waiting_preempts": st.booleans(),
+    "admission_control": st.booleans(),
 })
 policies = st.sampled_from(["fcfs", "priority", "edf", "llf", "sjf", "index", "edf+shed", "fcfs+shed"])
 

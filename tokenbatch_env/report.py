@@ -288,7 +288,7 @@ def plot_goodput(curves: dict, path) -> None:
     ax.set_ylabel("goodput (met / arrived)")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=2, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, format="png", metadata={"Software": None})
     plt.close(fig)
@@ -337,9 +337,11 @@ def _sigint_held():
 def write_report(report, out_dir) -> list:
     """Write report.json, report.md, the PNGs and run_meta.json into ``out_dir``; returns paths."""
     out = Path(out_dir)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     data = report.data
     tmp = Path(tempfile.mkdtemp(prefix=".bench-tmp-", dir=out))
+    done = False
     try:
         curves = dict(report.curves)
         if data["loads"] and "upper_bound" in data["loads"][0]:
@@ -353,6 +355,10 @@ def write_report(report, out_dir) -> list:
         with _sigint_held():
             for name in order:
                 os.replace(tmp / name, out / name)
+        done = True
         return [out / n for n in order]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if created and not done:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if still empty

@@ -28,7 +28,7 @@ MODE_FCFS, MODE_PRIORITY, MODE_SCORE = 0, 1, 2
 # cfg vector indices
 (C_BUDGET, C_MAX_SEQS, C_BS, C_USABLE, C_WATERMARK, C_MAX_LEN, C_PREFIX, C_ASYNC, C_MODE, C_JUMPS,
  C_MAX_WAIT, C_TIMEOUT_RUNNING, C_SKIP_HOL, C_MAX_ITERS,
- C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, N_CFG) = range(23)
+ C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, C_WAIT_PREEMPT, C_ADMISSION, N_CFG) = range(25)
 # float cfg vector indices: ms per prefill / decode token at a full batch (DESIGN.md section 4)
 (F_U_P, F_U_D, N_FCFG) = range(3)
 
@@ -301,6 +301,40 @@ def _end(status, end_state, finish, n_ended, c, r, state, t):
     n_ended[c] += 1
 
 
+@njit
+def _preempt(c, vi, acc, run_ids, n_run, sched, recomputed, computed, n_preempt, resumed, qkey,
+             key_lo, wait_ids, n_wait, status, table, slot_of, held, n_cached, ref, bhash, fq_prev,
+             fq_next, n_free, slot_free, n_slot_free):
+    """Rule 4: preempt running[vi] (recompute): free all its blocks, give back its tokens and budget
+    if it was already scheduled this iteration, and put it back in the waiting queue (FCFS:
+    prepended, via the smallest queue key). ``acc = [ns, budget]`` is updated in place; ``sched``
+    is (sched_r, sched_new, sched_cb). Returns the victim."""
+    sched_r, sched_new, sched_cb = sched
+    nb = ref.shape[1]
+    v = run_ids[c, vi]
+    _run_remove_at(run_ids, n_run, c, vi)
+    ns = acc[0]
+    for k in range(ns):
+        if sched_r[c, k] == v:
+            acc[1] += sched_new[c, k]
+            for q in range(k, ns - 1):
+                sched_r[c, q] = sched_r[c, q + 1]
+                sched_new[c, q] = sched_new[c, q + 1]
+                sched_cb[c, q] = sched_cb[c, q + 1]
+            acc[0] = ns - 1
+            break
+    recomputed[c, v] += computed[c, v]
+    _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
+                         slot_free, n_slot_free, c, v, nb, nb + 1)
+    computed[c, v] = 0
+    n_preempt[c, v] += 1
+    resumed[c, v] = True
+    qkey[c, v] = key_lo[c]
+    key_lo[c] -= 1
+    _wait_add(wait_ids, n_wait, status, c, v)
+    return v
+
+
 # ---------------------------------------------------------------------------------- one iteration
 @njit
 def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed, active, max_steps, until_ns,
@@ -324,6 +358,9 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     score_inkernel = mode == MODE_SCORE and pid != P_EXTERNAL
     usable = float(cfg[C_USABLE])
     ps = cfg[C_PS0:C_PS0 + 4]
+    skip_hol = cfg[C_SKIP_HOL] != 0
+    waiting_preempts = cfg[C_WAIT_PREEMPT] != 0 and mode != MODE_FCFS
+    acc = np.zeros(2, np.int64)
     total = 0
     for c in range(now.shape[0]):
         if not active[c]:
@@ -354,12 +391,30 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
             t_now = now[c]
 
             # Rule 1: arrivals visible iff arrival <= iteration start. Rule 8: too-long prompts rejected.
+            queued = -1  # admission control: prefill tokens queued ahead (computed on first use)
             while next_arr[c] < n and arrival[c, next_arr[c]] <= t_now:
                 r = next_arr[c]
                 next_arr[c] += 1
                 if prompt[c, r] >= cfg[C_MAX_LEN]:
                     _end(status, end_state, finish, n_ended, c, r, E_REJECTED, arrival[c, r])
                     continue
+                if cfg[C_ADMISSION] != 0:
+                    # beyond vLLM: refuse a request whose TTFT would be missed even if the engine
+                    # served the prefill work already queued ahead of it at full-batch speed
+                    if queued < 0:
+                        queued = 0
+                        for k in range(n_wait[c]):
+                            q = wait_ids[c, k]
+                            queued += prompt[c, q] + gen[c, q]
+                        for k in range(n_run[c]):
+                            q = run_ids[c, k]
+                            left = prompt[c, q] + gen[c, q] - computed[c, q]
+                            if left > 1 or gen[c, q] == 0:
+                                queued += left
+                    if (queued + prompt[c, r]) * fcfg[F_U_P] > t1[c, r] / 1e6:
+                        _end(status, end_state, finish, n_ended, c, r, E_REJECTED, arrival[c, r])
+                        continue
+                    queued += prompt[c, r]
                 qkey[c, r] = key_hi[c]
                 key_hi[c] += 1
                 _wait_add(wait_ids, n_wait, status, c, r)
@@ -584,29 +639,16 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         for k in range(1, n_run[c]):
                             if _better(qkey, prio, arrival, c, run_ids[c, vi], run_ids[c, k], mode, tier, score):
                                 vi = k
-                    v = run_ids[c, vi]
-                    _run_remove_at(run_ids, n_run, c, vi)
                     if vi < idx:
                         idx -= 1
-                    # give back an already scheduled victim's tokens and budget
-                    for k in range(ns):
-                        if sched_r[c, k] == v:
-                            budget += sched_new[c, k]
-                            for q in range(k, ns - 1):
-                                sched_r[c, q] = sched_r[c, q + 1]
-                                sched_new[c, q] = sched_new[c, q + 1]
-                                sched_cb[c, q] = sched_cb[c, q + 1]
-                            ns -= 1
-                            break
-                    recomputed[c, v] += computed[c, v]
-                    _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
-                                         slot_free, n_slot_free, c, v, head, tail)
-                    computed[c, v] = 0
-                    n_preempt[c, v] += 1
-                    resumed[c, v] = True
-                    qkey[c, v] = key_lo[c]
-                    key_lo[c] -= 1
-                    _wait_add(wait_ids, n_wait, status, c, v)
+                    acc[0] = ns
+                    acc[1] = budget
+                    v = _preempt(c, vi, acc, run_ids, n_run, (sched_r, sched_new, sched_cb), recomputed,
+                                 computed, n_preempt, resumed, qkey, key_lo, wait_ids, n_wait, status, table,
+                                 slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free, slot_free,
+                                 n_slot_free)
+                    ns = acc[0]
+                    budget = acc[1]
                     fbest = n_wait[c] - 1  # (only used in FCFS mode, where v now heads the queue)
                     preempted += 1
                     if v == r:
@@ -621,10 +663,12 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     budget -= new
                     idx += 1
 
-            # Rules 5-6: admission, only if nothing was preempted in this iteration.
+            # Rules 5-6: admission, only if nothing was preempted in this iteration. Candidates are
+            # wait_ids[:lim]; with skip_hol (beyond vLLM) a request that does not fit moves past lim.
             if preempted == 0:
                 resume_first = cfg[C_RESUME_FIRST] != 0
-                while n_wait[c] > 0 and budget > 0 and n_run[c] < cfg[C_MAX_SEQS]:
+                lim = n_wait[c]
+                while lim > 0 and budget > 0 and n_run[c] < cfg[C_MAX_SEQS]:
                     # the best waiting request in queue order (resume_first pins preempted ones first)
                     if mode == MODE_FCFS and fbest >= 0:
                         bi = fbest
@@ -632,7 +676,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     else:
                         bi = 0
                         rb = wait_ids[c, 0]
-                        for k in range(1, n_wait[c]):
+                        for k in range(1, lim):
                             rk = wait_ids[c, k]
                             if resume_first and resumed[c, rk] != resumed[c, rb]:
                                 if resumed[c, rk]:
@@ -648,19 +692,56 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     hits = 0
                     if prefix_on:
                         hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs)
-                    # hits that sit in the free queue count against free slots
-                    evictable = 0
-                    for j in range(hits):
-                        b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]
-                        if ref[c, b] == 0:
-                            evictable += 1
-                    full_blocks = (num_tokens + bs - 1) // bs
-                    if full_blocks - hits + evictable + cfg[C_WATERMARK] > n_free[c]:
-                        break  # head-of-line blocking (rule 6)
+                    fits = False
+                    while True:
+                        # hits that sit in the free queue count against free slots
+                        evictable = 0
+                        for j in range(hits):
+                            b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]
+                            if ref[c, b] == 0:
+                                evictable += 1
+                        full_blocks = (num_tokens + bs - 1) // bs
+                        if full_blocks - hits + evictable + cfg[C_WATERMARK] <= n_free[c]:
+                            fits = True
+                            break
+                        if not waiting_preempts or n_run[c] == 0:
+                            break
+                        # beyond vLLM: a waiting request may preempt a lower-ranked running one
+                        vi = 0
+                        for k in range(1, n_run[c]):
+                            if _better(qkey, prio, arrival, c, run_ids[c, vi], run_ids[c, k], mode, tier, score):
+                                vi = k
+                        if not _better(qkey, prio, arrival, c, r, run_ids[c, vi], mode, tier, score):
+                            break
+                        acc[0] = ns
+                        acc[1] = budget
+                        _preempt(c, vi, acc, run_ids, n_run, (sched_r, sched_new, sched_cb), recomputed,
+                                 computed, n_preempt, resumed, qkey, key_lo, wait_ids, n_wait, status, table,
+                                 slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free, slot_free,
+                                 n_slot_free)
+                        ns = acc[0]
+                        budget = acc[1]
+                        preempted += 1
+                        if prefix_on:  # the victim's freed blocks may be hits now
+                            hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs)
+                    if not fits:
+                        if not skip_hol:
+                            break  # head-of-line blocking (rule 6)
+                        lim -= 1
+                        wait_ids[c, bi] = wait_ids[c, lim]
+                        wait_ids[c, lim] = r
+                        fbest = -1
+                        continue
+                    if budget <= 0:
+                        break  # a preempted victim's budget was the whole budget left
                     new = num_tokens - hits * bs
                     if new > budget:
                         new = budget
-                    _wait_remove_at(wait_ids, n_wait, c, bi)
+                    # remove candidate bi, keeping skipped requests (and new victims) past lim
+                    lim -= 1
+                    wait_ids[c, bi] = wait_ids[c, lim]
+                    wait_ids[c, lim] = wait_ids[c, n_wait[c] - 1]
+                    n_wait[c] -= 1
                     fbest = -1
                     # take a table slot
                     n_slot_free[c] -= 1

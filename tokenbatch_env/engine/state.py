@@ -27,7 +27,9 @@ class EngineConfig:
     async_scheduling: Optional[bool] = None
     max_wait_ms: Optional[float] = None       # rule 12: client time-out for a first token
     timeout_running: bool = False             # rule 12: also time out running requests
-    skip_hol: bool = False                    # beyond vLLM: skip head-of-line blocking (not yet built)
+    skip_hol: bool = False                    # beyond vLLM: skip head-of-line blocking
+    waiting_preempts: bool = False            # beyond vLLM: waiting requests preempt lower-score running ones
+    admission_control: bool = False           # beyond vLLM: refuse at arrival a request that cannot make T1
     resume_first: bool = False                # score policies: preempted requests resume first
     max_iterations: int = 50_000_000          # iteration cap per copy (truncation)
     record_iterations: int = 0                # per-iteration records kept per copy (0 = none)
@@ -37,8 +39,6 @@ class EngineConfig:
     num_blocks: Optional[int] = None
 
     def __post_init__(self):
-        if self.skip_hol:
-            raise ConfigError("skip_hol (beyond-vLLM) is not implemented yet")
         if self.max_wait_ms is not None and not (np.isfinite(self.max_wait_ms) and self.max_wait_ms > 0):
             raise ConfigError(f"max_wait_ms must be a positive number or None, got {self.max_wait_ms!r}")
         for f in ("max_iterations", "record_iterations"):
@@ -94,6 +94,8 @@ def make_cfg(profile: Profile, config: EngineConfig, mode: int, pid: int = 0) ->
     cfg[K.C_RESUME_FIRST] = int(config.resume_first)
     cfg[K.C_PID] = pid
     cfg[K.C_JUMPS] = int(config.jumps)
+    cfg[K.C_WAIT_PREEMPT] = int(config.waiting_preempts)
+    cfg[K.C_ADMISSION] = int(config.admission_control)
     return cfg
 
 
@@ -169,7 +171,6 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
     n_req = np.array([len(t) for t in traces], i64)
 
     z = lambda *shape, dtype=i64, fill=0: np.full(shape, fill, dtype)  # noqa: E731
-    tdt = np.int16 if NB + 2 < 32767 else np.int32
     # free queue: sentinels head=NB, tail=NB+1, blocks 0..NB-1 in order
     fq_next = np.empty((C, NB + 2), np.int32)
     fq_prev = np.empty((C, NB + 2), np.int32)
@@ -192,7 +193,7 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
         finish=z(C, R, fill=-1), finish_it=z(C, R, fill=-1), n_preempt=z(C, R), recomputed=z(C, R),
         resumed=z(C, R, dtype=np.bool_),
         run_ids=z(C, S), wait_ids=z(C, R), slot_free=np.tile(np.arange(slots - 1, -1, -1, dtype=i64), (C, 1)),
-        pend_ids=z(C, S), table=z(C, slots, maxb, dtype=tdt),
+        pend_ids=z(C, S), table=z(C, slots, maxb, dtype=np.int32),  # one dtype, one compilation
         ref=z(C, NB, dtype=np.int32), bhash=z(C, NB, fill=-1), hnext=z(C, NB, fill=-1, dtype=np.int32),
         fq_prev=fq_prev, fq_next=fq_next, hash_head=z(C, U, fill=-1, dtype=np.int32),
         sched_r=z(C, S), sched_new=z(C, S), sched_cb=z(C, S),

@@ -1,0 +1,128 @@
+"""`tokenbatch bench` end to end on a tiny budget, and bad input (one line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenbatch_env import cli
+
+
+@pytest.fixture(autouse=True)
+def _bench_registered(monkeypatch):
+    # until cli.COMMANDS carries "bench" itself
+    monkeypatch.setitem(cli.COMMANDS, "bench", ("tokenbatch_env.bench_cli", "benchmark policies"))
+
+
+def _run(capsys, *argv):
+    rc = cli.main(["bench", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_end_to_end_tiny(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc, stdout, _ = _run(capsys, "--max-traces", "3", "--loads", "1.2", "--policies", "fcfs,edf", "--shed",
+                         "--out", str(out), "--bootstrap-b", "500", "--quiet")
+    assert rc == 0 and stdout == ""
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["goodput_vs_load.png", "report.json", "report.md", "run_meta.json", "ttft_cdf.png"]
+    d = json.loads((out / "report.json").read_text())
+    assert len(d["evidence_id"]) == 64
+    assert d["primary_endpoint"]["rho"] == 1.2 and "diff" in d["primary_endpoint"]
+    assert [r["label"] for r in d["loads"][0]["rows"]] == ["fcfs", "fcfs+shed", "edf", "edf+shed", "index+shed"]
+    md = (out / "report.md").read_text()
+    assert "## Primary endpoint" in md and "## Leaderboard at rho 1.2" in md
+    assert (out / "goodput_vs_load.png").read_bytes()[:4] == b"\x89PNG"
+    first = (out / "report.json").read_bytes()
+    # rerun into the same directory: byte-identical report, primary endpoint printed first
+    rc, stdout, _ = _run(capsys, "--max-traces", "3", "--loads", "1.2", "--policies", "fcfs,edf", "--shed",
+                         "--out", str(out), "--bootstrap-b", "500")
+    assert rc == 0 and stdout.startswith("PRIMARY ENDPOINT")
+    assert (out / "report.json").read_bytes() == first
+    assert not any(p.name.startswith(".bench-tmp") for p in out.iterdir())
+
+
+def test_params_file_and_capacity(tmp_path, capsys):
+    params = tmp_path / "p.json"
+    params.write_text(json.dumps({"index": {"kappa": 0.5, "a_edf": 1.0}, "shed_margin": 0.1,
+                                  "edf": {"shed_margin": 0.2}}))
+    out = tmp_path / "o"
+    rc, stdout, _ = _run(capsys, "--max-traces", "2", "--loads", "0.6,1.2", "--policies", "fcfs",
+                         "--params", str(params), "--out", str(out), "--bootstrap-b", "200", "--capacity",
+                         "--gpu-price", "2.5", "--gpus", "4", "--no-upper-bound", "--quiet")
+    assert rc == 0
+    d = json.loads((out / "report.json").read_text())
+    assert d["parameters"]["index"]["kappa"] == 0.5 and d["parameters"]["shed_margins"]["edf"] == 0.2
+    assert "untuned" in d["parameters"]["note"]
+    cap = d["capacity"]
+    assert set(cap["rows"]) == {"fcfs", "edf+shed", "index+shed"}
+    for c in cap["rows"].values():
+        assert len(c["per_unit_rho"]) == 2
+        assert c["ratio_to_fcfs"] == "not reached" or c["ratio_to_fcfs"]["geomean"] > 0
+    assert "upper_bound" not in d["loads"][0]
+
+
+def test_real_trace_windows(tmp_path, capsys, shared):
+    path = shared("traces")
+    files = sorted(p for p in path.rglob("*") if p.suffix in (".csv", ".jsonl") and p.stat().st_size < 5_000_000)
+    if not files:
+        pytest.skip("no small real trace in ../shared/traces")
+    out = tmp_path / "w"
+    rc, _, err = _run(capsys, "--trace", str(files[0]), "--windows", "100", "--warmup", "20", "--cooldown", "20",
+                      "--max-traces", "4", "--loads", "1.0", "--policies", "fcfs", "--out", str(out),
+                      "--bootstrap-b", "200", "--quiet")
+    assert rc == 0, err
+    d = json.loads((out / "report.json").read_text())
+    assert d["workload"]["kind"] == "trace" and d["workload"]["bootstrap"].startswith("moving-block")
+    assert d["primary_endpoint"] is None
+    assert d["workload"]["requests_scored"] <= 400
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--policies", "fcfs,bogus"], "unknown policy 'bogus'; valid: fcfs"),
+    (["--loads", "0"], "rho must be"),
+    (["--loads", "-1.2"], "rho must be"),
+    (["--loads", "nan"], "rho must be"),
+    (["--loads", "abc"], "not a number"),
+    (["--profile", "nope"], "unknown profile 'nope'; valid:"),
+    (["--suite", "nope"], "unknown suite 'nope'; valid:"),
+    (["--split", "nope"], "unknown split 'nope'"),
+    (["--max-traces", "0"], "--max-traces"),
+    (["--gpu-price", "2"], "--gpu-price and --gpus"),
+    (["--windows", "10"], "--windows needs --trace"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, needle):
+    rc, out, err = _run(capsys, *argv, "--out", str(tmp_path / "x"), "--quiet")
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"index": {"kappa": NaN}}', "kappa"),
+    ('{"index": {"slope": 1000}}', "outside its range"),
+    ('{"shed_margin": 5}', "shed_margin"),
+    ('{"index": {"kapa": 1}}', "unknown index parameter"),
+    ("not json", "invalid JSON"),
+])
+def test_bad_params_file(tmp_path, capsys, content, needle):
+    p = tmp_path / "p.json"
+    p.write_text(content)
+    rc, _, err = _run(capsys, "--params", str(p), "--out", str(tmp_path / "x"), "--quiet")
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], err
+
+
+def test_empty_suite_split(tmp_path, capsys):
+    from tokenbatch_env.traces.suites import load_suite_spec
+    spec = load_suite_spec("seed-200").to_dict()
+    spec["splits"] = [{"name": "train", "count": 1}]
+    spec["name"] = "tiny"
+    f = tmp_path / "tiny.json"
+    f.write_text(json.dumps(spec))
+    rc, _, err = _run(capsys, "--suite", str(f), "--split", "test", "--out", str(tmp_path / "x"), "--quiet")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "split" in err

@@ -1,0 +1,249 @@
+"""The benchmark library (DESIGN.md section 6): metric definitions, determinism, evidence id,
+atomic reports, and k parameter sets x T traces in one batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tokenbatch_env import evaluate as ev
+from tokenbatch_env.engine.kernel import E_COMPLETED, E_SHED, E_TIMED_OUT
+from tokenbatch_env.errors import ConfigError, PolicyError
+from tokenbatch_env.policies import IndexParams
+from tokenbatch_env.report import report_json, round_sig
+from tokenbatch_env.traces.trace import Trace
+
+TINY = dict(max_traces=2, loads=(1.2,), policies=("fcfs", "edf"), bootstrap_b=200, progress=False)
+
+
+# ------------------------------------------------------------------ metric definitions
+def _hand_made():
+    """4 requests: met, completed-but-late, shed (never scheduled), timed out after scheduling."""
+    ms = 1_000_000
+    trace = Trace.build(arrival_ns=[0, 10 * ms, 20 * ms, 30 * ms], prompt_tokens=[16, 100, 40, 400],
+                        output_tokens=[3, 2, 5, 1], ttft_slo_ns=[50 * ms] * 4, tpot_slo_ns=[10 * ms] * 4,
+                        class_id=[0, 1, 0, 1], prefix_offsets=[0, 0, 1, 1, 1], prefix_hashes=[7])
+    rec = {
+        "arrival_ns": trace.arrival_ns.copy(), "prompt_tokens": trace.prompt_tokens.copy(),
+        "output_tokens": trace.output_tokens.copy(),
+        "first_scheduled_ns": np.array([5, 20, -1, 100]) * ms,
+        "first_token_ns": np.array([20, 110, -1, -1]) * ms,
+        "finish_ns": np.array([40, 130, -1, -1]) * ms,
+        "preemptions": np.array([0, 2, 0, 1]), "recomputed_tokens": np.array([0, 150, 0, 30]),
+        "end_state": np.array([E_COMPLETED, E_COMPLETED, E_SHED, E_TIMED_OUT]),
+    }
+    rec["ttft_ns"] = np.where(rec["first_token_ns"] >= 0, rec["first_token_ns"] - rec["arrival_ns"], -1)
+    rec["tpot_ns"] = np.array([10.0, 20.0, 0.0, 0.0]) * ms
+    rec["met"] = np.array([True, False, False, False])
+    return trace, rec
+
+
+def test_metric_definitions_on_hand_made_records():
+    trace, rec = _hand_made()
+    o = ev.request_outcomes(rec, trace)
+    u = ev.unit_metrics(o)
+    assert u["goodput"] == 0.25 and u["met"] == 1 and u["completed"] == 2 and u["arrived"] == 4
+    assert u["shed"] == 1 and u["timed_out"] == 1 and u["preemptions"] == 3 and u["recomputed_tokens"] == 180
+    # span: first arrival 0 -> last end 130 ms (never-finished requests end at arrival)
+    assert u["span_s"] == pytest.approx(0.13)
+    assert u["throughput_tok_s"] == pytest.approx(5 / 0.13)
+    assert u["met_req_s"] == pytest.approx(1 / 0.13)
+    edges = ev.prompt_quintile_edges(trace.prompt_tokens)
+    p = ev.pooled_metrics([o], edges, ["a", "b"])
+    # TTFT over all arrived: [20, 100, inf, inf] ms -> p50 = 100 (inverted CDF), p99 = inf
+    assert p["ttft_ms"]["p50_all"] == 100 and math.isinf(p["ttft_ms"]["p99_all"])
+    assert p["ttft_ms"]["p50_completed"] == 20 and p["ttft_ms"]["p99_completed"] == 100
+    assert p["tpot_ms"]["p99_completed"] == 20 and math.isinf(p["tpot_ms"]["p99_all"])
+    assert p["e2e_ms"]["p99_completed"] == 120 and p["e2e_ms"]["p50_completed"] == 40
+    assert p["sla_respect"] == 0.5
+    assert p["goodput_by_class"] == {"a": {"goodput": 0.5, "arrived": 2}, "b": {"goodput": 0.0, "arrived": 2}}
+    assert sum(q["arrived"] for q in p["goodput_by_prompt_quintile"]) == 4
+    # cache-miss = empty prefix chain: requests 0, 2, 3 -> TTFT [20, inf, inf]
+    assert p["cache_miss_requests"] == 3 and math.isinf(p["ttft_p99_cache_miss_ms"])
+    # max wait over scheduled requests: max(5, 10, 70) ms; one never scheduled
+    assert p["max_wait_ms"] == 70 and p["never_scheduled"] == 1
+
+
+def test_scored_mask_restricts_every_metric():
+    trace, rec = _hand_made()
+    o = ev.request_outcomes(rec, trace, scored=np.array([True, True, False, False]))
+    assert ev.unit_metrics(o)["goodput"] == 0.5 and ev.unit_metrics(o)["shed"] == 0
+
+
+def test_round_sig_and_nonfinite_json():
+    assert round_sig(1.23456789) == 1.23457 and round_sig(123456789.0) == 123457000.0
+    assert round_sig(float("inf")) == "inf" and round_sig(float("nan")) is None
+    s = report_json({"a": [np.float64(0.1 + 0.2), float("-inf"), np.int64(3), True]})
+    assert json.loads(s) == {"a": [0.3, "-inf", 3, True]}
+
+
+def test_capacity_grid_rule():
+    g = np.array([[0.95, 0.95, 0.5], [0.91, 0.85, 0.5], [0.95, 0.95, 0.5]])  # [L, U]
+    # unit 0 meets at every load; unit 1 fails at load 1 (even though it meets again at load 2)
+    assert ev._capacity_grid(g, [1, 2, 3], 0.9).tolist() == [2, 0, -1]
+
+
+def test_config_validation():
+    with pytest.raises(PolicyError, match="valid"):
+        ev.BenchConfig(policies=("fcfs", "nope"))
+    with pytest.raises(ConfigError, match="rho"):
+        ev.BenchConfig(loads=(0.0,))
+    with pytest.raises(ConfigError):
+        ev.BenchConfig(loads=(float("nan"),))
+    with pytest.raises(ConfigError):
+        ev.BenchConfig(gpu_price=1.0)
+    with pytest.raises(PolicyError):
+        ev.BenchConfig(shed_margins=(("edf", 3.0),))
+
+
+def test_params_file(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"index": {"kappa": 2.0}, "shed_margin": 0.5, "edf": {"shed_margin": 0.25}}))
+    params, margins = ev.load_params_file(str(p))
+    assert params.kappa == 2.0 and dict(margins) == {"index": 0.5, "edf": 0.25}
+    p.write_text('{"index": {"kappa": NaN}}')
+    with pytest.raises(PolicyError):
+        ev.load_params_file(str(p))
+    p.write_text('{"index": {"kappa": 20}}')
+    with pytest.raises(PolicyError, match="range"):
+        ev.load_params_file(str(p))
+    p.write_text('{"bogus": 1}')
+    with pytest.raises(ConfigError, match="valid"):
+        ev.load_params_file(str(p))
+
+
+def test_rows_always_include_baselines_and_primary():
+    rows = [r.label for r in ev.build_rows(ev.BenchConfig(policies=("sjf",)))]
+    assert rows == ["fcfs", "sjf", "edf+shed", "index+shed"]
+    rows = ev.build_rows(ev.BenchConfig(policies=("fcfs", "srpt-oracle"), shed=True, suite="mooncake-like"))
+    assert [r.label for r in rows] == ["fcfs", "fcfs+shed", "srpt-oracle", "srpt-oracle+shed", "edf+shed"]
+    assert [r.reference for r in rows] == [False, False, True, True, False]
+
+
+# ------------------------------------------------------------------ end to end (library)
+@pytest.fixture(scope="module")
+def tiny_report():
+    return ev.run_benchmark(ev.BenchConfig(**TINY))
+
+
+def test_report_is_deterministic_and_complete(tiny_report, tmp_path):
+    again = ev.run_benchmark(ev.BenchConfig(**TINY))
+    assert again.to_json() == tiny_report.to_json()
+    assert again.to_markdown() == tiny_report.to_markdown()
+    d = tiny_report.data
+    assert d["primary_endpoint"]["rho"] == 1.2 and "diff" in d["primary_endpoint"]
+    labels = [r["label"] for r in d["loads"][0]["rows"]]
+    assert labels == ["fcfs", "edf", "edf+shed", "index+shed"]
+    row = d["loads"][0]["rows"][1]
+    for k in ("goodput", "vs", "ttft_ms", "tpot_ms", "e2e_ms", "sla_respect", "throughput_tok_s", "met_req_s",
+              "preemptions", "recomputed_tokens", "shed", "goodput_by_class", "goodput_by_prompt_quintile",
+              "ttft_p99_cache_miss_ms", "max_wait_ms", "relative_goodput", "gap_closed"):
+        assert k in row, k
+    assert set(row["vs"]) == {"fcfs", "edf+shed"}
+    assert "upper_bound" in d["loads"][0]
+    ub = d["loads"][0]["upper_bound"]["mean"]
+    assert all(r["goodput"]["mean"] <= ub + 1e-12 for r in d["loads"][0]["rows"])
+    # files: byte-identical JSON on rewrite; meta only in the sidecar
+    a, b = tmp_path / "a", tmp_path / "b"
+    tiny_report.write(a)
+    again.write(b)
+    assert (a / "report.json").read_bytes() == (b / "report.json").read_bytes()
+    assert (a / "report.md").read_bytes() == (b / "report.md").read_bytes()
+    assert "wall_time_s" in json.loads((a / "run_meta.json").read_text())
+    assert "wall_time" not in (a / "report.json").read_text()
+    assert sorted(p.name for p in a.iterdir()) == ["goodput_vs_load.png", "report.json", "report.md",
+                                                    "run_meta.json", "ttft_cdf.png"]
+
+
+def test_goodput_matches_direct_simulation(tiny_report):
+    """The report's per-trace goodput equals a direct simulate of the same scaled traces."""
+    from tokenbatch_env.engine.simulate import simulate
+    from tokenbatch_env.policies import engine_policy
+    from tokenbatch_env.predictors import PredictorSpec, estimates
+    from tokenbatch_env.traces.suites import load_suite
+    from tokenbatch_env.traces.windows import scale_to_rate
+
+    s = load_suite("seed-200")
+    base = s.traces("test")[:2]
+    lam = tiny_report.data["lambda_sat"]["rps"]
+    est = [estimates(t, PredictorSpec.from_dict(s.predictor)) for t in base]
+    traces = [scale_to_rate(t, 1.2 * lam, nominal_rps=s.nominal_rate_rps) for t in base]
+    res = simulate(traces, "stress-512", engine_policy("edf", shed_margin=0.0), estimates=est)
+    g = [res.records(c)["met"].mean() for c in range(2)]
+    row = next(r for r in tiny_report.data["loads"][0]["rows"] if r["label"] == "edf+shed")
+    assert row["goodput_per_unit"] == pytest.approx(g, rel=1e-5)
+
+
+def _inputs(cfg):
+    from tokenbatch_env.engine.profiles import load_profile
+    prof = cfg.engine.resolve(load_profile(cfg.profile))
+    wl = ev.prepare_workload(cfg, prof)
+    return ev.evidence_id(ev.evidence_inputs(cfg, wl, prof, ev.build_rows(cfg)))
+
+
+def test_evidence_id_changes_with_every_input():
+    from tokenbatch_env.engine.state import EngineConfig
+    base = ev.BenchConfig(**TINY)
+    eid = _inputs(base)
+    assert eid == _inputs(ev.BenchConfig(**TINY))
+    variants = [
+        dict(max_traces=1), dict(loads=(1.0,)), dict(bootstrap_seed=1), dict(bootstrap_b=300),
+        dict(profile="linear"), dict(engine=EngineConfig(prefix_caching=False)),
+        dict(index_params=IndexParams(kappa=2.0)), dict(shed_margins=(("edf", 0.5),)),
+        dict(policies=("fcfs", "sjf")), dict(shed=True), dict(split="validation"), dict(capacity=True),
+    ]
+    seen = {eid}
+    for v in variants:
+        e = _inputs(dataclasses.replace(base, **v))
+        assert e not in seen, v
+        seen.add(e)
+
+
+def test_exception_leaves_no_partial_output(tiny_report, tmp_path, monkeypatch):
+    from tokenbatch_env import report as rp
+
+    out = tmp_path / "fresh"
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rp, "report_json", boom)   # fails after the PNGs and the MD are built
+    with pytest.raises(KeyboardInterrupt):
+        tiny_report.write(out)
+    assert not out.exists()
+    # an existing directory keeps its old report untouched
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "report.json").write_text("old")
+    with pytest.raises(KeyboardInterrupt):
+        tiny_report.write(old)
+    assert sorted(p.name for p in old.iterdir()) == ["report.json"]
+    assert (old / "report.json").read_text() == "old"
+
+
+# ------------------------------------------------------------------ k parameter sets in one batch
+def test_index_params_batch_equals_separate_runs():
+    from tokenbatch_env.engine.simulate import simulate
+    from tokenbatch_env.policies import engine_policy
+    from tokenbatch_env.predictors import PredictorSpec, estimates
+    from tokenbatch_env.traces.suites import load_suite
+    from tokenbatch_env.traces.windows import scale_to_rate
+
+    s = load_suite("seed-200")
+    base = s.traces("train")[:3]
+    traces = [scale_to_rate(t, 3.0, nominal_rps=s.nominal_rate_rps) for t in base]
+    est = [estimates(t, PredictorSpec()) for t in base]
+    sets = [IndexParams(), IndexParams(kappa=0.0, gamma=100.0), IndexParams(a_edf=3.0, beta=10.0)]
+    margins = [None, 0.0, 0.5]
+    t_ref = s.t_ref_ns / 1e6
+    G = ev.evaluate_index_params(traces, "stress-512", sets, shed_margins=margins, estimates=est, t_ref_ms=t_ref)
+    assert G.shape == (3, 3)
+    for j, (p, m) in enumerate(zip(sets, margins)):
+        res = simulate(traces, "stress-512", engine_policy("index", params=p, shed_margin=m, t_ref_ms=t_ref),
+                       estimates=est)
+        assert G[j].tolist() == [res.records(c)["met"].mean() for c in range(3)]
+    assert len({tuple(r) for r in G.tolist()}) > 1   # the parameter sets do differ

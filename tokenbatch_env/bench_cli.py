@@ -1,0 +1,146 @@
+"""`tokenbatch bench`: the section-6 benchmark (policies x traces x loads) with its reports.
+
+Writes ``report.json`` (byte-identical on rerun, evidence id inside), ``report.md``,
+``goodput_vs_load.png``, ``ttft_cdf.png`` and the sidecar ``run_meta.json`` into ``--out``; prints
+the primary endpoint (seed-200) and the leaderboard. Bad input: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from .errors import ConfigError
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    # values are parsed here (not by argparse types) so bad input gives one line and exit 2
+    p.add_argument("--suite", default="seed-200", help="suite name or spec .json (default seed-200)")
+    p.add_argument("--split", default="test", help="suite split (default test)")
+    p.add_argument("--profile", default="stress-512", help="engine profile (tokenbatch profiles list)")
+    p.add_argument("--policies", default="fcfs,sjf,edf,llf,index",
+                   help="comma-separated: fcfs,priority,sjf,srpt-oracle,edf,llf,index (fcfs and edf+shed "
+                        "are always added as baselines; index+shed for seed-200's primary endpoint)")
+    p.add_argument("--shed", action="store_true", help="add a +shed row for every policy")
+    p.add_argument("--loads", default="0.6,0.8,1.0,1.2,1.5,2.0", help="comma-separated rho values (x lambda_sat)")
+    p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    p.add_argument("--params", default=None,
+                   help='JSON file {"index": {IndexParams fields}, "shed_margin": x, "edf": {"shed_margin": y}}')
+    p.add_argument("--max-traces", default=None, help="use only the first N traces (or windows)")
+    p.add_argument("--bootstrap-seed", default="0", help="bootstrap seed (enters the evidence id)")
+    p.add_argument("--bootstrap-b", default="10000", help="bootstrap resamples (default 10000)")
+    p.add_argument("--capacity", action="store_true", help="also compute capacity at SLO (many more runs)")
+    p.add_argument("--target", default="0.9", help="capacity goodput target (default 0.9)")
+    p.add_argument("--gpu-price", default=None, help="$ per GPU-hour (capacity savings)")
+    p.add_argument("--gpus", default=None, help="number of GPUs (capacity savings)")
+    p.add_argument("--trace", default=None, help="a real trace file instead of a suite (windows)")
+    p.add_argument("--format", default=None, help="trace format (default: detected)")
+    p.add_argument("--windows", default=None, help="scored requests per window (with --trace)")
+    p.add_argument("--warmup", default="0", help="requests simulated before each window, not scored")
+    p.add_argument("--cooldown", default="0", help="requests simulated after each window, not scored")
+    p.add_argument("--no-upper-bound", action="store_true", help="skip the upper bound")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+
+
+def _int(text, name, lo=None):
+    if text is None:
+        return None
+    try:
+        v = int(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"--{name}: must be an integer, got {text!r}") from None
+    if lo is not None and v < lo:
+        raise ConfigError(f"--{name}: must be >= {lo}, got {v}")
+    return v
+
+
+def _float(text, name):
+    if text is None:
+        return None
+    try:
+        v = float(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"--{name}: must be a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise ConfigError(f"--{name}: must be finite, got {text!r}")
+    return v
+
+
+def parse_loads(text: str) -> tuple:
+    items = [s.strip() for s in str(text).split(",") if s.strip()]
+    if not items:
+        raise ConfigError("--loads: need at least one rho > 0, e.g. 0.6,1.2")
+    out = []
+    for s in items:
+        try:
+            v = float(s)
+        except ValueError:
+            raise ConfigError(f"--loads: {s!r} is not a number (rho values > 0, comma-separated)") from None
+        if not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"--loads: rho must be a finite number > 0, got {s!r}")
+        out.append(v)
+    return tuple(out)
+
+
+def parse_policies(text: str) -> tuple:
+    from .errors import PolicyError
+    from .policies import BASELINES
+    items = [s.strip() for s in str(text).split(",") if s.strip()]
+    if not items:
+        raise PolicyError(f"--policies: need at least one; valid: {', '.join(BASELINES)}")
+    for s in items:
+        base = s[:-5] if s.endswith("+shed") else s
+        if base not in BASELINES:
+            raise PolicyError(f"unknown policy {s!r}; valid: {', '.join(BASELINES)} (add --shed for +shed rows)")
+    if any(s.endswith("+shed") for s in items):
+        raise PolicyError("--policies: write the policy name without +shed and add --shed")
+    return tuple(dict.fromkeys(items))
+
+
+def config_from_args(args):
+    from .engine.profiles import load_profile
+    from .evaluate import BenchConfig, load_params_file
+
+    load_profile(args.profile)  # unknown profile -> one line listing the valid ones
+    kw = {}
+    if args.params:
+        params, margins = load_params_file(args.params)
+        kw.update(index_params=params, shed_margins=margins, params_source=args.params)
+    if args.trace is not None and args.windows is None:
+        raise ConfigError("--trace needs --windows W (scored requests per window)")
+    if args.trace is None and args.windows is not None:
+        raise ConfigError("--windows needs --trace FILE")
+    return BenchConfig(
+        suite=args.suite, split=args.split, profile=args.profile, policies=parse_policies(args.policies),
+        shed=args.shed, loads=parse_loads(args.loads), max_traces=_int(args.max_traces, "max-traces", 1),
+        bootstrap_seed=_int(args.bootstrap_seed, "bootstrap-seed", 0),
+        bootstrap_b=_int(args.bootstrap_b, "bootstrap-b", 100), capacity=args.capacity,
+        capacity_target=_float(args.target, "target"), gpu_price=_float(args.gpu_price, "gpu-price"),
+        gpus=_int(args.gpus, "gpus", 1), trace_file=args.trace, trace_format=args.format,
+        windows=_int(args.windows, "windows", 1), warmup=_int(args.warmup, "warmup", 0),
+        cooldown=_int(args.cooldown, "cooldown", 0), upper_bound=not args.no_upper_bound,
+        progress=not args.quiet, **kw)
+
+
+def run(args) -> int:
+    from .evaluate import run_benchmark
+
+    cfg = config_from_args(args)
+    report = run_benchmark(cfg)
+    paths = report.write(args.out)
+    if not args.quiet:
+        sys.stdout.write(report.summary_text())
+        print(f"\nwrote {', '.join(str(p) for p in paths)}  ({report.meta['wall_time_s']:.1f} s)")
+    return 0
+
+
+def main(argv=None) -> int:
+    """``python -m tokenbatch_env.bench_cli ...`` (same as ``tokenbatch bench ...``)."""
+    from .cli import COMMANDS, main as cli_main
+    COMMANDS.setdefault("bench", ("tokenbatch_env.bench_cli", "benchmark policies on a suite (DESIGN.md section 6)"))
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
