@@ -54,7 +54,9 @@ SETTINGS = dict(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 def _run(trace, policy, cfg, **extra):
     trs = trace if isinstance(trace, list) else [trace]
     est = [t.output_tokens * 1.3 for t in trs]
-    return simulate(trace, "linear", _policy(policy), EngineConfig(record_iterations=100_000, **cfg, **extra),
+    # a small iteration cap turns any livelock into a visible failure (unfinished requests)
+    return simulate(trace, "linear", _policy(policy),
+                    EngineConfig(record_iterations=100_000, max_iterations=200_000, **cfg, **extra),
                     estimates=est)
 
 

@@ -20,6 +20,8 @@ COMMANDS = {
     "profiles": ("tokenbatch_env.engine.profiles_cli", "list, show and fit engine profiles"),
     "simulate": ("tokenbatch_env.engine.simulate_cli", "replay a trace through the engine"),
     "audit": ("tokenbatch_env.capacity_cli", "fluid capacity audit of a contract and workload"),
+    "fidelity": ("tokenbatch_env.integrations.fidelity_cli",
+                 "compare the engine with vLLM's real scheduler on a trace (needs the vllm extra)"),
     "bench": ("tokenbatch_env.bench_cli", "benchmark policies x traces x loads with CIs (DESIGN.md section 6)"),
 }
 

@@ -103,6 +103,7 @@ class EngineArrays(NamedTuple):
     iter_rec: np.ndarray         # [C, maxrec, N_ITER_COLS]
     jump_ids: np.ndarray         # [C, S] scratch: running requests bucketed by block phase
     jump_off: np.ndarray         # [C, bs + 1] scratch: bucket offsets
+    emit_it: np.ndarray          # [C, R] iteration of the request's latest token (-1: none yet)
 
 
 # Performance note. Every ``A.field`` read of the NamedTuple inside a numba function is a new
@@ -134,6 +135,7 @@ def _fq_append(fq_prev, fq_next, n_free, c, b, tail):
 
 @helper
 def _fq_prepend(fq_prev, fq_next, n_free, c, b, head):
+    """Insert b right after ``head`` (the queue's front sentinel, or a block already in the queue)."""
     n = fq_next[c, head]
     fq_next[c, head] = b
     fq_prev[c, b] = head
@@ -214,14 +216,18 @@ def _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, 
 @helper
 def _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
                          slot_free, n_slot_free, c, r, head, tail):
-    """Release r's blocks in reverse order (tail evicted first); hashless ones go to the front."""
+    """Release r's blocks in reverse order (tail evicted first). Cached ones are appended to the
+    free queue; hashless ones go to its front as a group, keeping that order (vLLM's
+    ``BlockPool.free_blocks``: ``prepend_n`` then ``append_n``)."""
     s = slot_of[c, r]
+    cursor = head  # hashless blocks are inserted after the previous one
     for j in range(held[c, r] - 1, -1, -1):
         b = table[c, s, j]
         ref[c, b] -= 1
         if ref[c, b] == 0:
             if bhash[c, b] < 0:
-                _fq_prepend(fq_prev, fq_next, n_free, c, b, head)
+                _fq_prepend(fq_prev, fq_next, n_free, c, b, cursor)
+                cursor = b
             else:
                 _fq_append(fq_prev, fq_next, n_free, c, b, tail)
     held[c, r] = 0
@@ -304,7 +310,7 @@ def _end(status, end_state, finish, n_ended, c, r, state, t):
 @njit
 def _preempt(c, vi, acc, run_ids, n_run, sched, recomputed, computed, n_preempt, resumed, qkey,
              key_lo, wait_ids, n_wait, status, table, slot_of, held, n_cached, ref, bhash, fq_prev,
-             fq_next, n_free, slot_free, n_slot_free):
+             fq_next, n_free, slot_free, n_slot_free, pend_ids, n_pend):
     """Rule 4: preempt running[vi] (recompute): free all its blocks, give back its tokens and budget
     if it was already scheduled this iteration, and put it back in the waiting queue (FCFS:
     prepended, via the smallest queue key). ``acc = [ns, budget]`` is updated in place; ``sched``
@@ -323,6 +329,18 @@ def _preempt(c, vi, acc, run_ids, n_run, sched, recomputed, computed, n_preempt,
                 sched_cb[c, q] = sched_cb[c, q + 1]
             acc[0] = ns - 1
             break
+    if status[c, v] == ENDED:
+        # async: finished last iteration, still in `running` during this schedule (vLLM 0.33 keeps
+        # it there until update_from_output); preempting it frees its blocks now, and it counts
+        for k in range(n_pend[c]):
+            if pend_ids[c, k] == v:
+                pend_ids[c, k] = pend_ids[c, n_pend[c] - 1]
+                n_pend[c] -= 1
+                break
+        _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
+                             slot_free, n_slot_free, c, v, nb, nb + 1)
+        n_preempt[c, v] += 1
+        return v
     recomputed[c, v] += computed[c, v]
     _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
                          slot_free, n_slot_free, c, v, nb, nb + 1)
@@ -344,7 +362,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 gen, qkey, slot_of, held, n_cached, first_sched, first_token, first_token_it,
                 finish, finish_it, n_preempt, recomputed, resumed, run_ids, wait_ids, slot_free,
                 pend_ids, table, ref, bhash, hnext, fq_prev, fq_next, hash_head,
-                sched_r, sched_new, sched_cb, iter_rec, jump_ids, jump_off):
+                sched_r, sched_new, sched_cb, iter_rec, jump_ids, jump_off, emit_it):
     """``run_copies`` with the struct of arrays unpacked. One iteration of copy c is the body of the
     inner loop (written inline: a call with more than 30 arguments cannot be inlined by numba)."""
     bs = cfg[C_BS]
@@ -354,6 +372,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     head = nb
     tail = nb + 1
     prefix_on = cfg[C_PREFIX] != 0
+    async_on = cfg[C_ASYNC] != 0
     pid = cfg[C_PID]
     score_inkernel = mode == MODE_SCORE and pid != P_EXTERNAL
     usable = float(cfg[C_USABLE])
@@ -594,9 +613,12 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             r = run_ids[c, q]
                             computed[c, r] += k
                             gen[c, r] += k
-                            if prefix_on and computed[c, r] // bs > n_cached[c, r]:
+                            emit_it[c, r] = it[c] + k - 1
+                            # the last schedule of the jump saw computed - 1 known tokens under async
+                            upto = computed[c, r] - (1 if async_on else 0)
+                            if prefix_on and upto // bs > n_cached[c, r]:
                                 _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off,
-                                              chain_val, uniq_base, c, r, computed[c, r], bs)
+                                              chain_val, uniq_base, c, r, upto, bs)
                         now[c] = t
                         it[c] += k
                         total += k
@@ -611,6 +633,9 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
             stop_running = False
             while idx < n_run[c] and budget > 0 and not stop_running:
                 r = run_ids[c, idx]
+                if status[c, r] == ENDED:  # async: finished at the previous iteration
+                    idx += 1
+                    continue
                 num_tokens = prompt[c, r] + gen[c, r]
                 new = num_tokens - computed[c, r]
                 if new > budget:
@@ -626,14 +651,28 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         if need > 0:
                             _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held,
                                    c, r, need, head)
-                        if prefix_on and (computed[c, r] + new) // bs > n_cached[c, r]:
+                        # blocks are hashed once their tokens are known: with async scheduling the
+                        # token of the previous iteration is still in flight while this one is scheduled
+                        upto = computed[c, r] + new
+                        if async_on and emit_it[c, r] == it[c] - 1 and upto > num_tokens - 1:
+                            upto = num_tokens - 1
+                        if prefix_on and upto // bs > n_cached[c, r]:
                             _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, chain_val,
-                                          uniq_base, c, r, computed[c, r] + new, bs)
+                                          uniq_base, c, r, upto, bs)
                         scheduled = True
                         break
                     # Rule 4: preempt a victim and retry.
                     if mode == MODE_FCFS:
                         vi = n_run[c] - 1
+                    elif mode == MODE_PRIORITY:
+                        # vLLM: max(running, key=(priority, arrival)); ties keep the earliest admitted
+                        vi = 0
+                        for k in range(1, n_run[c]):
+                            rk = run_ids[c, k]
+                            rv = run_ids[c, vi]
+                            if prio[c, rk] > prio[c, rv] or (prio[c, rk] == prio[c, rv]
+                                                             and arrival[c, rk] > arrival[c, rv]):
+                                vi = k
                     else:
                         vi = 0
                         for k in range(1, n_run[c]):
@@ -646,10 +685,11 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     v = _preempt(c, vi, acc, run_ids, n_run, (sched_r, sched_new, sched_cb), recomputed,
                                  computed, n_preempt, resumed, qkey, key_lo, wait_ids, n_wait, status, table,
                                  slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free, slot_free,
-                                 n_slot_free)
+                                 n_slot_free, pend_ids, n_pend)
                     ns = acc[0]
                     budget = acc[1]
-                    fbest = n_wait[c] - 1  # (only used in FCFS mode, where v now heads the queue)
+                    if status[c, v] == WAITING:
+                        fbest = n_wait[c] - 1  # (only used in FCFS mode, where v now heads the queue)
                     preempted += 1
                     if v == r:
                         if mode == MODE_FCFS:
@@ -706,19 +746,25 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             break
                         if not waiting_preempts or n_run[c] == 0:
                             break
-                        # beyond vLLM: a waiting request may preempt a lower-ranked running one
-                        vi = 0
-                        for k in range(1, n_run[c]):
-                            if _better(qkey, prio, arrival, c, run_ids[c, vi], run_ids[c, k], mode, tier, score):
+                        # beyond vLLM: a waiting request may preempt a lower-ranked running one.
+                        # Only requests never preempted before are eligible victims: scores change
+                        # when a request moves between queues, and without this two requests could
+                        # preempt each other forever (each victim can lose its place once).
+                        vi = -1
+                        for k in range(n_run[c]):
+                            if n_preempt[c, run_ids[c, k]] > 0:
+                                continue
+                            if vi < 0 or _better(qkey, prio, arrival, c, run_ids[c, vi], run_ids[c, k], mode,
+                                                 tier, score):
                                 vi = k
-                        if not _better(qkey, prio, arrival, c, r, run_ids[c, vi], mode, tier, score):
+                        if vi < 0 or not _better(qkey, prio, arrival, c, r, run_ids[c, vi], mode, tier, score):
                             break
                         acc[0] = ns
                         acc[1] = budget
                         _preempt(c, vi, acc, run_ids, n_run, (sched_r, sched_new, sched_cb), recomputed,
                                  computed, n_preempt, resumed, qkey, key_lo, wait_ids, n_wait, status, table,
                                  slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free, slot_free,
-                                 n_slot_free)
+                                 n_slot_free, pend_ids, n_pend)
                         ns = acc[0]
                         budget = acc[1]
                         preempted += 1
@@ -776,8 +822,13 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
             # async scheduling (rule 10): blocks of requests that finished last iteration free now
             pending = n_pend[c]
             for k in range(pending):
+                r = pend_ids[c, k]
+                for q in range(n_run[c]):
+                    if run_ids[c, q] == r:
+                        _run_remove_at(run_ids, n_run, c, q)
+                        break
                 _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
-                                     slot_free, n_slot_free, c, pend_ids[c, k], head, tail)
+                                     slot_free, n_slot_free, c, r, head, tail)
             n_pend[c] = 0
 
             if ns == 0:
@@ -797,7 +848,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     _end(status, end_state, finish, n_ended, c, r, E_REJECTED, t_now)
                     total += 1
                     continue
-                if next_arr[c] < n and n_run[c] == 0:
+                if next_arr[c] < n and n_run[c] == 0 and n_wait[c] == 0:
                     now[c] = max(t_now, arrival[c, next_arr[c]])
                 total += 1
                 continue
@@ -832,21 +883,24 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 computed[c, r] += sched_new[c, k]
                 if computed[c, r] == prompt[c, r] + gen[c, r]:
                     gen[c, r] += 1
+                    emit_it[c, r] = itc
                     if gen[c, r] == 1:
                         first_token[c, r] = end
                         first_token_it[c, r] = itc
                     if gen[c, r] >= out_len[c, r]:
-                        for q in range(n_run[c]):
-                            if run_ids[c, q] == r:
-                                _run_remove_at(run_ids, n_run, c, q)
-                                break
                         _end(status, end_state, finish, n_ended, c, r,
                              E_LENGTH_CAPPED if capped[c, r] else E_COMPLETED, end)
                         finish_it[c, r] = itc
                         if cfg[C_ASYNC] != 0:
+                            # rule 10: stays in `running` (not schedulable, still preemptable, still
+                            # counted against max_num_seqs) until the next iteration is scheduled
                             pend_ids[c, n_pend[c]] = r
                             n_pend[c] += 1
                         else:
+                            for q in range(n_run[c]):
+                                if run_ids[c, q] == r:
+                                    _run_remove_at(run_ids, n_run, c, q)
+                                    break
                             _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next,
                                                  n_free, slot_free, n_slot_free, c, r, head, tail)
 

@@ -109,6 +109,92 @@ def _per_copy(value, C: int, what: str, width: Optional[int] = None) -> np.ndarr
     raise ConfigError(f"{what}: expected shape {shape[1:]} or {shape}, got {a.shape}")
 
 
+class EngineRun:
+    """N engine copies (one trace each) advanced in pieces: the one driver behind ``simulate``, the
+    Gymnasium envs (decision epochs) and tuning. ``advance`` stops each copy at the first iteration
+    boundary at or after ``until_ns``; ``set_policy_params`` changes per-copy parameters between."""
+
+    def __init__(self, traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile] = "stress-512",
+                 policy: Union[str, EnginePolicy, Scorer] = "fcfs", config: Optional[EngineConfig] = None,
+                 *, estimates: Optional[Sequence[np.ndarray]] = None,
+                 residual_life: Optional[np.ndarray] = None):
+        if isinstance(traces, Trace):
+            traces = [traces]
+        self.traces = list(traces)
+        self.config = config or EngineConfig()
+        self.profile = self.config.resolve(load_profile(profile) if isinstance(profile, str) else profile)
+        self.policy, self.scorer = _resolve_policy(policy)
+        self.arrays = A = build_arrays(self.traces, self.profile, self.config, estimates)
+        self.cfg = make_cfg(self.profile, self.config, self.policy.mode, self.policy.pid)
+        self.fcfg = make_fcfg(self.profile)
+        C, R = A.arrival.shape
+        self.theta = np.zeros((C, N_INDEX_PARAMS))
+        self.shed_margin = np.full(C, -1.0)
+        self.set_policy_params(self.policy.theta, self.policy.shed_margin)
+        mrl = np.ones(1) if residual_life is None else np.ascontiguousarray(residual_life, np.float64)
+        if mrl.ndim != 1 or mrl.size == 0 or not np.isfinite(mrl).all():
+            raise ConfigError("residual_life must be a non-empty 1-D table of finite values")
+        self.mrl = mrl
+        self.tier = np.zeros((C, R), np.int8)
+        self.score = np.zeros((C, R), np.float64)
+        self._no_shed = np.zeros((C, R), np.bool_)
+
+    @property
+    def n_copies(self) -> int:
+        return len(self.traces)
+
+    def set_policy_params(self, theta=None, shed_margin=None) -> None:
+        """Per-copy policy parameters ([NP] or [C, NP]; shed margin scalar or [C], None/inf/<0 = off)."""
+        C = self.n_copies
+        if theta is not None:
+            self.theta[:] = _per_copy(theta, C, "policy theta", N_INDEX_PARAMS)
+        if shed_margin is not None or theta is None:
+            m = _per_copy(-1.0 if shed_margin is None else shed_margin, C, "shed_margin")
+            self.shed_margin[:] = np.where(np.isfinite(m), m, -1.0)
+
+    @property
+    def done(self) -> np.ndarray:
+        A = self.arrays
+        return (A.n_ended >= A.n_req) | (A.it >= self.config.max_iterations)
+
+    def advance(self, until_ns=None, active=None, *, chunk_steps: int = 20_000, bar=None) -> int:
+        """Run the ``active`` copies until each has ended or reached ``until_ns`` (scalar or [C]).
+        Returns the number of iterations run."""
+        A, C = self.arrays, self.n_copies
+        until = np.full(C, NEVER, np.int64) if until_ns is None else \
+            np.ascontiguousarray(np.broadcast_to(np.asarray(until_ns, np.int64), (C,)))
+        base = np.ones(C, bool) if active is None else np.asarray(active, bool)
+        total = 0
+        while True:
+            act = base & ~self.done & (A.now < until)
+            if not act.any():
+                return total
+            tier, score, shed, steps = self.tier, self.score, self._no_shed, chunk_steps
+            if self.scorer is not None:
+                tier, score, shed = self.scorer.fn(A, A.now)
+                steps = 1 if self.scorer.time_dependent else chunk_steps
+            before = int(A.n_ended.sum())
+            snap = (A.now.copy(), A.it.copy(), A.n_ended.copy(), A.n_wait.copy(), A.n_run.copy())
+            total += K.run_copies(A, self.cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, tier,
+                                  score, shed, act, steps, until)
+            stuck = act & (A.now == snap[0]) & (A.it == snap[1]) & (A.n_ended == snap[2]) \
+                & (A.n_wait == snap[3]) & (A.n_run == snap[4])
+            if stuck.any():  # a safety net: the engine must never spin without progress
+                raise RuntimeError(f"engine made no progress on copies {np.flatnonzero(stuck)[:10].tolist()} "
+                                   f"at t={A.now[stuck][:3].tolist()} ns; please report this trace")
+            if bar is not None:
+                bar.update(int(A.n_ended.sum()) - before)
+
+    def result(self) -> SimResult:
+        """Outcomes so far; requests still open at the iteration cap are marked ``unfinished``."""
+        A = self.arrays
+        R = A.arrival.shape[1]
+        capped = (A.it >= self.config.max_iterations)[:, None]
+        unfinished = capped & (A.end_state == K.E_NONE) & (np.arange(R)[None, :] < A.n_req[:, None])
+        A.end_state[unfinished] = K.E_UNFINISHED
+        return SimResult(self.traces, self.profile, self.config, self.policy.name, A)
+
+
 def simulate(traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile] = "stress-512",
              policy: Union[str, EnginePolicy, Scorer] = "fcfs", config: Optional[EngineConfig] = None,
              *, estimates: Optional[Sequence[np.ndarray]] = None,
@@ -120,48 +206,15 @@ def simulate(traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile]
     ``estimates`` (one float array per trace) and ``residual_life`` (a mean-residual-life table,
     see ``tokenbatch_env.predictors``) feed the in-engine scores; requests without an estimate use
     the table (default: 1 token left)."""
-    if isinstance(traces, Trace):
-        traces = [traces]
-    traces = list(traces)
-    config = config or EngineConfig()
-    prof = config.resolve(load_profile(profile) if isinstance(profile, str) else profile)
-    pol, scorer = _resolve_policy(policy)
-    A = build_arrays(traces, prof, config, estimates)
-    cfg = make_cfg(prof, config, pol.mode, pol.pid)
-    fcfg = make_fcfg(prof)
-    C, R = A.arrival.shape
-    theta = _per_copy(np.zeros(N_INDEX_PARAMS) if pol.theta is None else pol.theta, C,
-                      "policy theta", N_INDEX_PARAMS)
-    shed_margin = _per_copy(-1.0 if pol.shed_margin is None else pol.shed_margin, C, "shed_margin")
-    shed_margin = np.where(np.isfinite(shed_margin), shed_margin, -1.0)
-    mrl = np.ones(1) if residual_life is None else np.ascontiguousarray(residual_life, np.float64)
-    if mrl.ndim != 1 or mrl.size == 0 or not np.isfinite(mrl).all():
-        raise ConfigError("residual_life must be a non-empty 1-D table of finite values")
-    until = np.full(C, NEVER, np.int64)
-    tier = np.zeros((C, R), np.int8)
-    score = np.zeros((C, R), np.float64)
-    no_shed = np.zeros((C, R), np.bool_)
+    run = EngineRun(traces, profile, policy, config, estimates=estimates, residual_life=residual_life)
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=int(A.n_req.sum()), unit="req", desc=f"simulate {pol.name}", leave=False)
+        bar = tqdm(total=int(run.arrays.n_req.sum()), unit="req", desc=f"simulate {run.policy.name}",
+                   leave=False)
     try:
-        while True:
-            active = (A.n_ended < A.n_req) & (A.it < config.max_iterations)
-            if not active.any():
-                break
-            shed, steps = no_shed, chunk_steps
-            if scorer is not None:
-                tier, score, shed = scorer.fn(A, A.now)
-                steps = 1 if scorer.time_dependent else chunk_steps
-            before = int(A.n_ended.sum())
-            K.run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, steps, until)
-            if bar is not None:
-                bar.update(int(A.n_ended.sum()) - before)
+        run.advance(chunk_steps=chunk_steps, bar=bar)
     finally:
         if bar is not None:
             bar.close()
-    # requests left at the iteration cap end as unfinished (not met)
-    unfinished = (A.end_state == K.E_NONE) & (np.arange(R)[None, :] < A.n_req[:, None])
-    A.end_state[unfinished] = K.E_UNFINISHED
-    return SimResult(traces, prof, config, pol.name, A)
+    return run.result()

@@ -198,5 +198,5 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
         fq_prev=fq_prev, fq_next=fq_next, hash_head=z(C, U, fill=-1, dtype=np.int32),
         sched_r=z(C, S), sched_new=z(C, S), sched_cb=z(C, S),
         iter_rec=z(C, rec, K.N_ITER_COLS),
-        jump_ids=z(C, S), jump_off=z(C, bs + 1),
+        jump_ids=z(C, S), jump_off=z(C, bs + 1), emit_it=z(C, R, fill=-1),
     )
