@@ -179,3 +179,30 @@ def test_admission_control_refuses_hopeless_arrivals():
     refused = on["end_state"] == K.E_REJECTED
     assert 0 < refused.sum() < 10 and refused[-1] and not refused[0]
     assert on["met"].sum() >= off["met"].sum()
+
+
+def test_swap_preemption_keeps_computed_tokens_and_charges_pcie_time():
+    # as the FCFS victim case: B is preempted at iteration 17, but swapped out instead of dropped
+    trace = tiny_trace([0, 0], [16, 16], [40, 40])
+    rec_r = run(trace, num_blocks=5, prefix_caching=False).records(0)
+    r = run(trace, num_blocks=5, prefix_caching=False, swap=True)
+    rec, it = r.records(0), r.iterations(0)
+    assert rec["preemptions"][1] == 1 and rec["swapped_blocks"][1] == 2
+    assert rec["recomputed_tokens"][1] == 0 and rec_r["recomputed_tokens"][1] == 32
+    # linear profile: block = 16 tokens x 524288 B = 8 MiB; PCIe 25 GB/s -> 335,544.32 ns per block
+    per_block_ps = round(16 * 524288 / 25.0 * 1000)
+    decode_1 = 5_000_000 + 50_000  # one decode: 5 ms + 0.05 ms
+    assert it["end_ns"][17] - it["start_ns"][17] == -(-(decode_1 * 1000 + 2 * per_block_ps) // 1000)
+    # B swaps back in (3 blocks needed for its 33 tokens; free after A finishes at 39) and decodes at
+    # once: no recompute prefill
+    assert it["prefill_tokens"][40] == 0 and it["decodes"][40] == 1
+    # same iterations, less time: two 8 MiB copies each way (1.34 ms) beat recomputing 32 tokens
+    # (1.6 ms) on this profile
+    assert rec["finish_iteration"][1] == rec_r["finish_iteration"][1]
+    assert rec["finish_ns"][1] < rec_r["finish_ns"][1]
+
+
+def test_swap_falls_back_to_recompute_without_host_memory():
+    trace = tiny_trace([0, 0], [16, 16], [40, 40])
+    rec = run(trace, num_blocks=5, prefix_caching=False, swap=True, swap_space_gib=0.0).records(0)
+    assert rec["swapped_blocks"][1] == 0 and rec["recomputed_tokens"][1] == 32

@@ -38,6 +38,8 @@ configs = st.fixed_dictionaries({
     "skip_hol": st.booleans(),
     "waiting_preempts": st.booleans(),
     "admission_control": st.booleans(),
+    "swap": st.booleans(),
+    "swap_space_gib": st.sampled_from([0.0, 0.01, 4.0]),
 })
 policies = st.sampled_from(["fcfs", "priority", "edf", "llf", "sjf", "index", "edf+shed", "fcfs+shed"])
 

@@ -18,7 +18,7 @@ from .scoring import P_EXTERNAL, idle_prefill_ns, policy_score, service_ms
 
 # ---------------------------------------------------------------------------------- constants
 # request status
-FUTURE, WAITING, RUNNING, ENDED = 0, 1, 2, 3
+FUTURE, WAITING, RUNNING, ENDED, SWAPPED = 0, 1, 2, 3, 4
 # end states (DESIGN.md section 3, "Outcomes")
 E_NONE, E_COMPLETED, E_SHED, E_TIMED_OUT, E_LENGTH_CAPPED, E_REJECTED, E_UNFINISHED = 0, 1, 2, 3, 4, 5, 6
 END_STATE_NAMES = ("none", "completed", "shed", "timed_out", "length_capped", "rejected", "unfinished")
@@ -28,7 +28,8 @@ MODE_FCFS, MODE_PRIORITY, MODE_SCORE = 0, 1, 2
 # cfg vector indices
 (C_BUDGET, C_MAX_SEQS, C_BS, C_USABLE, C_WATERMARK, C_MAX_LEN, C_PREFIX, C_ASYNC, C_MODE, C_JUMPS,
  C_MAX_WAIT, C_TIMEOUT_RUNNING, C_SKIP_HOL, C_MAX_ITERS,
- C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, C_WAIT_PREEMPT, C_ADMISSION, N_CFG) = range(25)
+ C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, C_WAIT_PREEMPT, C_ADMISSION,
+ C_SWAP, C_HOST_BLOCKS, C_SWAP_PS_PER_BLOCK, N_CFG) = range(28)
 # float cfg vector indices: ms per prefill / decode token at a full batch (DESIGN.md section 4)
 (F_U_P, F_U_D, N_FCFG) = range(3)
 
@@ -104,6 +105,10 @@ class EngineArrays(NamedTuple):
     jump_ids: np.ndarray         # [C, S] scratch: running requests bucketed by block phase
     jump_off: np.ndarray         # [C, bs + 1] scratch: bucket offsets
     emit_it: np.ndarray          # [C, R] iteration of the request's latest token (-1: none yet)
+    swapped: np.ndarray          # [C, R] blocks swapped out to host memory (cumulative)
+    swap_ids: np.ndarray         # [C, R] the swapped queue, FIFO (beyond vLLM: V0 swap preemption)
+    n_swap: np.ndarray           # [C]
+    host_free: np.ndarray        # [C] free host blocks for swapping
 
 
 # Performance note. Every ``A.field`` read of the NamedTuple inside a numba function is a new
@@ -308,14 +313,18 @@ def _end(status, end_state, finish, n_ended, c, r, state, t):
 
 
 @njit
-def _preempt(c, vi, acc, run_ids, n_run, sched, recomputed, computed, n_preempt, resumed, qkey,
-             key_lo, wait_ids, n_wait, status, table, slot_of, held, n_cached, ref, bhash, fq_prev,
-             fq_next, n_free, slot_free, n_slot_free, pend_ids, n_pend):
-    """Rule 4: preempt running[vi] (recompute): free all its blocks, give back its tokens and budget
-    if it was already scheduled this iteration, and put it back in the waiting queue (FCFS:
-    prepended, via the smallest queue key). ``acc = [ns, budget]`` is updated in place; ``sched``
-    is (sched_r, sched_new, sched_cb). Returns the victim."""
+def _preempt(c, vi, acc, run_ids, n_run, sched, req, pool, slots, queues, swap_on):
+    """Rule 4: preempt running[vi]: give back its tokens and budget if it was already scheduled this
+    iteration, then either recompute (free all its blocks, back to the waiting queue; FCFS:
+    prepended via the smallest queue key) or, with swap preemption (beyond vLLM, V0 semantics),
+    move its blocks to host memory and put it in the swapped queue. Swap needs room on the host
+    and no shared block (a block another request also holds); otherwise it falls back to
+    recompute. ``acc = [ns, budget, swapped blocks]`` is updated in place. Returns the victim."""
     sched_r, sched_new, sched_cb = sched
+    recomputed, computed, n_preempt, resumed, qkey, status, held, n_cached = req
+    ref, bhash, fq_prev, fq_next, n_free, hash_head, hnext = pool
+    table, slot_of, slot_free, n_slot_free = slots
+    key_lo, wait_ids, n_wait, pend_ids, n_pend, swap_ids, n_swap, host_free, swapped = queues
     nb = ref.shape[1]
     v = run_ids[c, vi]
     _run_remove_at(run_ids, n_run, c, vi)
@@ -341,11 +350,36 @@ def _preempt(c, vi, acc, run_ids, n_run, sched, recomputed, computed, n_preempt,
                              slot_free, n_slot_free, c, v, nb, nb + 1)
         n_preempt[c, v] += 1
         return v
+    n_preempt[c, v] += 1
+    if swap_on != 0:
+        s = slot_of[c, v]
+        h = held[c, v]
+        exclusive = True
+        for j in range(h):
+            if ref[c, table[c, s, j]] != 1:
+                exclusive = False
+                break
+        if exclusive and h <= host_free[c]:
+            # the GPU copies become plain free blocks (front of the free queue, like hashless ones)
+            cursor = nb
+            for j in range(h - 1, -1, -1):
+                b = table[c, s, j]
+                ref[c, b] = 0
+                _uncache(bhash, hash_head, hnext, c, b)
+                _fq_prepend(fq_prev, fq_next, n_free, c, b, cursor)
+                cursor = b
+            n_cached[c, v] = 0
+            host_free[c] -= h
+            swapped[c, v] += h
+            acc[2] += h
+            status[c, v] = SWAPPED
+            swap_ids[c, n_swap[c]] = v
+            n_swap[c] += 1
+            return v
     recomputed[c, v] += computed[c, v]
     _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
                          slot_free, n_slot_free, c, v, nb, nb + 1)
     computed[c, v] = 0
-    n_preempt[c, v] += 1
     resumed[c, v] = True
     qkey[c, v] = key_lo[c]
     key_lo[c] -= 1
@@ -362,7 +396,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 gen, qkey, slot_of, held, n_cached, first_sched, first_token, first_token_it,
                 finish, finish_it, n_preempt, recomputed, resumed, run_ids, wait_ids, slot_free,
                 pend_ids, table, ref, bhash, hnext, fq_prev, fq_next, hash_head,
-                sched_r, sched_new, sched_cb, iter_rec, jump_ids, jump_off, emit_it):
+                sched_r, sched_new, sched_cb, iter_rec, jump_ids, jump_off, emit_it, swapped, swap_ids,
+                n_swap, host_free):
     """``run_copies`` with the struct of arrays unpacked. One iteration of copy c is the body of the
     inner loop (written inline: a call with more than 30 arguments cannot be inlined by numba)."""
     bs = cfg[C_BS]
@@ -379,7 +414,13 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     ps = cfg[C_PS0:C_PS0 + 4]
     skip_hol = cfg[C_SKIP_HOL] != 0
     waiting_preempts = cfg[C_WAIT_PREEMPT] != 0 and mode != MODE_FCFS
-    acc = np.zeros(2, np.int64)
+    acc = np.zeros(3, np.int64)
+    swap_on = cfg[C_SWAP]
+    # argument groups for _preempt (a call with more than 30 arguments cannot be compiled)
+    req_t = (recomputed, computed, n_preempt, resumed, qkey, status, held, n_cached)
+    pool_t = (ref, bhash, fq_prev, fq_next, n_free, hash_head, hnext)
+    slots_t = (table, slot_of, slot_free, n_slot_free)
+    queues_t = (key_lo, wait_ids, n_wait, pend_ids, n_pend, swap_ids, n_swap, host_free, swapped)
     total = 0
     for c in range(now.shape[0]):
         if not active[c]:
@@ -404,7 +445,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 break  # copy done
 
             # Idle engine: jump the clock to the next arrival.
-            if n_run[c] == 0 and n_wait[c] == 0 and n_pend[c] == 0:
+            if n_run[c] == 0 and n_wait[c] == 0 and n_pend[c] == 0 and n_swap[c] == 0:
                 if next_arr[c] < n and arrival[c, next_arr[c]] > now[c]:
                     now[c] = arrival[c, next_arr[c]]
             t_now = now[c]
@@ -533,7 +574,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
 
             if n_ended[c] >= n:
                 break  # copy done
-            if n_run[c] == 0 and n_wait[c] == 0 and n_pend[c] == 0:
+            if n_run[c] == 0 and n_wait[c] == 0 and n_pend[c] == 0 and n_swap[c] == 0:
                 total += 1  # everything visible ended; the next call jumps to the next arrival
                 continue
 
@@ -542,7 +583,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
             # epoch or iteration cap falls inside, iterations only add one token per request. They
             # are advanced here without the scheduling passes, with the same block claims in the
             # same order, so the state afterwards is the one k single steps would give.
-            if (cfg[C_JUMPS] != 0 and n_wait[c] == 0 and n_pend[c] == 0 and n_run[c] > 0
+            if (cfg[C_JUMPS] != 0 and n_wait[c] == 0 and n_pend[c] == 0 and n_swap[c] == 0 and n_run[c] > 0
                     and n_run[c] <= cfg[C_BUDGET] and not (mode == MODE_SCORE and pid == P_EXTERNAL)):
                 D = n_run[c]
                 k_done = cfg[C_MAX_ITERS] - it[c]
@@ -627,6 +668,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
             budget = cfg[C_BUDGET]
             ns = 0
             preempted = 0
+            acc[2] = 0  # blocks swapped out or in during this iteration
 
             # Rule 2: RUNNING first, in admission order.
             idx = 0
@@ -682,10 +724,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         idx -= 1
                     acc[0] = ns
                     acc[1] = budget
-                    v = _preempt(c, vi, acc, run_ids, n_run, (sched_r, sched_new, sched_cb), recomputed,
-                                 computed, n_preempt, resumed, qkey, key_lo, wait_ids, n_wait, status, table,
-                                 slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free, slot_free,
-                                 n_slot_free, pend_ids, n_pend)
+                    v = _preempt(c, vi, acc, run_ids, n_run, (sched_r, sched_new, sched_cb), req_t, pool_t,
+                                 slots_t, queues_t, swap_on)
                     ns = acc[0]
                     budget = acc[1]
                     if status[c, v] == WAITING:
@@ -705,7 +745,46 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
 
             # Rules 5-6: admission, only if nothing was preempted in this iteration. Candidates are
             # wait_ids[:lim]; with skip_hol (beyond vLLM) a request that does not fit moves past lim.
-            if preempted == 0:
+            # Beyond vLLM, swap (V0): the swapped queue is served before the waiting queue, in FIFO
+            # order; a swap-in needs blocks for the whole current sequence plus the watermark.
+            if preempted == 0 and swap_on != 0:
+                while n_swap[c] > 0 and budget > 0 and n_run[c] < cfg[C_MAX_SEQS]:
+                    r = swap_ids[c, 0]
+                    num_tokens = prompt[c, r] + gen[c, r]
+                    if (num_tokens + bs - 1) // bs + cfg[C_WATERMARK] > n_free[c]:
+                        break
+                    for q in range(n_swap[c] - 1):
+                        swap_ids[c, q] = swap_ids[c, q + 1]
+                    n_swap[c] -= 1
+                    h = held[c, r]
+                    host_free[c] += h
+                    acc[2] += h
+                    held[c, r] = 0
+                    _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held,
+                           c, r, h, head)
+                    status[c, r] = RUNNING
+                    run_ids[c, n_run[c]] = r
+                    n_run[c] += 1
+                    new = num_tokens - computed[c, r]
+                    if new > budget:
+                        new = budget
+                    need = (computed[c, r] + new + bs - 1) // bs - held[c, r]
+                    if need > 0:
+                        _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held,
+                               c, r, need, head)
+                    upto = computed[c, r] + new
+                    if async_on and emit_it[c, r] == it[c] - 1 and upto > num_tokens - 1:
+                        upto = num_tokens - 1
+                    if prefix_on and upto // bs > n_cached[c, r]:
+                        _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, chain_val,
+                                      uniq_base, c, r, upto, bs)
+                    sched_r[c, ns] = r
+                    sched_new[c, ns] = new
+                    sched_cb[c, ns] = computed[c, r]
+                    ns += 1
+                    budget -= new
+
+            if preempted == 0 and n_swap[c] == 0:
                 resume_first = cfg[C_RESUME_FIRST] != 0
                 lim = n_wait[c]
                 while lim > 0 and budget > 0 and n_run[c] < cfg[C_MAX_SEQS]:
@@ -761,10 +840,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             break
                         acc[0] = ns
                         acc[1] = budget
-                        _preempt(c, vi, acc, run_ids, n_run, (sched_r, sched_new, sched_cb), recomputed,
-                                 computed, n_preempt, resumed, qkey, key_lo, wait_ids, n_wait, status, table,
-                                 slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free, slot_free,
-                                 n_slot_free, pend_ids, n_pend)
+                        _preempt(c, vi, acc, run_ids, n_run, (sched_r, sched_new, sched_cb), req_t, pool_t,
+                                 slots_t, queues_t, swap_on)
                         ns = acc[0]
                         budget = acc[1]
                         preempted += 1
@@ -834,6 +911,25 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
             if ns == 0:
                 # Nothing could run. With nothing running or pending, the head request can never fit
                 # (its whole sequence plus the watermark exceeds the empty pool): reject it.
+                if n_run[c] == 0 and n_swap[c] > 0 and preempted == 0 and pending == 0:
+                    # the swapped head cannot fit even in an empty pool: recompute it instead
+                    r = swap_ids[c, 0]
+                    for q in range(n_swap[c] - 1):
+                        swap_ids[c, q] = swap_ids[c, q + 1]
+                    n_swap[c] -= 1
+                    host_free[c] += held[c, r]
+                    held[c, r] = 0
+                    slot_free[c, n_slot_free[c]] = slot_of[c, r]
+                    n_slot_free[c] += 1
+                    slot_of[c, r] = -1
+                    recomputed[c, r] += computed[c, r]
+                    computed[c, r] = 0
+                    resumed[c, r] = True
+                    qkey[c, r] = key_lo[c]
+                    key_lo[c] -= 1
+                    _wait_add(wait_ids, n_wait, status, c, r)
+                    total += 1
+                    continue
                 if n_run[c] == 0 and n_wait[c] > 0 and preempted == 0 and pending == 0:
                     bi = 0
                     for k in range(1, n_wait[c]):
@@ -871,7 +967,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     c2 += new * new
                     attn += new * cb
             t_ps = (cfg[C_PS0] + cfg[C_PS_PREFILL] * pre + cfg[C_PS_C2] * c2 + cfg[C_PS_ATTN] * attn
-                    + cfg[C_PS_DECODE] * dec + cfg[C_PS_KV] * kv)
+                    + cfg[C_PS_DECODE] * dec + cfg[C_PS_KV] * kv + cfg[C_SWAP_PS_PER_BLOCK] * acc[2])
             end = t_now + (t_ps + 999) // 1000
             itc = it[c]
 

@@ -73,6 +73,7 @@ class SimResult:
             "first_token_ns": col(A.first_token), "first_token_iteration": col(A.first_token_it),
             "finish_ns": col(A.finish), "finish_iteration": col(A.finish_it),
             "preemptions": col(A.n_preempt), "recomputed_tokens": col(A.recomputed),
+            "swapped_blocks": col(A.swapped),
             "end_state": col(A.end_state).astype(np.int64),
         }
         rec.update(request_metrics(rec, t))

@@ -30,6 +30,8 @@ class EngineConfig:
     skip_hol: bool = False                    # beyond vLLM: skip head-of-line blocking
     waiting_preempts: bool = False            # beyond vLLM: waiting requests preempt lower-score running ones
     admission_control: bool = False           # beyond vLLM: refuse at arrival a request that cannot make T1
+    swap: bool = False                        # beyond vLLM: swap preemption (V0), recompute as fallback
+    swap_space_gib: float = 4.0               # host memory for swapped blocks (vLLM V0's default)
     resume_first: bool = False                # score policies: preempted requests resume first
     max_iterations: int = 50_000_000          # iteration cap per copy (truncation)
     record_iterations: int = 0                # per-iteration records kept per copy (0 = none)
@@ -41,6 +43,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_wait_ms is not None and not (np.isfinite(self.max_wait_ms) and self.max_wait_ms > 0):
             raise ConfigError(f"max_wait_ms must be a positive number or None, got {self.max_wait_ms!r}")
+        if not (isinstance(self.swap_space_gib, (int, float)) and np.isfinite(self.swap_space_gib)
+                and self.swap_space_gib >= 0):
+            raise ConfigError(f"swap_space_gib must be a finite number >= 0, got {self.swap_space_gib!r}")
         for f in ("max_iterations", "record_iterations"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 0:
@@ -96,6 +101,11 @@ def make_cfg(profile: Profile, config: EngineConfig, mode: int, pid: int = 0) ->
     cfg[K.C_JUMPS] = int(config.jumps)
     cfg[K.C_WAIT_PREEMPT] = int(config.waiting_preempts)
     cfg[K.C_ADMISSION] = int(config.admission_control)
+    cfg[K.C_SWAP] = int(config.swap)
+    block_bytes = profile.block_size * profile.kv_bytes_per_token
+    cfg[K.C_HOST_BLOCKS] = int(config.swap_space_gib * 2**30 // block_bytes)
+    # copy time at the profile's PCIe bandwidth: bytes / (GB/s) = ns, in ps per block
+    cfg[K.C_SWAP_PS_PER_BLOCK] = int(round(block_bytes / profile.pcie_gb_per_s * 1000))
     return cfg
 
 
@@ -199,4 +209,7 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
         sched_r=z(C, S), sched_new=z(C, S), sched_cb=z(C, S),
         iter_rec=z(C, rec, K.N_ITER_COLS),
         jump_ids=z(C, S), jump_off=z(C, bs + 1), emit_it=z(C, R, fill=-1),
+        swapped=z(C, R), swap_ids=z(C, R), n_swap=z(C),
+        host_free=z(C, fill=int(config.swap_space_gib * 2**30
+                                // (profile.block_size * profile.kv_bytes_per_token))),
     )
