@@ -29,7 +29,7 @@ MODE_FCFS, MODE_PRIORITY, MODE_SCORE = 0, 1, 2
 (C_BUDGET, C_MAX_SEQS, C_BS, C_USABLE, C_WATERMARK, C_MAX_LEN, C_PREFIX, C_ASYNC, C_MODE, C_JUMPS,
  C_MAX_WAIT, C_TIMEOUT_RUNNING, C_SKIP_HOL, C_MAX_ITERS,
  C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, C_WAIT_PREEMPT, C_ADMISSION,
- C_SWAP, C_HOST_BLOCKS, C_SWAP_PS_PER_BLOCK, N_CFG) = range(28)
+ C_SWAP, C_HOST_BLOCKS, C_SWAP_PS_PER_BLOCK, C_REC_STREAM, N_CFG) = range(29)
 # float cfg vector indices: ms per prefill / decode token at a full batch (DESIGN.md section 4)
 (F_U_P, F_U_D, N_FCFG) = range(3)
 
@@ -440,6 +440,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
         for _ in range(max_steps):
             if now[c] >= until_ns[c] or it[c] >= cfg[C_MAX_ITERS]:
                 break
+            if cfg[C_REC_STREAM] != 0 and n_iter_rec[c] >= iter_rec.shape[1]:
+                break  # record buffer full: the driver flushes it to disk and calls again
             # ------------------------------------------------------------ one iteration of copy c
             if n_ended[c] >= n:
                 break  # copy done
@@ -587,6 +589,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     and n_run[c] <= cfg[C_BUDGET] and not (mode == MODE_SCORE and pid == P_EXTERNAL)):
                 D = n_run[c]
                 k_done = cfg[C_MAX_ITERS] - it[c]
+                if cfg[C_REC_STREAM] != 0 and iter_rec.shape[1] - n_iter_rec[c] < k_done:
+                    k_done = iter_rec.shape[1] - n_iter_rec[c]
                 kv0 = 0
                 all_decoding = True
                 for q in range(D):

@@ -118,7 +118,10 @@ class EngineRun:
     def __init__(self, traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile] = "stress-512",
                  policy: Union[str, EnginePolicy, Scorer] = "fcfs", config: Optional[EngineConfig] = None,
                  *, estimates: Optional[Sequence[np.ndarray]] = None,
-                 residual_life: Optional[np.ndarray] = None):
+                 residual_life: Optional[np.ndarray] = None,
+                 iteration_sink: Optional[Callable[[int, dict], None]] = None):
+        """``iteration_sink(copy, columns)`` receives per-iteration records in chunks of at most
+        ``config.record_iterations`` rows (streaming: memory stays bounded whatever the length)."""
         if isinstance(traces, Trace):
             traces = [traces]
         self.traces = list(traces)
@@ -126,7 +129,11 @@ class EngineRun:
         self.profile = self.config.resolve(load_profile(profile) if isinstance(profile, str) else profile)
         self.policy, self.scorer = _resolve_policy(policy)
         self.arrays = A = build_arrays(self.traces, self.profile, self.config, estimates)
-        self.cfg = make_cfg(self.profile, self.config, self.policy.mode, self.policy.pid)
+        if iteration_sink is not None and self.config.record_iterations < 1:
+            raise ConfigError("an iteration sink needs record_iterations >= 1 (the buffer size)")
+        self.iteration_sink = iteration_sink
+        self.cfg = make_cfg(self.profile, self.config, self.policy.mode, self.policy.pid,
+                            stream_records=iteration_sink is not None)
         self.fcfg = make_fcfg(self.profile)
         C, R = A.arrival.shape
         self.theta = np.zeros((C, N_INDEX_PARAMS))
@@ -178,6 +185,8 @@ class EngineRun:
             snap = (A.now.copy(), A.it.copy(), A.n_ended.copy(), A.n_wait.copy(), A.n_run.copy())
             total += K.run_copies(A, self.cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, tier,
                                   score, shed, act, steps, until)
+            if self.iteration_sink is not None:
+                self.flush_iterations()
             stuck = act & (A.now == snap[0]) & (A.it == snap[1]) & (A.n_ended == snap[2]) \
                 & (A.n_wait == snap[3]) & (A.n_run == snap[4])
             if stuck.any():  # a safety net: the engine must never spin without progress
@@ -185,6 +194,15 @@ class EngineRun:
                                    f"at t={A.now[stuck][:3].tolist()} ns; please report this trace")
             if bar is not None:
                 bar.update(int(A.n_ended.sum()) - before)
+
+    def flush_iterations(self) -> None:
+        """Hand buffered per-iteration records to the sink and empty the buffers."""
+        A = self.arrays
+        for c in np.flatnonzero(A.n_iter_rec > 0):
+            m = int(A.n_iter_rec[c])
+            block = A.iter_rec[c, :m]
+            self.iteration_sink(int(c), {name: block[:, i].copy() for i, name in enumerate(K.ITER_COLUMNS)})
+            A.n_iter_rec[c] = 0
 
     def result(self) -> SimResult:
         """Outcomes so far; requests still open at the iteration cap are marked ``unfinished``."""
@@ -200,14 +218,16 @@ def simulate(traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile]
              policy: Union[str, EnginePolicy, Scorer] = "fcfs", config: Optional[EngineConfig] = None,
              *, estimates: Optional[Sequence[np.ndarray]] = None,
              residual_life: Optional[np.ndarray] = None, progress: bool = False,
-             chunk_steps: int = 20_000) -> SimResult:
+             chunk_steps: int = 20_000,
+             iteration_sink: Optional[Callable[[int, dict], None]] = None) -> SimResult:
     """Replay each trace on its own engine copy, all copies stepped together, until every request
     has ended or the iteration cap is hit (unfinished requests are then ``unfinished``).
 
     ``estimates`` (one float array per trace) and ``residual_life`` (a mean-residual-life table,
     see ``tokenbatch_env.predictors``) feed the in-engine scores; requests without an estimate use
     the table (default: 1 token left)."""
-    run = EngineRun(traces, profile, policy, config, estimates=estimates, residual_life=residual_life)
+    run = EngineRun(traces, profile, policy, config, estimates=estimates, residual_life=residual_life,
+                    iteration_sink=iteration_sink)
     bar = None
     if progress:
         from tqdm.auto import tqdm

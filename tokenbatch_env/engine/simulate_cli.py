@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 
@@ -42,7 +43,7 @@ def run(args) -> int:
     from ..traces.io import load_trace
     from ..traces.sla import assign_slas
     from ..traces.windows import scale_to_rate
-    from .kernel import END_STATE_NAMES
+    from .kernel import END_STATE_NAMES, ITER_COLUMNS
     from .profiles import load_profile
     from .saturation import measure_lambda_sat
     from .simulate import simulate
@@ -56,13 +57,24 @@ def run(args) -> int:
     if not trace.has_slos:
         trace = assign_slas(trace, seed=args.sla_seed)
         slo_note = f" (SLOs assigned by the default 3-class rule, seed {args.sla_seed})"
+    # per-iteration records stream to disk through a bounded buffer (any trace length)
     config = EngineConfig(prefix_caching=not args.no_prefix_caching, max_wait_ms=args.max_wait_ms,
-                          record_iterations=10_000_000 if args.iterations else 0)
+                          record_iterations=65_536 if args.iterations else 0)
     lam = None
     if args.rho is not None:
         lam = measure_lambda_sat(trace, profile, config)
         trace = scale_to_rate(trace, args.rho * lam)
-    res = simulate(trace, profile, args.policy, config, progress=args.progress)
+    with contextlib.ExitStack() as stack:
+        sink = None
+        if args.iterations:
+            tmp = stack.enter_context(atomic_path(args.iterations))
+            f = stack.enter_context(open(tmp, "w", newline=""))
+            w = csv.writer(f)
+            w.writerow(ITER_COLUMNS)
+
+            def sink(copy, cols):
+                w.writerows(zip(*(cols[k].tolist() for k in ITER_COLUMNS)))
+        res = simulate(trace, profile, args.policy, config, progress=args.progress, iteration_sink=sink)
     rec = res.records(0)
     s = summarize(rec, trace)
     s.update({"trace": trace.name, "trace_digest": trace.digest, "profile": profile.name,
@@ -72,8 +84,6 @@ def run(args) -> int:
         rec = dict(rec)
         rec["end_state"] = np.array([END_STATE_NAMES[i] for i in rec["end_state"]])
         _write_csv(args.records, rec)
-    if args.iterations:
-        _write_csv(args.iterations, res.iterations(0))
     if args.json:
         print(json.dumps(s, indent=1, default=float))
         return 0

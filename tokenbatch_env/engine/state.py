@@ -35,6 +35,8 @@ class EngineConfig:
     resume_first: bool = False                # score policies: preempted requests resume first
     max_iterations: int = 50_000_000          # iteration cap per copy (truncation)
     record_iterations: int = 0                # per-iteration records kept per copy (0 = none)
+    # with an iteration sink (``EngineRun(iteration_sink=...)``), record_iterations is the size of a
+    # buffer that is flushed to the sink whenever it fills: bounded memory for any trace length
     jumps: bool = True                        # advance decode-only stretches at once (same results)
     max_num_batched_tokens: Optional[int] = None  # override the profile's B
     max_num_seqs: Optional[int] = None
@@ -79,7 +81,8 @@ def make_fcfg(profile: Profile) -> np.ndarray:
     return fcfg
 
 
-def make_cfg(profile: Profile, config: EngineConfig, mode: int, pid: int = 0) -> np.ndarray:
+def make_cfg(profile: Profile, config: EngineConfig, mode: int, pid: int = 0,
+             stream_records: bool = False) -> np.ndarray:
     cfg = np.zeros(K.N_CFG, np.int64)
     ps = profile.cost.ps
     cfg[K.C_BUDGET] = profile.max_num_batched_tokens
@@ -102,6 +105,7 @@ def make_cfg(profile: Profile, config: EngineConfig, mode: int, pid: int = 0) ->
     cfg[K.C_WAIT_PREEMPT] = int(config.waiting_preempts)
     cfg[K.C_ADMISSION] = int(config.admission_control)
     cfg[K.C_SWAP] = int(config.swap)
+    cfg[K.C_REC_STREAM] = int(stream_records)
     block_bytes = profile.block_size * profile.kv_bytes_per_token
     cfg[K.C_HOST_BLOCKS] = int(config.swap_space_gib * 2**30 // block_bytes)
     # copy time at the profile's PCIe bandwidth: bytes / (GB/s) = ns, in ps per block
