@@ -206,3 +206,20 @@ def test_swap_falls_back_to_recompute_without_host_memory():
     trace = tiny_trace([0, 0], [16, 16], [40, 40])
     rec = run(trace, num_blocks=5, prefix_caching=False, swap=True, swap_space_gib=0.0).records(0)
     assert rec["swapped_blocks"][1] == 0 and rec["recomputed_tokens"][1] == 32
+
+
+def test_score_victim_already_scheduled_gives_back_its_tokens():
+    from tokenbatch_env.policies import engine_policy
+    # A alone at iteration 0, B and C from iteration 1: running order [A, B, C]. At iteration 18 A
+    # (latest deadline) is scheduled first, then B needs a block with none free (7 usable): the EDF
+    # victim is A, already scheduled, so A gives its token and budget back
+    trace = tiny_trace([0, 0.001, 0.001], [20, 16, 16], [60, 20, 20], t1_ms=100, t2_ms=1000)
+    trace = trace.replace(ttft_slo_ns=np.array([10_000, 100, 100], np.int64) * MS)
+    r = run(trace, engine_policy("edf", t_ref_ms=100.0), num_blocks=8, prefix_caching=False)
+    rec, it = r.records(0), r.iterations(0)
+    assert it["preempted"][18] == 1 and it["scheduled_reqs"][18] == 2 and it["decodes"][18] == 2
+    assert list(rec["preemptions"]) == [1, 0, 0]
+    assert rec["recomputed_tokens"][0] == 37  # 20 prompt + 17 decoded before iteration 18
+    # under FCFS the tail (C) would be the victim instead
+    f = run(trace, num_blocks=8, prefix_caching=False).records(0)
+    assert f["preemptions"][0] == 0 and f["preemptions"][2] >= 1
