@@ -9,12 +9,13 @@ Numbers in comments refer to DESIGN.md section 3's rules.
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import numpy as np
 
 from ._jit import helper, njit
-from .scoring import P_EXTERNAL, idle_prefill_ns, policy_score, service_ms
+from .scoring import P_EXTERNAL, P_GITTINS, gittins_score, idle_prefill_ns, policy_score, service_ms
 
 # ---------------------------------------------------------------------------------- constants
 # request status
@@ -397,9 +398,13 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 finish, finish_it, n_preempt, recomputed, resumed, run_ids, wait_ids, slot_free,
                 pend_ids, table, ref, bhash, hnext, fq_prev, fq_next, hash_head,
                 sched_r, sched_new, sched_cb, iter_rec, jump_ids, jump_off, emit_it, swapped, swap_ids,
-                n_swap, host_free):
+                n_swap, host_free, gtab=None):
     """``run_copies`` with the struct of arrays unpacked. One iteration of copy c is the body of the
-    inner loop (written inline: a call with more than 30 arguments cannot be inlined by numba)."""
+    inner loop (written inline: a call with more than 30 arguments cannot be inlined by numba).
+    ``gtab``: the empirical-Gittins table (``scoring.gittins_table(mrl)``), last and optional so
+    callers of the other policies may omit it."""
+    if gtab is None:
+        gtab = np.zeros((3, 1))
     bs = cfg[C_BS]
     mode = cfg[C_MODE]
     max_wait = cfg[C_MAX_WAIT]
@@ -533,9 +538,12 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         else:
                             ratio = (computed[c, r] if computed[c, r] < prompt[c, r] else prompt[c, r]) / prompt[c, r]
                         tier[c, r] = -1 if (not first_out and slack_ms < 0.0) else 0
-                        sc = policy_score(pid, theta[c], ratio, s_ms, d_left, slack_ms, t1[c, r] / 1e6,
-                                          first_out, kvf, float(blocks_needed), usable,
-                                          to_deadline_ms, float(arrival[c, r] + t1[c, r]), float(bs))
+                        if pid == P_GITTINS:  # known prefill cost + the family's decode cost
+                            sc = gittins_score(gtab, mrl, gen[c, r], p_left * fcfg[F_U_P], fcfg[F_U_D])
+                        else:
+                            sc = policy_score(pid, theta[c], ratio, s_ms, d_left, slack_ms, t1[c, r] / 1e6,
+                                              first_out, kvf, float(blocks_needed), usable,
+                                              to_deadline_ms, float(arrival[c, r] + t1[c, r]), float(bs))
                         if sc != sc:
                             nan_score[0] = c
                             nan_score[1] = r
@@ -1024,20 +1032,53 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     return total
 
 
-def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns):
+def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns,
+               gtab=None):
     """Advance every active copy by up to ``max_steps`` iterations, stopping a copy once its clock
     reaches ``until_ns[c]`` (a decision epoch) or its iteration cap. Returns iterations run.
 
     ``theta[c]`` is copy c's policy parameter vector and ``shed_margin[c]`` its shed margin (< 0:
     no shedding). With an in-engine policy (``cfg[C_PID]``) the kernel writes ``tier``/``score``
     itself each iteration; with ``P_EXTERNAL`` they (and the ``shed`` mask) are the caller's.
+    ``mrl`` is the residual-life table; ``gtab`` the empirical-Gittins table built from it
+    (``scoring.gittins_table``; None: built here, cached per table, when the policy needs it).
 
     The struct of arrays is unpacked here, in Python, so the compiled code sees plain arrays."""
+    if gtab is None:
+        gtab = _gittins_table_for(mrl) if int(cfg[C_PID]) == P_GITTINS and int(cfg[C_MODE]) == MODE_SCORE \
+            else _NO_GTAB
     nan_score = np.full(2, -1, np.int64)
     total = _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed, active,
-                        max_steps, until_ns, *A)
+                        max_steps, until_ns, *A, gtab)
     if total < 0:
         from ..errors import PolicyError
-        raise PolicyError(f"policy id {int(cfg[C_PID])} produced a NaN score for copy "
+        from .scoring import POLICY_NAMES
+        pid = int(cfg[C_PID])
+        raise PolicyError(f"policy {POLICY_NAMES.get(pid, pid)!r} (id {pid}) produced a NaN score for copy "
                           f"{int(nan_score[0])}, request {int(nan_score[1])}")
     return total
+
+
+_NO_GTAB = np.zeros((3, 1))
+_GTAB_CACHE: dict = {}
+_GTAB_LOCK = threading.Lock()
+
+
+def _gittins_table_for(mrl) -> np.ndarray:
+    """``scoring.gittins_table(mrl)``, cached by the table's bytes (a few recent tables; safe for
+    rows simulated in threads)."""
+    from ..errors import PolicyError
+    from .scoring import gittins_table
+    key = np.ascontiguousarray(mrl, np.float64).tobytes()
+    with _GTAB_LOCK:
+        tab = _GTAB_CACHE.get(key)
+    if tab is None:
+        try:
+            tab = gittins_table(mrl)
+        except ValueError as e:
+            raise PolicyError(f"empirical-gittins: {e}") from None
+        with _GTAB_LOCK:
+            while len(_GTAB_CACHE) >= 8:
+                _GTAB_CACHE.pop(next(iter(_GTAB_CACHE)))
+            _GTAB_CACHE[key] = tab
+    return tab

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ._jit import njit
 
 # policy ids (the kernel's MODE_SCORE dispatches on these)
-P_EXTERNAL, P_SJF, P_EDF, P_LLF, P_INDEX = 0, 1, 2, 3, 4
-POLICY_IDS = {"external": P_EXTERNAL, "sjf": P_SJF, "edf": P_EDF, "llf": P_LLF, "index": P_INDEX}
+P_EXTERNAL, P_SJF, P_EDF, P_LLF, P_INDEX, P_GITTINS = 0, 1, 2, 3, 4, 5
+POLICY_IDS = {"external": P_EXTERNAL, "sjf": P_SJF, "edf": P_EDF, "llf": P_LLF, "index": P_INDEX,
+              "empirical-gittins": P_GITTINS}
+POLICY_NAMES = {v: k for k, v in POLICY_IDS.items()}
 
 # index parameter vector layout
 (I_KAPPA, I_SLOPE, I_GAMMA, I_THETA, I_BETA, I_W_PREFIX, I_A_EDF, I_T_REF_MS, N_INDEX_PARAMS) = range(9)
@@ -96,3 +100,107 @@ def idle_prefill_ns_array(prefill_tokens, budget, ps):
     for i in range(prefill_tokens.shape[0]):
         out[i] = idle_prefill_ns(prefill_tokens[i], 0, budget, ps)
     return out
+
+
+# --------------------------------------------------------------------------- empirical Gittins
+# Rows of the Gittins table (``gittins_table``); columns are output lengths l = 0..n (n = size of
+# the residual-life table): S(l) = P(L > l), A(l) = E[min(L, l)], then ``jump[k][l]`` = the 2^k-th
+# successor of point l on the upper concave hull of the points {(A(j), 1 - S(j)) : j >= l} (-1: none).
+G_S, G_A, G_JUMP = 0, 1, 2
+
+
+def gittins_table(mrl) -> np.ndarray:
+    """The empirical-Gittins lookup table of an output-length distribution, from its mean residual
+    life table ``mrl[g] = E[L - g | L > g]`` (``predictors.ResidualLife.table``; the kernel already
+    receives it). The table determines the distribution exactly: S(0) = 1 (L >= 1) and
+    ``S(g+1)/S(g) = (mrl[g] - 1) / mrl[g+1]`` (from E[(L-g)^+] = S(g) mrl[g]). Beyond the table the
+    distribution is unknown: its tail enters only through its mean (the last column is the point
+    Delta = infinity, A = E[L], S = 0).
+
+    Gittins index of X = a + (L - g) u_d given L > g (``gittins_score``): the sup over Delta is
+    attained at Delta = a + (l - g) u_d for an integer l > g, where, with the unconditional S and A,
+    ``P(X <= Delta) / E[min(X, Delta)] = (S(g) - S(l)) / (a S(g) + u_d (A(l) - A(g)))``: the slope
+    from the query point (A(g) - a S(g)/u_d, 1 - S(g)) to the point (A(l), 1 - S(l)). The maximum is
+    the tangent to the upper concave hull of the suffix {l > g}; all suffix hulls share one
+    right-to-left monotone-chain stack (``next[l]`` = the hull of suffix l minus its first point),
+    and binary lifting over ``next`` finds the tangent in O(log n) per request."""
+    m = np.ascontiguousarray(mrl, np.float64)
+    if m.ndim != 1 or m.size == 0 or not np.isfinite(m).all() or (m < 1.0).any():
+        raise ValueError("empirical-gittins needs a 1-D residual-life table of finite values >= 1")
+    n = m.size
+    S = np.zeros(n + 1)
+    S[0] = 1.0
+    if n > 1:
+        S[1:n] = np.cumprod((m[:-1] - 1.0) / m[1:])
+    A = np.zeros(n + 1)
+    A[1:n] = np.cumsum(S[:n - 1])
+    A[n] = A[n - 1] + S[n - 1] * m[n - 1]           # Delta = infinity: E[L]
+    # S[n] = 0 (the point Delta = infinity has P(X <= Delta) = 1)
+    nxt = _suffix_hulls(A, 1.0 - S)
+    levels = max(1, int(n + 1).bit_length())
+    tab = np.empty((G_JUMP + levels, n + 1))
+    tab[G_S], tab[G_A] = S, A
+    j = nxt.copy()
+    for k in range(levels):
+        tab[G_JUMP + k] = j
+        j = np.where(j >= 0, j[np.maximum(j, 0)], -1)
+    return tab
+
+
+def _suffix_hulls(x, y) -> np.ndarray:
+    """``next[l]``: the upper concave hull of points l..end (x ascending) is l, next[l], ..."""
+    n = x.shape[0]
+    nxt = np.full(n, -1, np.int64)
+    stack = np.empty(n, np.int64)
+    top = 0
+    xs, ys = x.tolist(), y.tolist()
+    for p in range(n - 1, -1, -1):
+        px, py = xs[p], ys[p]
+        while top >= 2:
+            t, q = stack[top - 1], stack[top - 2]
+            # pop t unless it lies strictly above the segment p -> q
+            if (xs[t] - px) * (ys[q] - py) - (ys[t] - py) * (xs[q] - px) >= 0.0:
+                top -= 1
+            else:
+                break
+        if top > 0:
+            nxt[p] = stack[top - 1]
+        stack[top] = p
+        top += 1
+    return nxt
+
+
+@njit
+def gittins_score(gtab, mrl, g, a_ms, u_d):
+    """Gittins index (1/ms, higher first) of the remaining service X = a_ms + (L - g) * u_d, L from
+    the table's distribution conditioned on L > g. Where the table knows no L > g (g past its end,
+    or S(g) = 0), the remaining decode is the residual-life fallback ``mrl[min(g, n - 1)]`` tokens,
+    deterministic: 1 / (a_ms + u_d * mrl)."""
+    n = mrl.shape[0]
+    if g < n and gtab[G_S, g] > 0.0:
+        sg = gtab[G_S, g]
+        ag = gtab[G_A, g]
+        a_s = a_ms * sg
+        v = g + 1
+        nv = sg - gtab[G_S, v]
+        dv = a_s + u_d * (gtab[G_A, v] - ag)
+        w = int(gtab[G_JUMP, v])
+        if w >= 0 and (sg - gtab[G_S, w]) * dv > nv * (a_s + u_d * (gtab[G_A, w] - ag)):
+            # binary lifting: v = the last hull point whose successor has a larger ratio
+            for k in range(gtab.shape[0] - G_JUMP - 1, -1, -1):
+                w = int(gtab[G_JUMP + k, v])
+                if w < 0:
+                    continue
+                x = int(gtab[G_JUMP, w])
+                if x < 0:
+                    continue
+                nw = sg - gtab[G_S, w]
+                dw = a_s + u_d * (gtab[G_A, w] - ag)
+                if (sg - gtab[G_S, x]) * dw > nw * (a_s + u_d * (gtab[G_A, x] - ag)):
+                    v = w
+            v = int(gtab[G_JUMP, v])
+            nv = sg - gtab[G_S, v]
+            dv = a_s + u_d * (gtab[G_A, v] - ag)
+        return nv / dv
+    gi = g if g < n else n - 1
+    return 1.0 / (a_ms + u_d * mrl[gi])
