@@ -1,6 +1,8 @@
 """TokenBatch: an open lab for LLM-serving request scheduling.
 
-Importing this package is light: numpy only (no torch, stable-baselines3 or Optuna).
+Importing this package is light: numpy and gymnasium only (no torch, stable-baselines3 or Optuna).
+It registers the Gymnasium environment ``TokenBatch-v0`` (``tokenbatch_env.envs``, imported lazily
+by ``gym.make`` / ``gym.make_vec``).
 """
 
 __version__ = "0.1.0"
@@ -10,3 +12,16 @@ from .traces import Trace  # noqa: E402
 
 __all__ = ["__version__", "Trace", "TokenBatchError", "TraceError", "ConfigError", "ProfileError",
            "PolicyError"]
+
+
+def _register_envs() -> None:
+    try:
+        from gymnasium.envs.registration import register, registry
+    except ImportError:  # pragma: no cover - gymnasium is a runtime dependency
+        return
+    if "TokenBatch-v0" not in registry:
+        register(id="TokenBatch-v0", entry_point="tokenbatch_env.envs:TokenBatchEnv",
+                 vector_entry_point="tokenbatch_env.envs:make_vector_env")
+
+
+_register_envs()

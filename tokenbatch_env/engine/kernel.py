@@ -908,6 +908,15 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     ns += 1
                     budget -= new
 
+            # async: vLLM's update_from_output for the previous iteration runs now (after this
+            # schedule): it hashes the blocks completed by the tokens that just became known, for
+            # every request still running then, including one that finished
+            if async_on and prefix_on:
+                for q in range(n_run[c]):
+                    r = run_ids[c, q]
+                    if emit_it[c, r] == it[c] - 1 and computed[c, r] // bs > n_cached[c, r]:
+                        _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, chain_val,
+                                      uniq_base, c, r, computed[c, r], bs)
             # async scheduling (rule 10): blocks of requests that finished last iteration free now
             pending = n_pend[c]
             for k in range(pending):

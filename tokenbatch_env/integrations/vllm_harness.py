@@ -137,8 +137,10 @@ def _write_model_dir(path: str, max_model_len: int) -> None:
         json.dump(cfg, f)
 
 
-def make_scheduler(hc: HarnessConfig, model_dir: str):
-    """vLLM's real Scheduler (or AsyncScheduler) for ``hc``; returns (scheduler, block_hasher)."""
+def make_scheduler(hc: HarnessConfig, model_dir: str, scheduler_cls=None, scheduler_kwargs=None):
+    """vLLM's real Scheduler (or AsyncScheduler) for ``hc`` -- or ``scheduler_cls`` (a class or a
+    dotted path, as vLLM's ``--scheduler-cls``) built with ``scheduler_kwargs`` -- returns
+    (scheduler, block_hasher)."""
     V = _vllm()
     import torch
     model_config = V["ModelConfig"](model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True,
@@ -158,10 +160,14 @@ def make_scheduler(hc: HarnessConfig, model_dir: str):
     kv_cache_config = V["KVCacheConfig"](
         num_blocks=hc.num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[V["KVCacheGroupSpec"](["layer.0"], spec)])
-    cls = V["AsyncScheduler"] if hc.async_scheduling else V["Scheduler"]
+    if scheduler_cls is None:
+        cls = V["AsyncScheduler"] if hc.async_scheduling else V["Scheduler"]
+    else:  # resolved the way vLLM's EngineCore does (SchedulerConfig.get_scheduler_cls)
+        sched_config.scheduler_cls = scheduler_cls
+        cls = sched_config.get_scheduler_cls()
     sched = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                 structured_output_manager=V["StructuredOutputManager"](vllm_config),
-                block_size=hc.block_size, log_stats=False)
+                block_size=hc.block_size, log_stats=False, **(scheduler_kwargs or {}))
     hash_fn = V["get_hash_fn_by_name"](cache_config.prefix_caching_hash_algo)
     V["init_none_hash"](hash_fn)
     hasher = V["get_request_block_hasher"](hc.block_size, hash_fn)
@@ -221,18 +227,25 @@ def _cost_ns(ps, now, items):
 
 def replay(trace: Trace, profile="linear", policy="fcfs", *, num_blocks=None,
            max_num_batched_tokens=None, max_num_seqs=None, prefix_caching=True,
-           async_scheduling=None, max_iterations: int = 1_000_000) -> VllmRun:
-    """Drive vLLM's scheduler over ``trace`` with the budgets of engine ``profile`` (+ overrides)."""
+           async_scheduling=None, max_iterations: int = 1_000_000, scheduler_cls=None,
+           scheduler_kwargs=None, extra_args=None) -> VllmRun:
+    """Drive vLLM's scheduler over ``trace`` with the budgets of engine ``profile`` (+ overrides).
+
+    ``scheduler_cls``/``scheduler_kwargs``: run that scheduler class instead of vLLM's (e.g. the
+    TokenBatch plug-in; a scheduler with ``set_clock`` is given the replay's clock, in ns);
+    ``extra_args``: one ``SamplingParams.extra_args`` dict (or None) per request."""
     hc, prof, _ = resolve_config(profile, policy, num_blocks=num_blocks,
                                  max_num_batched_tokens=max_num_batched_tokens,
                                  max_num_seqs=max_num_seqs, prefix_caching=prefix_caching,
                                  async_scheduling=async_scheduling)
     if trace.block_size != hc.block_size:
         raise ConfigError(f"trace block size {trace.block_size} != profile block size {hc.block_size}")
-    return _replay(trace, hc, prof.cost.ps, max_iterations)
+    return _replay(trace, hc, prof.cost.ps, max_iterations, scheduler_cls, scheduler_kwargs,
+                   extra_args)
 
 
-def _replay(trace: Trace, hc: HarnessConfig, ps, max_iterations: int) -> VllmRun:
+def _replay(trace: Trace, hc: HarnessConfig, ps, max_iterations: int, scheduler_cls=None,
+            scheduler_kwargs=None, extra_args=None) -> VllmRun:
     V = _vllm()
     Request, SamplingParams = V["Request"], V["SamplingParams"]
     MRO = V["ModelRunnerOutput"]
@@ -250,7 +263,8 @@ def _replay(trace: Trace, hc: HarnessConfig, ps, max_iterations: int) -> VllmRun
            "output_tokens": out_len.copy(), "first_scheduled_ns": neg(),
            "first_scheduled_iteration": neg(), "first_token_ns": neg(),
            "first_token_iteration": neg(), "finish_ns": neg(), "finish_iteration": neg(),
-           "preemptions": np.zeros(n, np.int64), "rejected": np.zeros(n, bool)}
+           "preemptions": np.zeros(n, np.int64), "rejected": np.zeros(n, bool),
+           "shed": np.zeros(n, bool)}
     it_cols = {k: [] for k in ("iteration", "start_ns", "end_ns", "prefill_tokens", "decodes",
                                "scheduled_reqs", "scheduled", "preempted", "preempted_ids", "blocks_used",
                                "running", "waiting")}
@@ -259,7 +273,10 @@ def _replay(trace: Trace, hc: HarnessConfig, ps, max_iterations: int) -> VllmRun
 
     with tempfile.TemporaryDirectory(prefix="tokenbatch-vllm-") as d:
         _write_model_dir(d, hc.max_model_len)
-        sched, hasher = make_scheduler(hc, d)
+        sched, hasher = make_scheduler(hc, d, scheduler_cls, scheduler_kwargs)
+        if hasattr(sched, "set_clock"):
+            sched.set_clock(lambda: now, 1.0)  # arrival_time below is in ns
+        shed_at = getattr(sched, "tokenbatch_shed", {})
         pool = sched.kv_cache_manager.block_pool
         batch_queue: deque = deque()
         queue_size = 2 if hc.async_scheduling else 1
@@ -279,6 +296,11 @@ def _replay(trace: Trace, hc: HarnessConfig, ps, max_iterations: int) -> VllmRun
             for eco in outs.values():
                 for o in eco.outputs:
                     i = index[o.request_id]
+                    if o.request_id in shed_at:  # aborted by the plug-in's shed rule
+                        rec["shed"][i] = True
+                        rec["finish_ns"][i] = shed_at[o.request_id]
+                        ended += 1
+                        continue
                     if o.new_token_ids and rec["first_token_iteration"][i] < 0:
                         rec["first_token_iteration"][i] = n_it
                         rec["first_token_ns"][i] = end_time_of(n_it)
@@ -302,7 +324,8 @@ def _replay(trace: Trace, hc: HarnessConfig, ps, max_iterations: int) -> VllmRun
                     rec["finish_ns"][i] = int(arrival[i])
                     ended += 1
                     continue
-                sp = SamplingParams(max_tokens=int(out_len[i]), ignore_eos=True, temperature=0.0)
+                sp = SamplingParams(max_tokens=int(out_len[i]), ignore_eos=True, temperature=0.0,
+                                    extra_args=None if extra_args is None else extra_args[i])
                 req = Request(request_id=rid[i], prompt_token_ids=list(toks[i]), sampling_params=sp,
                               pooling_params=None, arrival_time=float(arrival[i]),
                               priority=int(trace.priority[i]), block_hasher=hasher)
@@ -449,25 +472,37 @@ class Comparison:
         return None
 
 
-def engine_run(trace: Trace, profile="linear", policy="fcfs", **kw):
-    """The engine's run with the same budgets as ``replay``."""
+def engine_run(trace: Trace, profile="linear", policy="fcfs", *, engine_policy=None, estimates=None,
+               **kw):
+    """The engine's run with the same budgets as ``replay`` (``engine_policy``: an EnginePolicy to
+    run instead of ``policy``, with ``estimates`` per request)."""
     from ..engine.simulate import simulate
     _, prof, ecfg = resolve_config(profile, policy, **kw)
-    return simulate(trace, prof, policy, ecfg)
+    return simulate(trace, prof, policy if engine_policy is None else engine_policy, ecfg,
+                    estimates=None if estimates is None else [np.asarray(estimates, np.float64)])
 
 
-def compare(trace: Trace, profile="linear", policy="fcfs", *, fields=COMPARED_FIELDS + EXTRA_FIELDS,
+def compare(trace: Trace, profile="linear", policy="fcfs", *, fields=None, engine_policy=None,
+            estimates=None, scheduler_cls=None, scheduler_kwargs=None, extra_args=None,
             **kw) -> Comparison:
-    """Run ``trace`` through vLLM and the engine with identical budgets and compare them."""
-    v = replay(trace, profile, policy, **kw)
-    res = engine_run(trace, profile, policy, **kw)
+    """Run ``trace`` through vLLM and the engine with identical budgets and compare them.
+
+    With ``scheduler_cls`` (e.g. the TokenBatch plug-in) vLLM runs that class and the engine runs
+    ``engine_policy`` with ``estimates``; the field ``shed`` is compared too."""
+    if fields is None:
+        fields = COMPARED_FIELDS + EXTRA_FIELDS + (("shed",) if scheduler_cls is not None else ())
+    v = replay(trace, profile, policy, scheduler_cls=scheduler_cls, scheduler_kwargs=scheduler_kwargs,
+               extra_args=extra_args, **kw)
+    res = engine_run(trace, profile, policy, engine_policy=engine_policy, estimates=estimates, **kw)
+    from ..engine.kernel import E_SHED
     e = res.records(0)
     ei = res.iterations(0)
     n = len(trace)
     engine_first_sched = e["first_scheduled_ns"]
     ev = {"first_token_iteration": e["first_token_iteration"], "finish_iteration": e["finish_iteration"],
           "preemptions": e["preemptions"], "first_scheduled_ns": engine_first_sched,
-          "first_token_ns": e["first_token_ns"], "finish_ns": e["finish_ns"]}
+          "first_token_ns": e["first_token_ns"], "finish_ns": e["finish_ns"],
+          "shed": e["end_state"] == E_SHED}
     vv = {k: v.records[k] for k in ev}
     # normalise "never" markers: both sides use negative or huge values for never
     agreement, divs = {}, []

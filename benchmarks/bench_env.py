@@ -1,0 +1,129 @@
+"""TokenBatch-v0 throughput benchmark (run by hand; not a unit test).
+
+    python benchmarks/bench_env.py                  # 1,024 copies, 100 timed steps
+    python benchmarks/bench_env.py --copies 256 --steps 50
+    python benchmarks/bench_env.py --no-sync        # skip the (slow) SyncVectorEnv baseline
+    python benchmarks/bench_env.py --rho 2 3 --interval-ms 20   # less simulation per step
+
+Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
+  (a) native ``TokenBatchVectorEnv`` env-steps/s (copies x steps / wall seconds);
+  (b) ``gymnasium.vector.SyncVectorEnv`` of ``TokenBatchEnv`` copies, same config, seeds and actions
+      (so the very same trajectories: checked), env-steps/s, and the speed-up (a)/(b);
+  (c) the SB3 adapter (``tokenbatch_env.sb3``, SAME_STEP) over the native env vs the raw native env
+      in SAME_STEP mode: env-steps/s and the adapter's overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+CONFIG = dict(suite="seed-200", split="train", profile="stress-512", rho=(0.8, 1.5))
+
+
+def _actions(n: int, steps: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-1, 1, (steps, n, 8)).astype(np.float32)
+
+
+def _drive(step, acts, warm: int):
+    for a in acts[:warm]:
+        step(a)
+    rewards = []
+    t0 = time.perf_counter()
+    for a in acts[warm:]:
+        rewards.append(np.asarray(step(a)[1]).copy())
+    return time.perf_counter() - t0, np.array(rewards)
+
+
+def bench_native(n: int, steps: int, warm: int, mode: str = "NEXT_STEP") -> dict:
+    from tokenbatch_env.envs import TokenBatchVectorEnv
+    t0 = time.perf_counter()
+    env = TokenBatchVectorEnv(n, autoreset_mode=mode, **CONFIG)
+    build = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    env.reset(seed=0)
+    reset = time.perf_counter() - t0
+    wall, rew = _drive(env.step, _actions(n, warm + steps), warm)
+    return {"build_s": build, "reset_s": reset, "wall_s": wall, "steps_per_s": n * steps / wall,
+            "rewards": rew}
+
+
+def bench_sync(n: int, steps: int, warm: int) -> dict:
+    import gymnasium as gym
+
+    from tokenbatch_env.envs import TokenBatchEnv
+    t0 = time.perf_counter()
+    env = gym.vector.SyncVectorEnv([lambda: TokenBatchEnv(**CONFIG) for _ in range(n)],
+                                   autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+    build = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    env.reset(seed=0)
+    reset = time.perf_counter() - t0
+    wall, rew = _drive(env.step, _actions(n, warm + steps), warm)
+    return {"build_s": build, "reset_s": reset, "wall_s": wall, "steps_per_s": n * steps / wall,
+            "rewards": rew}
+
+
+def bench_adapter(n: int, steps: int, warm: int) -> dict:
+    from tokenbatch_env.sb3 import make_sb3_vec_env
+    venv = make_sb3_vec_env(n, **CONFIG)
+    venv.seed(0)
+    venv.reset()
+
+    def step(a):
+        venv.step_async(a)
+        return venv.step_wait()
+
+    wall, rew = _drive(step, _actions(n, warm + steps), warm)
+    return {"wall_s": wall, "steps_per_s": n * steps / wall, "rewards": rew}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--copies", type=int, default=1024)
+    ap.add_argument("--sync-copies", type=int, default=None, help="copies for (b) (default: --copies)")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--warm", type=int, default=10)
+    ap.add_argument("--no-sync", action="store_true")
+    ap.add_argument("--no-adapter", action="store_true")
+    ap.add_argument("--rho", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                    help="load range (default 0.8 1.5)")
+    ap.add_argument("--interval-ms", type=float, default=None, help="decision_interval_ms (default 100)")
+    a = ap.parse_args(argv)
+    if a.rho is not None:
+        CONFIG["rho"] = tuple(a.rho)
+    if a.interval_ms is not None:
+        CONFIG["decision_interval_ms"] = a.interval_ms
+    print(f"config: {CONFIG}")
+    n, T, W = a.copies, a.steps, a.warm
+    # compile/load the kernels and prepare the workload once, outside the timings
+    bench_native(2, 3, 1)
+
+    nat = bench_native(n, T, W)
+    print(f"(a) native TokenBatchVectorEnv, {n} copies: {nat['steps_per_s']:,.0f} env-steps/s "
+          f"({n * T:,} env-steps in {nat['wall_s']:.2f} s; build {nat['build_s']:.2f} s, "
+          f"reset {nat['reset_s']:.2f} s)")
+    if not a.no_sync:
+        ns = a.sync_copies or n
+        sy = bench_sync(ns, T, W)
+        same = ns == n and np.array_equal(sy["rewards"], nat["rewards"])
+        ref = nat if ns == n else bench_native(ns, T, W)
+        print(f"(b) SyncVectorEnv of {ns} TokenBatchEnv: {sy['steps_per_s']:,.0f} env-steps/s "
+              f"({ns * T:,} env-steps in {sy['wall_s']:.2f} s; build {sy['build_s']:.2f} s, "
+              f"reset {sy['reset_s']:.2f} s); same rewards as (a): {same if ns == n else 'n/a'}")
+        print(f"    speed-up native / sync at {ns} copies: {ref['steps_per_s'] / sy['steps_per_s']:.1f}x "
+              f"(target >= 30x)")
+    if not a.no_adapter:
+        raw = bench_native(n, T, W, mode="SAME_STEP")
+        ad = bench_adapter(n, T, W)
+        same = np.array_equal(ad["rewards"], raw["rewards"].astype(np.float32))
+        print(f"(c) SB3 adapter, {n} copies: {ad['steps_per_s']:,.0f} env-steps/s vs raw SAME_STEP "
+              f"{raw['steps_per_s']:,.0f}: overhead {100 * (raw['steps_per_s'] / ad['steps_per_s'] - 1):+.1f}% "
+              f"(same rewards: {same})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""The SB3 adapter over the native vector env: API, terminal observations, seeding, copies, PPO smoke."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("stable_baselines3")
+torch = pytest.importorskip("torch")
+
+from tokenbatch_env.envs import ACTION_NAMES, TokenBatchEnv  # noqa: E402
+from tokenbatch_env.errors import ConfigError  # noqa: E402
+from tokenbatch_env.sb3 import make_sb3_vec_env  # noqa: E402
+
+SMALL = dict(window=24, warmup=8, cooldown=8)
+A = len(ACTION_NAMES)
+
+
+def test_sb3_module_imports_sb3_lazily():
+    code = ("import sys, tokenbatch_env.sb3; "
+            "print([m for m in ('torch', 'stable_baselines3') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_sb3_check_env_single():
+    from stable_baselines3.common.env_checker import check_env
+    check_env(TokenBatchEnv(**SMALL), warn=True)
+
+
+def test_adapter_terminal_observation_and_truncation():
+    venv = make_sb3_vec_env(3, max_steps=4, rho=2.0, **SMALL)
+    venv.seed(0)
+    obs = venv.reset()
+    assert obs.shape == (3, venv.observation_space.shape[0]) and len(venv.reset_infos) == 3
+    assert "rho" in venv.reset_infos[0]
+    seen = 0
+    for _ in range(12):
+        obs, rew, dones, infos = venv.step(np.zeros((3, A), np.float32))
+        assert rew.dtype == np.float32 and dones.dtype == bool and len(infos) == 3
+        for c in np.flatnonzero(dones):
+            info = infos[c]
+            assert info["terminal_observation"].shape == obs[c].shape
+            assert info["TimeLimit.truncated"] == info["episode_truncated"]
+            assert "episode_goodput" in info and "rho" in info    # final metrics + new episode
+            seen += 1
+        for c in np.flatnonzero(~dones):
+            assert "terminal_observation" not in infos[c]
+    assert seen >= 3
+
+
+def test_adapter_seeding_and_copies():
+    def run(seed):
+        v = make_sb3_vec_env(2, **SMALL)
+        v.seed(seed)
+        out = [v.reset()]
+        rng = np.random.default_rng(0)
+        for _ in range(30):
+            o, r, d, _ = v.step(rng.uniform(-1, 1, (2, A)).astype(np.float32))
+            out += [o, r, d]
+        return out
+
+    a, b = run(4), run(4)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    v = make_sb3_vec_env(2, **SMALL)
+    obs = v.reset()
+    obs[:] = 123.0                                         # never an internal buffer
+    assert not (v.venv.core.obs == 123.0).any()
+    o2, r2, d2, _ = v.step(np.zeros((2, A), np.float32))
+    o2[:] = 5.0
+    assert not (v.venv.core.obs == 5.0).any()
+
+
+def test_adapter_attr_methods():
+    v = make_sb3_vec_env(3, **SMALL)
+    v.reset()
+    assert v.get_attr("render_mode") == [None, None, None]
+    assert v.get_attr("num_envs", [0, 2]) == [3, 3]
+    v.set_attr("tag", "x")
+    assert v.get_attr("tag", 1) == ["x"]
+    assert v.env_is_wrapped(object) == [False, False, False]
+    assert v.env_method("episode_records", indices=[0, 1]) == [None, None]
+    assert v.env_method("close", indices=0) == [None]
+    with pytest.raises(ConfigError):
+        make_sb3_vec_env(2, autoreset_mode="NEXT_STEP", **SMALL)
+
+
+@pytest.mark.slow
+def test_ppo_smoke():
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.vec_env import VecMonitor
+    torch.set_num_threads(1)
+    venv = VecMonitor(make_sb3_vec_env(4, **SMALL))
+    model = PPO("MlpPolicy", venv, n_steps=256, batch_size=256, n_epochs=2, device="cpu", seed=0,
+                policy_kwargs=dict(net_arch=[16], log_std_init=-1.5))
+    model.learn(total_timesteps=3000)
+    assert model.num_timesteps >= 3000
+    obs = venv.reset()
+    act, _ = model.predict(obs, deterministic=True)
+    assert act.shape == (4, A) and np.isfinite(act).all()

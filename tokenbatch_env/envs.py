@@ -1,0 +1,1086 @@
+"""The Gymnasium environments: ``TokenBatchVectorEnv`` (N engine copies stepped as one batch) and
+``TokenBatchEnv`` (the vector env with one copy). DESIGN.md section 5 is the MDP; the class
+docstring of ``TokenBatchEnv`` states it in Gymnasium's sections.
+
+There is one implementation of the dynamics: ``_Core`` drives one ``engine.simulate.EngineRun``
+over all copies; a copy that starts a new episode gets its window laid out by the engine's own
+``build_arrays`` and spliced into the batch. Workload preparation (suite traces, lambda_sat, the
+residual-life table, T_ref, the predictor and its estimates, time scaling to rho) is the
+evaluator's ``prepare_workload`` / ``Workload``, so agents and baselines see the same windows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Sequence, Union
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode
+
+from .engine import kernel as K
+from .engine import scoring as S
+from .engine._jit import njit
+from .engine.kernel import _prefix_hits  # the engine's prefix-cache lookup (same rule as the scores)
+# ``_drive`` calls the engine's compiled ``kernel._run_copies`` directly (see its docstring)
+from .errors import ConfigError, TokenBatchError
+
+__all__ = ["TokenBatchConfig", "TokenBatchEnv", "TokenBatchVectorEnv", "ActionError", "OBS_LAYOUT",
+           "ACTION_NAMES", "make_vector_env"]
+
+
+class ActionError(TokenBatchError, ValueError):
+    """An action is malformed, NaN/inf, or outside [-1, 1] (without ``clip_actions``)."""
+
+
+ACTION_MODES = ("index", "weights")
+REWARD_MODES = ("certain_miss", "met")
+#: index-mode action dimensions, in order: the seven index coefficients, then the shed margin
+ACTION_NAMES = ("kappa", "slope", "gamma", "theta", "beta", "w_prefix", "a_edf", "shed_margin")
+_THETA_COL = {"kappa": S.I_KAPPA, "slope": S.I_SLOPE, "gamma": S.I_GAMMA, "theta": S.I_THETA,
+              "beta": S.I_BETA, "w_prefix": S.I_W_PREFIX, "a_edf": S.I_A_EDF}
+
+# ------------------------------------------------------------------ fixed normalisation constants
+OBS_CLIP = 10.0              # every observation entry lies in [-10, 10]
+Z_SCALE = 10.0               # z / 10  (z itself is clipped to [-50, 50] as in the index)
+LOG_S_SCALE = 4.0            # ln(S / T_ref) / 4
+LOG_QUEUE_SCALE = math.log1p(1024.0)     # ln(1 + waiting) / ln(1025)
+LOG_TOKENS_SCALE = math.log1p(1e6)       # ln(1 + tokens) / ln(1 + 1e6)
+LOG_REQ_TOKENS_SCALE = math.log1p(1e5)   # per-request prefill / decode tokens
+RATE_WINDOW_S = 10.0         # arrival-rate estimate: arrivals in the last 10 s / lambda_sat
+QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)
+N_ENGINE = 6
+REQ_FEATURES = ("z", "log_s", "log_prefill_left", "log_decode_left", "prefix_ratio", "blocks_needed",
+                "waited_over_t1", "to_deadline_over_tref", "log_t1_over_tref", "first_token_out")
+F = len(REQ_FEATURES)
+NQ = len(QUANTILES)
+
+
+def obs_layout(k: int) -> list:
+    """Names of the observation entries, in order (see ``TokenBatchEnv``'s docstring)."""
+    names = ["kv_free_frac", "running_frac", "log_queue_len", "log_queued_tokens", "arrival_rate_rho",
+             "budget_demand"]
+    names += [f"z_q{int(q * 100)}" for q in QUANTILES] + [f"log_s_q{int(q * 100)}" for q in QUANTILES]
+    names += ["queue_empty", "queue_lost_frac"]
+    for j in range(k):
+        names += [f"req{j}_{f}" for f in REQ_FEATURES]
+    names += [f"req{j}_valid" for j in range(k)]
+    return names
+
+
+OBS_LAYOUT = obs_layout(8)
+
+
+# ------------------------------------------------------------------ config
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBatchConfig:
+    """Everything that defines a TokenBatch-v0 environment (validated; ConfigError names the field).
+
+    ``rho``: a number or ``(low, high)``; each episode draws rho uniformly from it.
+    ``predictor``: None = the suite's; else a kind (``"oracle"``, ``"noisy"``, ``"prior"``) or a dict
+    ``{kind, sigma, seed}``. ``base_params``: a tuned-parameters JSON (the evaluator's ``--params``
+    format) giving theta*; else ``IndexParams()`` defaults and ``shed_margin``. ``shed_margin``:
+    the base shed margin when the JSON gives none (None or inf = no shedding; the shed action
+    dimension is then ignored). ``max_steps``: decision-step cap per episode (truncation);
+    ``max_iterations``: engine iteration cap per episode (truncation)."""
+
+    suite: str = "seed-200"
+    split: str = "train"
+    profile: str = "stress-512"
+    rho: Any = (0.8, 1.5)
+    window: int = 128
+    warmup: int = 32
+    cooldown: int = 32
+    decision_interval_ms: float = 100.0
+    k: int = 8
+    action_mode: str = "index"
+    predictor: Any = None
+    reward_mode: str = "certain_miss"
+    autoreset_mode: Any = AutoresetMode.NEXT_STEP
+    seed: Optional[int] = None
+    base_params: Optional[str] = None
+    shed_margin: Optional[float] = 0.0
+    clip_actions: bool = False
+    max_steps: int = 20_000
+    max_iterations: int = 2_000_000
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        for f in ("suite", "split", "profile"):
+            if not isinstance(getattr(self, f), str) or not getattr(self, f):
+                raise ConfigError(f"{f}: must be a non-empty string, got {getattr(self, f)!r}")
+        rho = self.rho
+        if _is_num(rho):
+            rho = (rho, rho)
+        if not (isinstance(rho, (tuple, list)) and len(rho) == 2 and all(_is_num(x) for x in rho)):
+            raise ConfigError(f"rho: must be a positive number or a (low, high) pair, got {self.rho!r}")
+        lo, hi = float(rho[0]), float(rho[1])
+        if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
+            raise ConfigError(f"rho: need 0 < low <= high (finite), got {self.rho!r}")
+        set_("rho", (lo, hi))
+        for f, low in (("window", 1), ("warmup", 0), ("cooldown", 0), ("k", 1), ("max_steps", 1),
+                       ("max_iterations", 1)):
+            v = getattr(self, f)
+            if not _is_int(v) or v < low:
+                raise ConfigError(f"{f}: must be an integer >= {low}, got {v!r}")
+            set_(f, int(v))
+        d = self.decision_interval_ms
+        if not _is_num(d) or not math.isfinite(float(d)) or float(d) <= 0 or float(d) * 1e6 < 1:
+            raise ConfigError(f"decision_interval_ms: must be a positive finite number (>= 1e-6), got {d!r}")
+        set_("decision_interval_ms", float(d))
+        if self.action_mode not in ACTION_MODES:
+            raise ConfigError(f"action_mode: must be one of {ACTION_MODES}, got {self.action_mode!r}")
+        if self.reward_mode not in REWARD_MODES:
+            raise ConfigError(f"reward_mode: must be one of {REWARD_MODES}, got {self.reward_mode!r}")
+        am = self.autoreset_mode
+        if isinstance(am, str):
+            by_name = {m.name.lower(): m for m in AutoresetMode} | {m.value.lower(): m for m in AutoresetMode}
+            am = by_name.get(am.lower().replace("-", "_"), am)
+        if not isinstance(am, AutoresetMode):
+            raise ConfigError(f"autoreset_mode: must be one of {[m.name for m in AutoresetMode]} "
+                              f"(gymnasium.vector.AutoresetMode), got {self.autoreset_mode!r}")
+        set_("autoreset_mode", am)
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise ConfigError(f"seed: must be None or an integer >= 0, got {self.seed!r}")
+        if self.base_params is not None and not isinstance(self.base_params, str):
+            raise ConfigError(f"base_params: must be None or a path to a parameters JSON, got {self.base_params!r}")
+        m = self.shed_margin
+        if m is not None:
+            if not _is_num(m) or math.isnan(float(m)) or not (0 <= float(m) <= 2 or float(m) == math.inf):
+                raise ConfigError(f"shed_margin: must be None, inf or a number in [0, 2], got {m!r}")
+            set_("shed_margin", None if math.isinf(float(m)) else float(m))
+        if not isinstance(self.clip_actions, (bool, np.bool_)):
+            raise ConfigError(f"clip_actions: must be a bool, got {self.clip_actions!r}")
+        if self.predictor is not None:
+            from .predictors import PredictorSpec
+            try:
+                set_("predictor", PredictorSpec.from_dict(self.predictor))
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"predictor: {e}") from None
+        if self.action_mode == "weights":
+            raise ConfigError("action_mode: 'weights' needs an in-engine linear-score policy that the "
+                              "engine does not provide yet; valid today: 'index'")
+
+    @property
+    def n_req(self) -> int:
+        return self.warmup + self.window + self.cooldown
+
+
+# ------------------------------------------------------------------ observation kernel
+@njit
+def _observe_one(c, kq, now, t0, n_wait, n_run, n_free, next_arr, wait_ids, run_ids, prompt, gen,
+                 computed, arrival, t1, est, hash_head, chain_off, chain_val, uniq_base, mrl, icfg, ps,
+                 fcfg, out, need):
+    """Copy c's observation row (and whether a decision is needed).
+
+    icfg = [block_size, budget, usable_blocks, max_num_seqs, prefix_caching, shed_on];
+    fcfg = [u_p, u_d, t_ref_ms, lambda_sat, rate_window_ns]."""
+    bs = icfg[0]
+    budget = icfg[1]
+    usable = float(icfg[2])
+    max_seqs = float(icfg[3])
+    prefix_on = icfg[4] != 0
+    shed_on = icfg[5] != 0
+    u_p = fcfg[0]
+    u_d = fcfg[1]
+    t_ref = fcfg[2]
+    lam = fcfg[3]
+    win_ns = fcfg[4]
+    nq = 5
+    qs = (0.0, 0.25, 0.5, 0.75, 1.0)
+    nfeat = 10
+    base_req = 6 + 2 * nq + 2
+    nmrl = mrl.shape[0]
+    t_now = now[c]
+    nw = n_wait[c]
+    row = out[c]
+    row[:] = 0.0
+    zs = np.empty(nw)
+    ls = np.empty(nw)
+    feats = np.zeros((nw, nfeat))
+    queued = 0.0
+    lost = 0
+    sheddable = False
+    for i in range(nw):
+        r = wait_ids[c, i]
+        num_tokens = prompt[c, r] + gen[c, r]
+        hits = 0
+        if prefix_on:
+            hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs)
+        done = hits * bs
+        p_left = num_tokens - done
+        blocks = (num_tokens + bs - 1) // bs - hits
+        first_out = gen[c, r] > 0
+        t1_ms = t1[c, r] / 1e6
+        to_deadline = (arrival[c, r] + t1[c, r] - t_now) / 1e6
+        slack = to_deadline
+        if not first_out:
+            slack -= S.idle_prefill_ns(p_left, done, budget, ps) / 1e6
+        e = est[c, r]
+        if e != e:
+            g = gen[c, r] if gen[c, r] < nmrl else nmrl - 1
+            d_left = mrl[g]
+        else:
+            d_left = e - gen[c, r]
+            if d_left < 1.0:
+                d_left = 1.0
+        s_ms = S.service_ms(float(p_left), d_left, u_p, u_d)
+        z = slack / t1_ms
+        if z > S.Z_CLIP:
+            z = S.Z_CLIP
+        elif z < -S.Z_CLIP:
+            z = -S.Z_CLIP
+        if not first_out and slack < 0.0:
+            lost += 1
+            sheddable = True
+        zs[i] = z
+        ls[i] = math.log(s_ms / t_ref)
+        queued += p_left
+        feats[i, 0] = z / 10.0
+        feats[i, 1] = ls[i] / 4.0
+        feats[i, 2] = math.log1p(p_left) / math.log1p(1e5)
+        feats[i, 3] = math.log1p(d_left) / math.log1p(1e5)
+        feats[i, 4] = hits * bs / prompt[c, r]
+        feats[i, 5] = blocks / usable
+        feats[i, 6] = (t_now - arrival[c, r]) / 1e6 / t1_ms
+        feats[i, 7] = to_deadline / t_ref
+        feats[i, 8] = math.log(t1_ms / t_ref)
+        feats[i, 9] = 1.0 if first_out else 0.0
+    # engine state
+    row[0] = n_free[c] / usable
+    row[1] = n_run[c] / max_seqs
+    row[2] = math.log1p(nw) / math.log1p(1024.0)
+    row[3] = math.log1p(queued) / math.log1p(1e6)
+    cnt = 0
+    r = next_arr[c] - 1
+    while r >= 0 and arrival[c, r] > t_now - win_ns:
+        cnt += 1
+        r -= 1
+    span = t_now - t0[c]
+    if span > win_ns:
+        span = win_ns
+    if span < 1e8:
+        span = 1e8
+    row[4] = cnt / (span / 1e9) / lam
+    demand = 0.0
+    for j in range(n_run[c]):
+        q = run_ids[c, j]
+        left = prompt[c, q] + gen[c, q] - computed[c, q]
+        if gen[c, q] > 0 and left <= 1:
+            demand += 1.0
+        else:
+            demand += left
+    demand /= budget
+    row[5] = demand if demand < 1.0 else 1.0
+    # queue summary
+    if nw == 0:
+        row[6 + 2 * nq] = 1.0
+    else:
+        zsort = np.sort(zs)
+        lsort = np.sort(ls)
+        for qi in range(nq):
+            pos = int(qs[qi] * (nw - 1) + 0.5)
+            row[6 + qi] = zsort[pos] / 10.0
+            row[6 + nq + qi] = lsort[pos] / 4.0
+        row[6 + 2 * nq + 1] = lost / nw
+    # the K waiting requests with the lowest z (ties: earlier arrival, lower id)
+    order = np.argsort(zs, kind="mergesort")
+    m = nw if nw < kq else kq
+    for j in range(m):
+        i = order[j]
+        for f in range(nfeat):
+            row[base_req + j * nfeat + f] = feats[i, f]
+        row[base_req + kq * nfeat + j] = 1.0
+    for f in range(row.shape[0]):
+        v = row[f]
+        if v != v:
+            row[f] = 0.0
+        elif v > 10.0:
+            row[f] = 10.0
+        elif v < -10.0:
+            row[f] = -10.0
+    need[c] = nw >= 2 or (shed_on and sheddable)
+
+
+_FI = {name: i for i, name in enumerate(K.EngineArrays._fields)}
+(_I_NOW, _I_IT, _I_N_WAIT, _I_N_RUN, _I_N_FREE, _I_NEXT_ARR, _I_WAIT_IDS, _I_RUN_IDS, _I_PROMPT, _I_GEN,
+ _I_COMPUTED, _I_ARRIVAL, _I_T1, _I_EST, _I_HASH_HEAD, _I_CHAIN_OFF, _I_CHAIN_VAL, _I_UNIQ_BASE,
+ _I_END_STATE) = (_FI[n] for n in (
+    "now", "it", "n_wait", "n_run", "n_free", "next_arr", "wait_ids", "run_ids", "prompt", "gen",
+    "computed", "arrival", "t1", "est", "hash_head", "chain_off", "chain_val", "uniq_base", "end_state"))
+_BIG_STEPS = 1 << 62
+
+
+@njit
+def _observe_tuple(c, kq, t0, mrl, icfg, ps, fcfg, out, need, At):
+    _observe_one(c, kq, At[_I_NOW], t0, At[_I_N_WAIT], At[_I_N_RUN], At[_I_N_FREE], At[_I_NEXT_ARR],
+                 At[_I_WAIT_IDS], At[_I_RUN_IDS], At[_I_PROMPT], At[_I_GEN], At[_I_COMPUTED],
+                 At[_I_ARRIVAL], At[_I_T1], At[_I_EST], At[_I_HASH_HEAD], At[_I_CHAIN_OFF],
+                 At[_I_CHAIN_VAL], At[_I_UNIQ_BASE], mrl, icfg, ps, fcfg, out, need)
+
+
+@njit
+def _observe(active, kq, t0, mrl, icfg, ps, fcfg, out, need, At):
+    for c in range(active.shape[0]):
+        if active[c]:
+            _observe_tuple(c, kq, t0, mrl, icfg, ps, fcfg, out, need, At)
+
+
+@njit
+def _need_decision(c, icfg, ps, At):
+    """``need`` of ``_observe_one`` without the observation: >= 2 waiting, or (shedding on) a lone
+    waiting request without a first token whose slack is negative."""
+    n_wait = At[_I_N_WAIT]
+    nw = n_wait[c]
+    if nw >= 2:
+        return True
+    if nw == 0 or icfg[5] == 0:
+        return False
+    r = At[_I_WAIT_IDS][c, 0]
+    gen = At[_I_GEN]
+    if gen[c, r] > 0:
+        return False
+    bs = icfg[0]
+    num_tokens = At[_I_PROMPT][c, r] + gen[c, r]
+    hits = 0
+    if icfg[4] != 0:
+        hits = _prefix_hits(At[_I_HASH_HEAD], At[_I_CHAIN_OFF], At[_I_CHAIN_VAL], At[_I_UNIQ_BASE], c, r,
+                            num_tokens, bs)
+    done = hits * bs
+    slack = (At[_I_ARRIVAL][c, r] + At[_I_T1][c, r] - At[_I_NOW][c]) / 1e6
+    slack -= S.idle_prefill_ns(num_tokens - done, done, icfg[1], ps) / 1e6
+    return slack < 0.0
+
+
+def _drive_py(pending, t0, dt, s0, s1, max_iters, kq, mrl, icfg, ps, ofcfg, out, need, term, capped,
+              active, until, At, kargs):
+    """Advance each pending copy to its next decision epoch: run the engine (``kernel._run_copies``
+    with ``kargs``, the very call ``kernel.run_copies`` makes) to the first iteration boundary at or
+    after the next epoch; stop if the episode ended or a decision is needed, else go on to the
+    following epoch. Returns 0, -1 on a NaN score (copy in nan_score), or -2 - c if copy c made no
+    progress. ``active`` and ``until`` are the arrays inside ``kargs``."""
+    now = At[_I_NOW]
+    it = At[_I_IT]
+    end_state = At[_I_END_STATE]
+    for c in range(pending.shape[0]):
+        if not pending[c]:
+            continue
+        while True:
+            t_before = now[c]
+            it_before = it[c]
+            until[c] = t0[c] + ((now[c] - t0[c]) // dt + 1) * dt
+            if it[c] < max_iters:
+                active[c] = True
+                n = K._run_copies(*kargs)
+                active[c] = False
+                if n < 0:
+                    return -1
+            ended = True
+            for r in range(s0, s1):
+                if end_state[c, r] == 0:
+                    ended = False
+                    break
+            if ended:
+                term[c] = True
+            elif it[c] >= max_iters:
+                capped[c] = True
+            need[c] = _need_decision(c, icfg, ps, At)
+            if term[c] or capped[c] or need[c]:
+                _observe_tuple(c, kq, t0, mrl, icfg, ps, ofcfg, out, need, At)
+                break
+            if now[c] == t_before and it[c] == it_before:
+                return -2 - c
+    return 0
+
+
+_drive = njit(_drive_py)
+
+
+def _engine_digest() -> str:
+    import hashlib
+    from pathlib import Path
+    h = hashlib.sha256()
+    for f in sorted(Path(K.__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def _guard_stale_cache() -> None:
+    """numba's on-disk cache of a function is keyed on its own file only, but ``_observe_one`` and
+    ``_drive`` link engine code (the kernel, the score formulas). When any engine source changes,
+    their cached machine code is flushed, so they are recompiled against the current engine."""
+    disp = [f for f in (_observe_one, _observe_tuple, _observe, _need_decision, _drive)
+            if hasattr(f, "_cache")]
+    if not disp:
+        return
+    try:
+        from pathlib import Path
+        stamp = Path(disp[0]._cache.cache_path) / "tokenbatch_envs.engine.sha256"
+        digest = _engine_digest()
+        if stamp.exists() and stamp.read_text() == digest:
+            return
+        for f in disp:
+            f._cache.flush()
+        stamp.write_text(digest)
+    except (OSError, AttributeError):  # pragma: no cover - read-only cache dir: numba recompiles anyway
+        pass
+
+
+_guard_stale_cache()
+
+
+def _kernel_param_names() -> Optional[list]:
+    """The engine kernel's positional parameters, if ``_Core`` knows how to supply each of them."""
+    import inspect
+    fn = getattr(K._run_copies, "py_func", K._run_copies)
+    names = []
+    for name, p in inspect.signature(fn).parameters.items():
+        if name in _KERNEL_KNOWN or name in K.EngineArrays._fields:
+            names.append(name)
+        elif p.default is inspect.Parameter.empty:
+            return None
+        else:
+            break
+    return names
+
+
+_KERNEL_KNOWN = ("cfg", "fcfg", "theta", "shed_margin", "mrl", "nan_score", "tier", "score", "shed",
+                 "active", "max_steps", "until_ns", "gtab")
+
+
+
+# ------------------------------------------------------------------ the batched core
+_GROW_FILL = {"hash_head": -1, "chain_val": 0}
+#: prepared workloads (suite traces, lambda_sat, residual life, estimates), shared read-only by every
+#: env of a process: (suite, split, profile, engine config, predictor) -> (Workload, estimates)
+_WORKLOADS: dict = {}
+
+
+def _splice(A, B, rows):
+    """Write the copies of ``B`` (built for ``len(rows)`` traces) into rows ``rows`` of ``A``,
+    growing the per-copy hash dimensions when the new windows need more."""
+    changes = {}
+    for name in A._fields:
+        a, b = getattr(A, name), getattr(B, name)
+        if a.shape[1:] != b.shape[1:]:
+            if name not in _GROW_FILL or a.ndim != 2:
+                raise RuntimeError(f"engine array {name}: shape {b.shape[1:]} does not fit {a.shape[1:]}")
+            w = max(a.shape[1], b.shape[1])
+            fill = _GROW_FILL[name]
+            if w > a.shape[1]:
+                na = np.full((a.shape[0], w), fill, a.dtype)
+                na[:, :a.shape[1]] = a
+                a = changes[name] = na
+            if w > b.shape[1]:
+                nb = np.full((b.shape[0], w), fill, b.dtype)
+                nb[:, :b.shape[1]] = b
+                b = nb
+        a[rows] = b
+    return A._replace(**changes) if changes else A
+
+
+class _Core:
+    """N copies of the MDP as one batch (all arrays [N, ...])."""
+
+    def __init__(self, config: TokenBatchConfig, num_envs: int):
+        from .engine.profiles import load_profile
+        from .engine.simulate import EngineRun
+        from .engine.state import EngineConfig, build_arrays
+        from .evaluate import BenchConfig, load_params_file, prepare_workload
+        from .policies import INDEX_RANGES, IndexParams
+
+        if not _is_int(num_envs) or num_envs < 1:
+            raise ConfigError(f"num_envs: must be an integer >= 1, got {num_envs!r}")
+        self.config = cfg = config
+        self.n = N = int(num_envs)
+        self.engine_config = EngineConfig(max_iterations=cfg.max_iterations)
+        from .errors import ProfileError
+        from .traces.suites import load_suite
+        try:
+            profile = self.engine_config.resolve(load_profile(cfg.profile))
+        except (ProfileError, KeyError, FileNotFoundError) as e:
+            raise ConfigError(f"profile: {e}") from None
+        self.profile = profile
+        try:
+            suite = load_suite(cfg.suite)
+        except ConfigError as e:
+            raise ConfigError(f"suite: {e}") from None
+        if cfg.split not in suite.splits:
+            raise ConfigError(f"split: must be one of {suite.splits} for suite {cfg.suite!r}, got {cfg.split!r}")
+        key = (cfg.suite, cfg.split, cfg.profile, self.engine_config, cfg.predictor)
+        if key not in _WORKLOADS:
+            try:
+                wl = prepare_workload(BenchConfig(suite=cfg.suite, split=cfg.split, profile=cfg.profile,
+                                                  engine=self.engine_config, upper_bound=False), profile)
+            except ConfigError as e:
+                raise ConfigError(f"suite/split: {e}") from None
+            if cfg.predictor is not None:
+                wl = dataclasses.replace(wl, predictor=cfg.predictor)
+            _WORKLOADS[key] = (wl, wl.estimates())
+        wl, self.estimates = _WORKLOADS[key]
+        self.workload = wl
+        lens = [len(t) for t in wl.units]
+        usable = [i for i, n in enumerate(lens) if n >= cfg.n_req]
+        if not usable:
+            raise ConfigError(f"window: warmup + window + cooldown = {cfg.n_req} requests, but the longest "
+                              f"trace of {cfg.suite}/{cfg.split} has {max(lens)}")
+        self.units = usable
+        # base parameters theta* and shed margin
+        if cfg.base_params is not None:
+            params, margins = load_params_file(cfg.base_params)
+            margin = dict(margins).get("index", cfg.shed_margin)
+            margin = None if margin is None or math.isinf(margin) else float(margin)
+        else:
+            params, margin = IndexParams(), cfg.shed_margin
+        self.base_params, self.base_margin = params, margin
+        self.theta_star = params.theta_vector(wl.t_ref_ms)
+        self.ranges = [INDEX_RANGES[n] for n in ACTION_NAMES[:-1]]
+        # engine
+        self._build_arrays = build_arrays
+        t0 = wl.unit_at(usable[0], cfg.rho[0])
+        from .traces.windows import window_at
+        w0 = window_at(t0, cfg.warmup, cfg.window, cfg.warmup, cfg.cooldown)
+        from .policies import engine_policy
+        pol = engine_policy("index", params=params, shed_margin=margin, t_ref_ms=wl.t_ref_ms)
+        est0 = self.estimates[usable[0]][w0.parent_start:w0.parent_start + len(w0.trace)]
+        self.run = EngineRun([w0.trace] * N, profile, pol, self.engine_config,
+                             estimates=[est0] * N, residual_life=wl.residual_life)
+        self.pol = pol
+        # constants for observations and certain-miss detection
+        self.k = cfg.k
+        self.obs_dim = N_ENGINE + 2 * NQ + 2 + cfg.k * (F + 1)
+        ps = profile.cost.ps
+        self.ps = np.ascontiguousarray(np.asarray(ps[:4], np.int64))
+        # the shortest iteration that can emit a token: one decode, or a 1-token (re)compute chunk
+        self.t_min_ns = int((int(ps[0]) + min(int(ps[4]), int(ps[1]) + int(ps[2])) + 999) // 1000)
+        self.icfg = np.array([profile.block_size, profile.max_num_batched_tokens, profile.usable_blocks,
+                              profile.max_num_seqs, int(self.engine_config.prefix_caching),
+                              int(margin is not None)], np.int64)
+        u_p, u_d = profile.cost.per_token_ms(profile.max_num_batched_tokens)
+        self.fcfg = np.array([u_p, u_d, wl.t_ref_ms, wl.lambda_sat, RATE_WINDOW_S * 1e9])
+        self.dt_ns = max(1, int(round(cfg.decision_interval_ms * 1e6)))
+        R = cfg.n_req
+        self.s0, self.s1 = cfg.warmup, cfg.warmup + cfg.window
+        # per-copy episode state
+        self.rngs = [np.random.default_rng(None if cfg.seed is None else cfg.seed + i) for i in range(N)]
+        self.obs = np.zeros((N, self.obs_dim), np.float32)
+        self.need = np.zeros(N, np.bool_)
+        self.t0 = np.zeros(N, np.int64)
+        self.t2 = np.zeros((N, R), np.int64)
+        self.certain = np.zeros((N, cfg.window), bool)
+        self.met_seen = np.zeros((N, cfg.window), bool)
+        self.steps = np.zeros(N, np.int64)
+        self.ep_return = np.zeros(N)
+        self.rho = np.zeros(N)
+        self.trace_index = np.zeros(N, np.int64)
+        self.window_start = np.zeros(N, np.int64)
+        self.traces = [w0.trace] * N
+        self.last_records: list = [None] * N
+        self.params_theta = np.tile(self.theta_star, (N, 1))
+        self.params_margin = np.full(N, -1.0 if margin is None else margin)
+        self._no_shed = np.zeros((N, R), np.bool_)
+        self._active = np.zeros(N, np.bool_)
+        self._until = np.zeros(N, np.int64)
+        self._kparams = _kernel_param_names()
+        #: compiled epoch driver (True) or the EngineRun.advance reference path (False)
+        self.fast = self._kparams is not None
+
+    # -------------------------------------------------------------- actions
+    @property
+    def action_dim(self) -> int:
+        return len(ACTION_NAMES)
+
+    def map_actions(self, a: np.ndarray):
+        """[n, 8] actions in [-1, 1] -> (theta [n, NP], shed margin [n]); a = 0 gives theta*."""
+        ts = self.theta_star
+        theta = np.tile(ts, (a.shape[0], 1))
+        for j, (name, (lo, hi, scale)) in enumerate(zip(ACTION_NAMES, self.ranges)):
+            col, x, base = _THETA_COL[name], a[:, j], ts[_THETA_COL[name]]
+            if scale == "log":
+                v = base * np.exp(x * math.log(hi / lo))
+            elif scale == "log1p":
+                v = np.expm1(np.log1p(base) + x * math.log1p(hi))
+            else:
+                v = base + x * (hi - lo)
+            theta[:, col] = np.where(x == 0.0, base, np.clip(v, lo, hi))
+        if self.base_margin is None:
+            margin = np.full(a.shape[0], -1.0)
+        else:
+            from .policies import SHED_RANGE
+            lo, hi = SHED_RANGE
+            x = a[:, -1]
+            margin = np.where(x == 0.0, self.base_margin, np.clip(self.base_margin + x * (hi - lo), lo, hi))
+        return theta, margin
+
+    # -------------------------------------------------------------- episodes
+    def seed_copies(self, rows: Sequence[int], seeds: Sequence[Optional[int]]) -> None:
+        for c, s in zip(rows, seeds):
+            if s is not None:   # None: keep the copy's generator
+                if not _is_int(s) or s < 0:
+                    raise ConfigError(f"seed: must be an integer >= 0 or None, got {s!r}")
+                self.rngs[c] = np.random.default_rng(int(s))
+
+    def reset_copies(self, rows: np.ndarray) -> None:
+        """Draw a new episode (trace, window, rho) for each copy in ``rows`` and lay it out."""
+        from .traces.windows import window_at
+        cfg, wl = self.config, self.workload
+        rows = np.asarray(rows, np.int64)
+        if rows.size == 0:
+            return
+        traces, ests = [], []
+        for c in rows:
+            rng = self.rngs[c]
+            u = self.units[int(rng.integers(len(self.units)))]
+            n = len(wl.units[u])
+            start = int(rng.integers(cfg.warmup, n - cfg.cooldown - cfg.window + 1))
+            lo, hi = cfg.rho
+            rho = float(lo if lo == hi else rng.uniform(lo, hi))
+            w = window_at(wl.unit_at(u, rho), start, cfg.window, cfg.warmup, cfg.cooldown)
+            traces.append(w.trace)
+            ests.append(self.estimates[u][w.parent_start:w.parent_start + len(w.trace)])
+            self.rho[c], self.trace_index[c], self.window_start[c] = rho, u, start
+            self.traces[c] = w.trace
+            self.t2[c] = w.trace.tpot_slo_ns
+        B = self._build_arrays(traces, self.run.profile, self.engine_config, ests)
+        self.run.arrays = _splice(self.run.arrays, B, rows)
+        A = self.run.arrays
+        self.run.tier[rows] = 0
+        self.run.score[rows] = 0.0
+        self.t0[rows] = A.now[rows]
+        self.certain[rows] = False
+        self.met_seen[rows] = False
+        self.steps[rows] = 0
+        self.ep_return[rows] = 0.0
+        mask = np.zeros(self.n, bool)
+        mask[rows] = True
+        self.observe(mask)
+
+    def observe(self, mask: np.ndarray) -> None:
+        _observe(mask, self.k, self.t0, self.run.mrl, self.icfg, self.ps, self.fcfg, self.obs, self.need,
+                 tuple(self.run.arrays))
+
+    def step(self, live: np.ndarray, theta: np.ndarray, margin: np.ndarray):
+        """Apply the (held) parameters of the ``live`` copies and advance each to its next decision
+        epoch (skipping epochs that need no decision) or the end of its episode."""
+        run = self.run
+        self.params_theta[live] = theta
+        self.params_margin[live] = margin
+        run.set_policy_params(self.params_theta, self.params_margin)
+        term = np.zeros(self.n, bool)
+        capped = np.zeros(self.n, bool)
+        if self.fast:
+            self._step_fast(live, term, capped)
+        else:
+            self._step_reference(live, term, capped)
+        self.steps[live] += 1
+        trunc = live & ~term & (capped | (self.steps >= self.config.max_steps))
+        reward = self._rewards(live, trunc)
+        self.ep_return[live] += reward[live]
+        return reward, term, trunc
+
+    def _step_fast(self, live, term, capped) -> None:
+        """The compiled driver (one call per step; the engine kernel is called from compiled code)."""
+        run, A = self.run, self.run.arrays
+        nan_score = np.full(2, -1, np.int64)
+        known = {"cfg": run.cfg, "fcfg": run.fcfg, "theta": run.theta, "shed_margin": run.shed_margin,
+                 "mrl": run.mrl, "nan_score": nan_score, "tier": run.tier, "score": run.score,
+                 "shed": self._no_shed, "active": self._active, "max_steps": int(_BIG_STEPS),
+                 "until_ns": self._until, "gtab": getattr(K, "_NO_GTAB", None)}
+        kargs = tuple(getattr(A, n) if n in K.EngineArrays._fields else known[n] for n in self._kparams)
+        rc = _drive(np.ascontiguousarray(live), self.t0, self.dt_ns, self.s0, self.s1,
+                    self.config.max_iterations, self.k, run.mrl, self.icfg, self.ps, self.fcfg, self.obs,
+                    self.need, term, capped, self._active, self._until, tuple(A), kargs)
+        if rc == -1:
+            from .errors import PolicyError
+            c = int(nan_score[0])
+            raise PolicyError(f"the index produced a NaN score for copy {c}, request {int(nan_score[1])} "
+                              f"(parameters {self.params_theta[c].tolist()})")
+        if rc < -1:
+            raise RuntimeError(f"engine made no progress on copy {-2 - rc}; please report this trace")
+
+    def _step_reference(self, live, term, capped) -> None:
+        """The same advance through ``EngineRun.advance`` (public API; one batched call per epoch)."""
+        run = self.run
+        pending = live.copy()
+        while pending.any():
+            A = run.arrays
+            k = (A.now - self.t0) // self.dt_ns + 1
+            run.advance(np.where(pending, self.t0 + k * self.dt_ns, A.now), active=pending)
+            ended = (A.end_state[:, self.s0:self.s1] != K.E_NONE).all(axis=1)
+            term |= pending & ended
+            capped |= pending & ~ended & (A.it >= self.config.max_iterations)
+            self.observe(pending)
+            pending &= ~(term | capped | self.need)
+
+    def _rewards(self, live: np.ndarray, trunc: np.ndarray) -> np.ndarray:
+        A, s = self.run.arrays, slice(self.s0, self.s1)
+        rows = np.flatnonzero(live)
+        es = A.end_state[rows, s]
+        ft = A.first_token[rows, s]
+        fin = A.finish[rows, s]
+        arr = A.arrival[rows, s]
+        t1 = A.t1[rows, s]
+        t2 = self.t2[rows, s]
+        o = A.out_len[rows, s]
+        now = A.now[rows][:, None]
+        ended = es != K.E_NONE
+        met = (es == K.E_COMPLETED) & (ft - arr <= t1) & ((o <= 1) | (fin - ft <= t2 * np.maximum(o - 1, 1)))
+        ttft_lost = (ft < 0) & (arr <= now) & (now > arr + t1)
+        tpot_lost = (ft >= 0) & ~ended & (o > 1) & (now + (o - A.gen[rows, s]) * self.t_min_ns - ft > t2 * (o - 1))
+        capped = A.capped[rows, s] & (arr <= now)
+        certain = (ended & ~met) | ttft_lost | tpot_lost | capped | (trunc[rows][:, None] & ~ended)
+        new_miss = certain & ~self.certain[rows]
+        new_met = met & ~self.met_seen[rows]
+        self.certain[rows] |= certain
+        self.met_seen[rows] |= met
+        out = np.zeros(self.n)
+        if self.config.reward_mode == "certain_miss":
+            out[rows] = -new_miss.sum(axis=1)
+        else:
+            out[rows] = new_met.sum(axis=1)
+        return out
+
+    def episode_info(self, c: int, truncated: bool) -> dict:
+        """Episode metrics of copy c (its scored requests), computed with the evaluator's helpers."""
+        from .engine.simulate import SimResult
+        from .evaluate import pct, request_outcomes, unit_metrics
+        res = SimResult(self.traces, self.run.profile, self.engine_config, self.pol.name, self.run.arrays)
+        rec = res.records(c)
+        open_ = rec["end_state"] == K.E_NONE
+        rec["end_state"] = np.where(open_, K.E_UNFINISHED, rec["end_state"])
+        mask = np.zeros(len(self.traces[c]), bool)
+        mask[self.s0:self.s1] = True
+        self.last_records[c] = {k: v[mask].copy() for k, v in rec.items()}
+        o = request_outcomes(rec, self.traces[c], mask)
+        m = unit_metrics(o)
+        return {
+            "episode_goodput": float(m["goodput"]), "episode_met": int(m["met"]),
+            "episode_completed": int(m["completed"]), "episode_shed": int(m["shed"]),
+            "episode_timed_out": int(m["timed_out"]), "episode_rejected": int(m["rejected"]),
+            "episode_unfinished": int(m["unfinished"]), "episode_preemptions": int(m["preemptions"]),
+            "episode_ttft_p50_ms": pct(o["ttft_ms"], 50), "episode_ttft_p99_ms": pct(o["ttft_ms"], 99),
+            "episode_tpot_p99_ms": pct(o["tpot_ms"], 99),
+            "episode_return": float(self.ep_return[c]), "episode_length": int(self.steps[c]),
+            "episode_rho": float(self.rho[c]), "episode_truncated": bool(truncated),
+            "episode_sim_s": float(self.run.arrays.now[c] - self.t0[c]) / 1e9,
+        }
+
+    def reset_info(self, c: int) -> dict:
+        return {"rho": float(self.rho[c]), "trace_index": int(self.trace_index[c]),
+                "window_start": int(self.window_start[c])}
+
+
+# ------------------------------------------------------------------ the vector env
+def _add(infos: dict, info: dict, c: int, n: int) -> None:
+    """Gymnasium's vector info convention: ``info[key]`` an array over copies, ``info['_key']`` its mask."""
+    for key, v in info.items():
+        if isinstance(v, dict):
+            _add(infos.setdefault(key, {}), v, c, n)
+        else:
+            if key not in infos:
+                dtype = np.bool_ if isinstance(v, bool) else (np.float64 if isinstance(v, float) else np.int64)
+                infos[key] = np.zeros(n, dtype)
+            infos[key][c] = v
+        infos.setdefault(f"_{key}", np.zeros(n, bool))[c] = True
+
+
+class TokenBatchVectorEnv(gym.vector.VectorEnv):
+    """``num_envs`` copies of TokenBatch-v0 stepped as one engine batch (see ``TokenBatchEnv`` for
+    the MDP). ``autoreset_mode`` (config) is NEXT_STEP, SAME_STEP or DISABLED and is recorded in
+    ``self.metadata``; with DISABLED, reset finished copies with ``reset(options={"reset_mask": m})``.
+    Episode metrics appear in ``info`` (arrays over copies with ``_key`` masks) at episode end."""
+
+    metadata = {"render_modes": [], "autoreset_mode": AutoresetMode.NEXT_STEP}
+
+    def __init__(self, num_envs: int = 1, config: Optional[TokenBatchConfig] = None, *,
+                 max_episode_steps: Optional[int] = None, render_mode: Optional[str] = None, **kwargs):
+        if config is None:
+            if max_episode_steps is not None:
+                kwargs.setdefault("max_steps", max_episode_steps)
+            try:
+                config = TokenBatchConfig(**kwargs)
+            except TypeError as e:
+                valid = [f.name for f in dataclasses.fields(TokenBatchConfig)]
+                raise ConfigError(f"{e}; valid config fields: {', '.join(valid)}") from None
+        elif kwargs or max_episode_steps is not None:
+            config = dataclasses.replace(config, **kwargs,
+                                         **({} if max_episode_steps is None else {"max_steps": max_episode_steps}))
+        if render_mode is not None:
+            raise ConfigError(f"render_mode: TokenBatch has no renderer; got {render_mode!r}")
+        self.render_mode = None
+        self.config = config
+        self.core = _Core(config, num_envs)
+        self.num_envs = self.core.n
+        self.metadata = {**type(self).metadata, "autoreset_mode": config.autoreset_mode}
+        self.autoreset_mode = config.autoreset_mode
+        d = self.core.obs_dim
+        self.single_observation_space = spaces.Box(-OBS_CLIP, OBS_CLIP, (d,), np.float32)
+        self.single_action_space = spaces.Box(-1.0, 1.0, (self.core.action_dim,), np.float32)
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, self.num_envs)
+        self._needs_reset = np.zeros(self.num_envs, bool)
+        self._done = np.ones(self.num_envs, bool)   # copies without a live episode
+        self._seeded = False
+        self.obs_names = obs_layout(config.k)
+
+    # -------------------------------------------------------------- reset
+    def reset(self, *, seed: Union[None, int, Sequence[Optional[int]]] = None,
+              options: Optional[dict] = None):
+        n = self.num_envs
+        mask = np.ones(n, bool)
+        if options is not None:
+            if not isinstance(options, dict) or set(options) - {"reset_mask"}:
+                raise ConfigError(f"reset options: only {{'reset_mask': bool array [{n}]}} is supported, "
+                                  f"got {options!r}")
+            if "reset_mask" in options:
+                mask = np.asarray(options["reset_mask"])
+                if mask.shape != (n,) or mask.dtype != np.bool_:
+                    raise ConfigError(f"reset_mask: must be a bool array of shape ({n},)")
+        rows = np.flatnonzero(mask)
+        if seed is not None:
+            if _is_int(seed):
+                seeds = [int(seed) + i for i in range(n)]
+            else:
+                seeds = list(seed)
+                if len(seeds) != n:
+                    raise ConfigError(f"seed: expected an int or {n} seeds, got {len(seeds)}")
+            self.core.seed_copies(rows, [seeds[c] for c in rows])
+        self.core.reset_copies(rows)
+        self._needs_reset[rows] = False
+        self._done[rows] = False
+        infos: dict = {}
+        for c in rows:
+            _add(infos, self.core.reset_info(int(c)), int(c), n)
+        return self.core.obs.copy(), infos
+
+    # -------------------------------------------------------------- step
+    def _check_actions(self, actions) -> np.ndarray:
+        n, d = self.num_envs, self.core.action_dim
+        try:
+            a = np.array(actions, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ActionError(f"actions must be numbers, got {type(actions).__name__}") from None
+        if a.shape != (n, d):
+            raise ActionError(f"actions must have shape ({n}, {d}) (copies x {', '.join(ACTION_NAMES)}), "
+                              f"got {a.shape}")
+        if np.isnan(a).any():
+            c, j = np.argwhere(np.isnan(a))[0]
+            raise ActionError(f"action is NaN at copy {c}, dimension {j} ({ACTION_NAMES[j]})")
+        bad = ~np.isfinite(a) | (np.abs(a) > 1.0)
+        if bad.any():
+            if not self.config.clip_actions:
+                c, j = np.argwhere(bad)[0]
+                raise ActionError(f"action {a[c, j]!r} at copy {c}, dimension {j} ({ACTION_NAMES[j]}) is "
+                                  f"outside [-1, 1]; pass clip_actions=True to clip instead")
+            a = np.clip(a, -1.0, 1.0)
+        return a
+
+    def step(self, actions):
+        n, core = self.num_envs, self.core
+        a = self._check_actions(actions)
+        mode = self.autoreset_mode
+        reset_now = self._needs_reset.copy() if mode == AutoresetMode.NEXT_STEP else np.zeros(n, bool)
+        if mode == AutoresetMode.DISABLED and self._done.any():
+            raise ConfigError(f"copies {np.flatnonzero(self._done)[:10].tolist()} have no live episode: with "
+                              f"autoreset_mode DISABLED call reset(options={{'reset_mask': mask}}) first")
+        if mode != AutoresetMode.DISABLED and self._done.all() and not self._needs_reset.any():
+            raise ConfigError("call reset() before step()")
+        live = ~reset_now & ~self._done
+        theta, margin = core.map_actions(a[live])
+        reward, term, trunc = core.step(live, theta, margin)
+        infos: dict = {}
+        ended = np.flatnonzero(term | trunc)
+        for c in ended:
+            _add(infos, core.episode_info(int(c), bool(trunc[c])), int(c), n)
+        if reset_now.any():
+            core.reset_copies(np.flatnonzero(reset_now))
+            for c in np.flatnonzero(reset_now):
+                _add(infos, core.reset_info(int(c)), int(c), n)
+            self._done[reset_now] = False
+        obs = core.obs.copy()
+        if mode == AutoresetMode.SAME_STEP and ended.size:
+            final_obs = np.full(n, None, dtype=object)
+            for c in ended:
+                final_obs[c] = obs[c].copy()
+            final_info = infos
+            infos = {"final_obs": final_obs, "_final_obs": np.isin(np.arange(n), ended),
+                     "final_info": final_info, "_final_info": np.isin(np.arange(n), ended)}
+            core.reset_copies(ended)
+            for c in ended:
+                _add(infos, core.reset_info(int(c)), int(c), n)
+            obs = core.obs.copy()
+        elif mode == AutoresetMode.NEXT_STEP:
+            self._needs_reset = term | trunc
+            self._done |= term | trunc
+        else:
+            self._done |= term | trunc
+        return obs, reward.astype(np.float64), term.copy(), trunc.copy(), infos
+
+    # -------------------------------------------------------------- helpers
+    def episode_records(self, copy: int = 0) -> Optional[dict]:
+        """The scored requests' records of copy ``copy``'s last finished episode (met, ttft_ns, ...)."""
+        r = self.core.last_records[copy]
+        return None if r is None else {k: v.copy() for k, v in r.items()}
+
+    @property
+    def base_theta(self) -> np.ndarray:
+        """theta* as the engine's parameter vector (``engine.scoring`` layout) and its shed margin."""
+        return self.core.theta_star.copy()
+
+    def close(self, **kwargs):
+        pass
+
+
+def make_vector_env(num_envs: int = 1, **kwargs) -> TokenBatchVectorEnv:
+    """The vector entry point of TokenBatch-v0 (accepts ``max_episode_steps`` and every config field)."""
+    return TokenBatchVectorEnv(num_envs=num_envs, **kwargs)
+
+
+# ------------------------------------------------------------------ the single env
+class TokenBatchEnv(gym.Env):
+    """TokenBatch-v0: order the requests of a simulated LLM-serving engine to maximise goodput.
+
+    ## Description
+    One engine (continuous batching, chunked prefill, paged KV cache, preemption, prefix caching;
+    vLLM V1 semantics, DESIGN.md section 3) serves an episode: a window of ``window`` scored
+    requests cut from a suite trace (``suite``/``split``), with ``warmup`` requests before and
+    ``cooldown`` after that are simulated but not scored, at a load rho drawn uniformly from
+    ``rho`` (the trace is time-scaled to ``rho * lambda_sat``, the suite's FCFS saturation rate for
+    ``profile``; the same scaling as the evaluator). The agent controls the Gittins-barrier index
+    that orders waiting requests (and picks preemption victims), plus the shed margin. A request
+    is *met* when it completes with TTFT <= T1 and TPOT <= T2. This env is the vector env
+    ``TokenBatchVectorEnv`` with one copy: the dynamics exist once.
+
+    ## Action Space
+    ``index`` mode (default): ``Box(-1, 1, (8,), float32)``, a residual around the base vector
+    theta* (``base_params`` JSON, else ``IndexParams()`` defaults with ``shed_margin``), in order
+    kappa, slope, gamma, theta, beta, w_prefix, a_edf, shed_margin. Log-scale parameters (slope):
+    ``theta = theta* * exp(a * ln(hi/lo))``; log1p-scale (gamma):
+    ``expm1(log1p(theta*) + a * log1p(hi))``; linear ones (kappa, theta, beta, w_prefix, a_edf,
+    shed_margin): ``theta* + a * (hi - lo)``; every result clipped to its range (policies.INDEX_RANGES,
+    shed margin [0, 2]); ``a = 0`` gives theta* exactly. With no base shed margin (None/inf) the
+    last dimension is ignored. The action is held until the next decision epoch. NaN, inf or values
+    outside [-1, 1] raise ``ActionError`` unless ``clip_actions=True`` (which clips inf and
+    out-of-range values; NaN always raises). ``weights`` mode is not available yet (needs engine
+    support).
+
+    ## Observation Space
+    ``Box(-10, 10, (18 + 11*K,), float32)``, K = ``k`` (default 8, so 106 entries), never NaN/inf
+    (every entry is clipped to [-10, 10]); ``obs_layout(K)`` names them. Engine state (6): free KV
+    fraction; running / max_num_seqs; ln(1 + waiting) / ln(1025); ln(1 + queued prefill tokens) /
+    ln(1 + 1e6); arrival-rate estimate (arrivals in the last 10 s of simulated time, over at
+    least 0.1 s, / lambda_sat, so ~rho); budget demand (running requests' next-iteration tokens /
+    B, capped at 1). Queue summary (12): quantiles 0/25/50/75/100 % of z/10 and of ln(S/T_ref)/4
+    over the waiting requests, 0 with ``queue_empty`` = 1 when nothing waits; fraction of waiting
+    requests whose TTFT is already lost (slack < 0). Then the K waiting requests with the lowest z
+    (ties: earlier position in the sort), 10 features each: z/10, ln(S/T_ref)/4,
+    ln(1+prefill left)/ln(1+1e5), ln(1+estimated decode left)/ln(1+1e5), prefix-cache hit ratio,
+    blocks needed / usable blocks, waited / T1, (deadline - now) / T_ref, ln(T1 / T_ref), first
+    token out (0/1); missing rows are 0; then K validity bits. z, S, slack, prefill left, blocks
+    needed and the estimates are the index's inputs (DESIGN.md section 4) with the suite's
+    predictor.
+
+    ## Rewards
+    ``certain_miss`` (default): minus the number of scored requests whose miss became certain
+    during the step: ended without being met (shed, timed out, rejected, length capped, late),
+    no first token by arrival + T1, or TPOT unreachable even if every remaining token came one
+    minimum-length iteration (c0 + c_decode) apart; at truncation every open scored request counts.
+    Over an episode the rewards sum to -(window - met). ``met``: +1 per scored request completed
+    within both SLOs. Both have the same optimal policy; ``certain_miss`` signals earlier. One step
+    spans at least ``decision_interval_ms`` of simulated time; a discount gamma per step of 0.99
+    is a ~10 s horizon at the default 100 ms epochs (0.999 for ~100 s).
+
+    ## Starting State
+    ``reset`` draws (trace, window start, rho) from the copy's generator and returns the
+    observation at the first arrival of the window, before any iteration (an empty engine).
+
+    ## Episode End
+    Decision epochs fall every ``decision_interval_ms`` of simulated time after the episode start,
+    at the first iteration boundary at or after each; an epoch is skipped (the engine runs on with
+    the held action, rewards accumulate) while fewer than 2 requests wait and nothing is sheddable
+    (no waiting request with negative slack, shedding on). Terminated: every scored request has
+    ended. Truncated: ``max_steps`` decision steps or ``max_iterations`` engine iterations; the open
+    scored requests count as not met. At episode end ``info`` carries ``episode_goodput``,
+    ``episode_met``, ``episode_shed``, ``episode_timed_out``, ``episode_unfinished``,
+    ``episode_ttft_p99_ms`` (+inf when a request never got a first token), ``episode_return``,
+    ``episode_length``, ``episode_rho`` and more; ``reset`` info gives ``rho``, ``trace_index``
+    and ``window_start``.
+
+    ## Arguments
+    ``gym.make("TokenBatch-v0", **config)`` with the fields of ``TokenBatchConfig``: suite
+    ("seed-200"), split ("train"), profile ("stress-512"), rho ((0.8, 1.5)), window (128),
+    warmup (32), cooldown (32), decision_interval_ms (100), k (8), action_mode ("index"),
+    predictor (None = the suite's), reward_mode ("certain_miss"), autoreset_mode (NEXT_STEP; used
+    by the vector env), seed (None), base_params (None), shed_margin (0.0), clip_actions (False),
+    max_steps (20000), max_iterations (2000000). ``gym.make_vec("TokenBatch-v0", num_envs=N,
+    vectorization_mode="vector_entry_point", **config)`` gives ``TokenBatchVectorEnv``. Seeding:
+    ``reset(seed=s)`` seeds copy i with s + i (like ``SyncVectorEnv``); ``seed`` in the config is
+    used for copies never seeded by ``reset``.
+
+    ## Version History
+    * v0: initial version.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, render_mode: Optional[str] = None, **kwargs):
+        if render_mode is not None:
+            raise ConfigError(f"render_mode: TokenBatch has no renderer; got {render_mode!r}")
+        self.render_mode = None
+        kwargs = dict(kwargs)
+        self._vec = TokenBatchVectorEnv(1, **kwargs)
+        self.config = self._vec.config
+        self._vec.autoreset_mode = AutoresetMode.DISABLED
+        self.observation_space = self._vec.single_observation_space
+        self.action_space = self._vec.single_action_space
+        self.obs_names = self._vec.obs_names
+
+    @staticmethod
+    def _unbatch(infos: dict) -> dict:
+        out = {}
+        for k, v in infos.items():
+            if k.startswith("_"):
+                continue
+            if isinstance(v, dict):
+                out[k] = TokenBatchEnv._unbatch(v)
+            elif infos.get(f"_{k}", np.ones(1, bool))[0]:
+                out[k] = v[0].item() if isinstance(v[0], np.generic) else v[0]
+        return out
+
+    def reset(self, *, seed: Optional[int] = None, options: Optional[dict] = None):
+        super().reset(seed=seed)
+        if options is not None and set(options) - {"reset_mask"}:
+            raise ConfigError(f"reset options: none are supported, got {options!r}")
+        obs, infos = self._vec.reset(seed=None if seed is None else [seed])
+        return obs[0], self._unbatch(infos)
+
+    def step(self, action):
+        a = np.asarray(action, dtype=np.float64) if not isinstance(action, np.ndarray) else action
+        if a.shape != (self._vec.core.action_dim,):
+            raise ActionError(f"action must have shape ({self._vec.core.action_dim},) "
+                              f"({', '.join(ACTION_NAMES)}), got {np.shape(a)}")
+        self._vec._check_actions(a[None, :])
+        if self._vec._done[0]:
+            raise ConfigError("the episode has ended (or reset() was never called): call reset() first")
+        obs, r, term, trunc, infos = self._vec.step(a[None, :])
+        return obs[0], float(r[0]), bool(term[0]), bool(trunc[0]), self._unbatch(infos)
+
+    def episode_records(self) -> Optional[dict]:
+        return self._vec.episode_records(0)
+
+    @property
+    def core(self):
+        return self._vec.core
+
+    def close(self):
+        self._vec.close()

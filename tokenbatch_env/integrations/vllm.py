@@ -1,0 +1,425 @@
+"""TokenBatch policies inside vLLM's own scheduler (vLLM 0.33 V1): a ``--scheduler-cls`` plug-in.
+
+``TokenBatchAsyncScheduler`` (subclass of vLLM's ``AsyncScheduler``, the GPU default) and
+``TokenBatchScheduler`` (subclass of the synchronous ``Scheduler``) run vLLM's ``priority`` policy.
+Before every ``schedule()`` they compute the TokenBatch (tier, score) of every waiting and running
+request exactly as the engine does at the start of an iteration (DESIGN.md section 4; the same
+compiled formulas of ``tokenbatch_env.engine.scoring``; prefix-cache hits of waiting requests from
+vLLM's own ``kv_cache_manager.get_computed_blocks``), set each request's integer ``priority`` to its
+exact rank (tier desc, score desc, arrival asc, request id asc) and re-heapify the waiting queue. vLLM's
+own admission (heap order) and victim choice (``max(running, key=(priority, arrival))``) then follow
+the TokenBatch order. The common shed rule aborts a waiting request through the scheduler's own
+finish path (``finish_requests(..., RequestStatus.FINISHED_ABORTED)``); the client receives a finished
+output with finish reason ``abort``, and the count is in ``scheduler.tokenbatch_stats``.
+
+Use::
+
+    TOKENBATCH_POLICY=index TOKENBATCH_POLICY_FILE=tuned.json TOKENBATCH_PROFILE=llama3-8b-h100 \\
+    vllm serve MODEL --scheduler-cls tokenbatch_env.integrations.vllm.TokenBatchAsyncScheduler
+
+Settings (each from the constructor's ``tokenbatch_config``, else ``--additional-config
+'{"tokenbatch": {...}}'``, else the environment variable ``TOKENBATCH_<KEY upper-case>``):
+
+====================== ====================================================================
+``policy``             index (default), edf, sjf, llf, srpt-oracle
+``policy_file``        the tuning JSON (``tokenbatch_env.evaluate.load_params_file`` format)
+``shed``               off (default), on (the file's margin for the policy, 0 if absent),
+                       or a margin: a number in [0, 2] (``0`` is margin 0, not off) or inf
+``profile``            engine cost profile pricing the work (default llama2-7b-a100)
+``t_ref_ms``           the index's T_ref (default: the file's ``meta.t_ref_ms``, else 1000)
+``default_ttft_slo_ms`` TTFT SLO of a request without ``tokenbatch_ttft_slo_ms`` (default 1000)
+``default_est_output_tokens`` output estimate of a request without one (default: none; the
+                       remaining decode is then 1 token, the engine's rule without a table)
+====================== ====================================================================
+
+Per request (``SamplingParams.extra_args``; the OpenAI server's ``vllm_xargs``):
+``tokenbatch_ttft_slo_ms``, ``tokenbatch_tpot_slo_ms`` (recorded, not used by the scores), and
+``tokenbatch_est_output_tokens``. Every setting is read and validated when the scheduler is built:
+a bad file or value fails vLLM's start-up with a ``TokenBatchPluginError`` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import PriorityRequestQueue, SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import RequestStatus
+
+from ..engine import scoring as _s
+from ..errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: SamplingParams.extra_args keys read per request
+EXTRA_TTFT_SLO_MS = "tokenbatch_ttft_slo_ms"
+EXTRA_TPOT_SLO_MS = "tokenbatch_tpot_slo_ms"
+EXTRA_EST_OUTPUT_TOKENS = "tokenbatch_est_output_tokens"
+
+#: policies the plug-in runs (fcfs and priority are vLLM's own: use its --scheduling-policy)
+PLUGIN_POLICIES = ("index", "edf", "sjf", "llf", "srpt-oracle")
+_PIDS = {"index": _s.P_INDEX, "edf": _s.P_EDF, "sjf": _s.P_SJF, "llf": _s.P_LLF,
+         "srpt-oracle": _s.P_SJF}
+_KEYS = ("policy", "policy_file", "shed", "profile", "t_ref_ms", "default_ttft_slo_ms",
+         "default_est_output_tokens")
+
+
+class TokenBatchPluginError(ConfigError):
+    """The plug-in's configuration is invalid (raised at scheduler construction)."""
+
+
+# --------------------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class PluginConfig:
+    """Everything the plug-in needs besides vLLM's own config; validated on construction."""
+
+    policy: str = "index"
+    index_params: object = None           # IndexParams (index only)
+    shed_margin: Optional[float] = None   # None = no shedding
+    profile: str = "llama2-7b-a100"
+    t_ref_ms: float = 1000.0
+    default_ttft_slo_ms: float = 1000.0
+    default_est_output_tokens: Optional[float] = None
+    policy_file: Optional[str] = None
+
+    @classmethod
+    def resolve(cls, explicit: Optional[dict] = None, additional_config: Optional[dict] = None,
+                environ=None) -> "PluginConfig":
+        """Settings from ``explicit`` > ``additional_config["tokenbatch"]`` > ``TOKENBATCH_*``."""
+        environ = os.environ if environ is None else environ
+        src: dict = {}
+        for k in _KEYS:
+            v = environ.get(f"TOKENBATCH_{k.upper()}")
+            if v not in (None, ""):
+                src[k] = (v, f"environment variable TOKENBATCH_{k.upper()}")
+        add = (additional_config or {}).get("tokenbatch") if additional_config else None
+        for layer, where in ((add, "--additional-config tokenbatch"), (explicit, "tokenbatch_config")):
+            if layer is None:
+                continue
+            if not isinstance(layer, dict):
+                raise TokenBatchPluginError(f"{where}: expected an object of settings {list(_KEYS)}")
+            unknown = sorted(set(layer) - set(_KEYS))
+            if unknown:
+                raise TokenBatchPluginError(f"{where}: unknown setting(s) {unknown}; valid: {list(_KEYS)}")
+            for k, v in layer.items():
+                if v is not None:
+                    src[k] = (v, f"{where}.{k}")
+        return cls._build(src)
+
+    @classmethod
+    def _build(cls, src: dict) -> "PluginConfig":
+        from ..evaluate import load_params_file
+        from ..policies import IndexParams, check_shed_margin
+
+        def get(k, default=None):
+            return src[k] if k in src else (default, f"default {k}")
+
+        policy, where = get("policy", "index")
+        if policy not in PLUGIN_POLICIES:
+            raise TokenBatchPluginError(
+                f"{where}: unknown policy {policy!r}; the plug-in runs {', '.join(PLUGIN_POLICIES)} "
+                "(fcfs and priority are vLLM's own --scheduling-policy)")
+        path, pwhere = get("policy_file")
+        params, margins, meta = IndexParams(), {}, {}
+        if path is not None:
+            path = str(path)
+            try:
+                params, margin_items = load_params_file(path)
+            except Exception as e:  # ConfigError / PolicyError with the reason
+                raise TokenBatchPluginError(f"{pwhere}: bad TokenBatch policy file {path!r}: {e}") from None
+            margins = dict(margin_items)
+            meta = json.loads(Path(path).read_text()).get("meta") or {}
+            if not isinstance(meta, dict):
+                meta = {}
+        elif policy == "index":
+            logger.warning("TokenBatch plug-in: no policy file (TOKENBATCH_POLICY_FILE); the index "
+                           "runs with default parameters")
+
+        shed, swhere = get("shed", "off")
+        margin = None
+        if isinstance(shed, str) and shed.strip().lower() in ("off", "false", "no", "none"):
+            margin = None
+        elif isinstance(shed, str) and shed.strip().lower() in ("on", "true", "yes"):
+            margin = margins.get(policy, 0.0)
+            if margin is not None and math.isinf(margin):
+                margin = None
+        else:
+            try:
+                v = float(shed)
+                if math.isnan(v):
+                    raise ValueError("NaN")
+                margin = check_shed_margin(v if math.isfinite(v) else math.inf)
+            except (TypeError, ValueError) as e:
+                raise TokenBatchPluginError(f"{swhere}: shed must be off, on or a margin in [0, 2], "
+                                            f"got {shed!r} ({e})") from None
+
+        def num(k, default, *, positive=True, allow_none=False):
+            v, w = get(k, default)
+            if v is None and allow_none:
+                return None
+            try:
+                x = float(v)
+            except (TypeError, ValueError):
+                raise TokenBatchPluginError(f"{w}: expected a number, got {v!r}") from None
+            if not math.isfinite(x) or (positive and x <= 0):
+                raise TokenBatchPluginError(f"{w}: expected a finite number > 0, got {v!r}")
+            return x
+
+        t_ref_default = meta.get("t_ref_ms", 1000.0)
+        t_ref = num("t_ref_ms", t_ref_default)
+        profile, prwhere = get("profile", meta.get("profile", "llama2-7b-a100"))
+        try:
+            from ..engine.profiles import load_profile
+            load_profile(str(profile))
+        except Exception as e:
+            raise TokenBatchPluginError(f"{prwhere}: {e}") from None
+        cfg = cls(policy=policy, index_params=params if policy == "index" else None,
+                  shed_margin=margin, profile=str(profile), t_ref_ms=t_ref,
+                  default_ttft_slo_ms=num("default_ttft_slo_ms", 1000.0),
+                  default_est_output_tokens=num("default_est_output_tokens", None, allow_none=True),
+                  policy_file=path)
+        if policy == "index":
+            try:
+                params.theta_vector(t_ref)
+            except Exception as e:
+                raise TokenBatchPluginError(f"t_ref_ms: {e}") from None
+        return cfg
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.shed_margin is None else f"{self.policy}+shed({self.shed_margin:g})"
+
+
+# --------------------------------------------------------------------------------------- mixin
+@dataclasses.dataclass
+class _ReqInfo:
+    t1_ns: int
+    t2_ns: Optional[int]
+    est: float                  # NaN: no estimate
+
+
+class _TokenBatchMixin:
+    """The plug-in's behaviour; mixed into vLLM's Scheduler / AsyncScheduler."""
+
+    def __init__(self, *args, tokenbatch_config: Optional[dict] = None, **kwargs):
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        add = getattr(vllm_config, "additional_config", None)
+        # validated before vLLM builds anything: a bad file fails start-up, not serving
+        self.tokenbatch = PluginConfig.resolve(tokenbatch_config, add if isinstance(add, dict) else None)
+        super().__init__(*args, **kwargs)
+        # vLLM's priority policy: a heap ordered by (priority, arrival, id) and the priority victim
+        # rule; the queues are still empty here, so they can be replaced regardless of the flag
+        if self.policy != SchedulingPolicy.PRIORITY:
+            self.policy = SchedulingPolicy.PRIORITY
+            self.waiting = PriorityRequestQueue()
+            self.kv_holding_waiting = PriorityRequestQueue()
+        if (self.vllm_config.scheduler_config.async_scheduling
+                and not isinstance(self, AsyncScheduler)):
+            logger.warning("TokenBatch plug-in: async scheduling is on; use TokenBatchAsyncScheduler")
+        from ..engine.profiles import load_profile
+        from ..policies import engine_policy
+        prof = load_profile(self.tokenbatch.profile)
+        self._tb_budget = int(self.max_num_scheduled_tokens)
+        self._tb_ps = np.ascontiguousarray(np.asarray(prof.cost.ps, np.int64)[:4])
+        self._tb_u_p, self._tb_u_d = prof.cost.per_token_ms(self._tb_budget)
+        ep = engine_policy(self.tokenbatch.policy, params=self.tokenbatch.index_params,
+                           shed_margin=self.tokenbatch.shed_margin, t_ref_ms=self.tokenbatch.t_ref_ms)
+        self._tb_pid = _PIDS[self.tokenbatch.policy]
+        self._tb_theta = (np.ascontiguousarray(ep.theta, np.float64) if ep.theta is not None
+                          else np.zeros(_s.N_INDEX_PARAMS))
+        pool = self.kv_cache_manager.block_pool
+        self._tb_usable = float(pool.num_gpu_blocks - 1)   # block 0 is the null block
+        self._tb_info: dict[str, _ReqInfo] = {}
+        self._tb_shed_out: list = []                       # aborted requests not yet reported
+        self._tb_now_ns: Callable[[], int] = time.time_ns
+        self._tb_arrival_scale = 1e9                       # Request.arrival_time is in seconds
+        #: counters: schedules ranked, requests shed (aborted), invalid per-request extra_args
+        self.tokenbatch_stats = {"schedules": 0, "shed": 0, "bad_extra_args": 0}
+        #: request id -> clock (ns) at which the shed rule aborted it
+        self.tokenbatch_shed: dict[str, int] = {}
+        #: the last ranking: request id -> (tier, score)
+        self.tokenbatch_last: dict[str, tuple] = {}
+        logger.info("TokenBatch plug-in: policy %s, profile %s, T_ref %g ms, file %s",
+                    self.tokenbatch.label, self.tokenbatch.profile, self.tokenbatch.t_ref_ms,
+                    self.tokenbatch.policy_file)
+
+    # ------------------------------------------------------------------ clock (for replays)
+    def set_clock(self, now_ns: Callable[[], int], arrival_unit_ns: float = 1e9) -> None:
+        """Replace the wall clock: ``now_ns()`` gives the current time in ns and
+        ``Request.arrival_time * arrival_unit_ns`` a request's arrival in ns (a simulated clock)."""
+        self._tb_now_ns = now_ns
+        self._tb_arrival_scale = float(arrival_unit_ns)
+
+    # ------------------------------------------------------------------ per request
+    def _tb_request_info(self, req) -> _ReqInfo:
+        info = self._tb_info.get(req.request_id)
+        if info is not None:
+            return info
+        cfg = self.tokenbatch
+        t1_ms, t2_ms, est = cfg.default_ttft_slo_ms, None, cfg.default_est_output_tokens
+        xa = getattr(req.sampling_params, "extra_args", None) if req.sampling_params else None
+        if xa:
+            try:
+                if EXTRA_TTFT_SLO_MS in xa:
+                    t1_ms = _positive(xa[EXTRA_TTFT_SLO_MS], EXTRA_TTFT_SLO_MS)
+                if EXTRA_TPOT_SLO_MS in xa:
+                    t2_ms = _positive(xa[EXTRA_TPOT_SLO_MS], EXTRA_TPOT_SLO_MS)
+                if EXTRA_EST_OUTPUT_TOKENS in xa:
+                    est = _positive(xa[EXTRA_EST_OUTPUT_TOKENS], EXTRA_EST_OUTPUT_TOKENS)
+            except ValueError as e:
+                self.tokenbatch_stats["bad_extra_args"] += 1
+                logger.warning("TokenBatch plug-in: request %s: %s; using the defaults",
+                               req.request_id, e)
+                t1_ms, t2_ms, est = cfg.default_ttft_slo_ms, None, cfg.default_est_output_tokens
+        info = _ReqInfo(int(round(t1_ms * 1e6)), None if t2_ms is None else int(round(t2_ms * 1e6)),
+                        float("nan") if est is None else float(est))
+        self._tb_info[req.request_id] = info
+        return info
+
+    def _tb_held_blocks(self, req) -> int:
+        ids = self.kv_cache_manager.get_block_ids(req.request_id)
+        return len(ids[0]) if ids else 0
+
+    # ------------------------------------------------------------------ the ranking
+    def _tb_rank(self) -> None:
+        """DESIGN.md section 4, exactly as the engine's kernel ("In-engine scores"): features and
+        scores from the state at the iteration's start, the common shed rule, then ranks."""
+        t_now = int(self._tb_now_ns())
+        bs = self.block_size
+        pool = self.kv_cache_manager.block_pool
+        kvf = pool.get_num_free_blocks() / self._tb_usable
+        usable = self._tb_usable
+        sm = self.tokenbatch.shed_margin
+        pid, theta, budget, ps = self._tb_pid, self._tb_theta, self._tb_budget, self._tb_ps
+        u_p, u_d = self._tb_u_p, self._tb_u_d
+        scale = self._tb_arrival_scale
+        prefix_on = bool(self.cache_config.enable_prefix_caching)
+
+        waiting = list(self.waiting) + list(self.kv_holding_waiting)
+        keyed = []
+        shed = []
+        for waiting_flag, reqs in ((True, waiting), (False, list(self.running))):
+            for req in reqs:
+                info = self._tb_request_info(req)
+                prompt = req.num_prompt_tokens
+                gen = len(req.output_token_ids) + req.num_output_placeholders
+                num_tokens = prompt + gen
+                if waiting_flag:
+                    hits = 0
+                    if prefix_on and req.num_computed_tokens == 0:
+                        hits = self.kv_cache_manager.get_computed_blocks(req)[1] // bs
+                    done = hits * bs
+                    p_left = num_tokens - done
+                    blocks_needed = (num_tokens + bs - 1) // bs - hits
+                    ratio = hits * bs / prompt
+                else:
+                    done = req.num_computed_tokens
+                    p_left = num_tokens - done
+                    if gen > 0 and p_left == 1:
+                        p_left = 0  # decoding
+                    blocks_needed = self._tb_held_blocks(req)
+                    ratio = (done if done < prompt else prompt) / prompt
+                first_out = gen > 0
+                arrival = int(round(req.arrival_time * scale))
+                to_deadline_ms = (arrival + info.t1_ns - t_now) / 1e6
+                slack_ms = to_deadline_ms
+                if not first_out:
+                    slack_ms -= _s.idle_prefill_ns(p_left, done, budget, ps) / 1e6
+                if (waiting_flag and not first_out and sm is not None
+                        and slack_ms < -sm * (info.t1_ns / 1e6)):
+                    shed.append(req)
+                    continue
+                e = info.est
+                if e != e:
+                    d_left = 1.0  # no estimate and no residual-life table: the engine's default
+                else:
+                    d_left = e - gen
+                    if d_left < 1.0:
+                        d_left = 1.0
+                s_ms = _s.service_ms(float(p_left), d_left, u_p, u_d)
+                tier = -1 if (not first_out and slack_ms < 0.0) else 0
+                sc = _s.policy_score(pid, theta, ratio, s_ms, d_left, slack_ms, info.t1_ns / 1e6,
+                                     first_out, kvf, float(blocks_needed), usable, to_deadline_ms,
+                                     float(arrival + info.t1_ns), float(bs))
+                if sc != sc:
+                    from ..errors import PolicyError
+                    raise PolicyError(f"TokenBatch plug-in: policy {self.tokenbatch.label} produced a "
+                                      f"NaN score for request {req.request_id}")
+                keyed.append(((-tier, -sc, req.arrival_time, req.request_id), req, tier, sc))
+        if shed:
+            self._tb_shed(shed, t_now)
+        keyed.sort(key=lambda k: k[0])
+        last = {}
+        for rank, (_, req, tier, sc) in enumerate(keyed):
+            req.priority = rank
+            last[req.request_id] = (tier, sc)
+        self.tokenbatch_last = last
+        for q in (self.waiting, self.kv_holding_waiting):
+            if isinstance(q, PriorityRequestQueue):
+                heapq.heapify(q._heap)
+        self.tokenbatch_stats["schedules"] += 1
+
+    def _tb_shed(self, reqs, t_now: int) -> None:
+        ids = [r.request_id for r in reqs]
+        done = self.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for r in done:
+            self.tokenbatch_shed[r.request_id] = t_now
+            self._tb_shed_out.append(r)
+            self._tb_info.pop(r.request_id, None)
+        self.tokenbatch_stats["shed"] += len(done)
+
+    # ------------------------------------------------------------------ vLLM hooks
+    def schedule(self, *args, **kwargs):
+        self._tb_rank()
+        return super().schedule(*args, **kwargs)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._tb_shed_out:
+            # report the shed requests to their clients as finished (reason: abort)
+            for r in self._tb_shed_out:
+                eco = outs.get(r.client_index)
+                if eco is None:
+                    eco = outs[r.client_index] = EngineCoreOutputs()
+                eco.outputs.append(EngineCoreOutput(
+                    request_id=r.request_id, new_token_ids=[], finish_reason=r.get_finished_reason(),
+                    events=r.take_events(), trace_headers=r.trace_headers))
+            self._tb_shed_out = []
+        # forget requests that have left the scheduler
+        if len(self._tb_info) > 2 * len(self.requests) + 64:
+            self._tb_info = {k: v for k, v in self._tb_info.items() if k in self.requests}
+        return outs
+
+
+def _positive(v, key) -> float:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"extra_args {key}={v!r} is not a number") from None
+    if not math.isfinite(x) or x <= 0:
+        raise ValueError(f"extra_args {key}={v!r} must be a finite number > 0")
+    return x
+
+
+class TokenBatchScheduler(_TokenBatchMixin, Scheduler):
+    """vLLM's synchronous ``Scheduler`` ordered by a TokenBatch policy (``--scheduler-cls``)."""
+
+
+class TokenBatchAsyncScheduler(_TokenBatchMixin, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` (the GPU default) ordered by a TokenBatch policy."""
+
+
+def scheduler_class(async_scheduling: bool):
+    return TokenBatchAsyncScheduler if async_scheduling else TokenBatchScheduler

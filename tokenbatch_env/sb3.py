@@ -1,0 +1,140 @@
+"""Stable-Baselines3 adapter: the native ``TokenBatchVectorEnv`` as an SB3 ``VecEnv``.
+
+The one module that imports stable-baselines3, and only lazily (inside ``make_sb3_vec_env`` /
+``sb3_vec_env_class``), so ``import tokenbatch_env.sb3`` stays light. No subprocesses: every copy
+lives in the one engine batch. The adapter runs the env in SAME_STEP autoreset mode (what SB3
+expects): a finished copy is reset inside the same ``step``; its last observation is in
+``infos[i]["terminal_observation"]`` and ``infos[i]["TimeLimit.truncated"]`` is True when the episode
+was truncated (step or iteration cap) rather than terminated. Episode metrics (``episode_goodput``,
+...) are in that copy's info dict. Every array returned is a copy, never an internal buffer.
+
+    from tokenbatch_env.sb3 import make_sb3_vec_env
+    venv = make_sb3_vec_env(8, rho=(0.8, 1.5))      # any TokenBatchConfig field
+    model = PPO("MlpPolicy", venv, policy_kwargs={"log_std_init": -1.5}, device="cpu")
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["make_sb3_vec_env", "sb3_vec_env_class"]
+
+_CLASS = None
+
+
+def _unbatch(infos: dict, c: int) -> dict:
+    """Copy c's entries of a gymnasium vector-info dict (keys with their ``_key`` mask set)."""
+    out = {}
+    for k, v in infos.items():
+        if k.startswith("_") or k in ("final_obs", "final_info"):
+            continue
+        mask = infos.get(f"_{k}")
+        if isinstance(v, dict):
+            sub = _unbatch(v, c)
+            if sub:
+                out[k] = sub
+        elif mask is None or mask[c]:
+            x = v[c]
+            out[k] = x.item() if isinstance(x, np.generic) else (x.copy() if isinstance(x, np.ndarray) else x)
+    return out
+
+
+def sb3_vec_env_class():
+    """The adapter class (built on first use, so stable-baselines3 is imported only then)."""
+    global _CLASS
+    if _CLASS is not None:
+        return _CLASS
+    from gymnasium.vector import AutoresetMode
+    from stable_baselines3.common.vec_env import VecEnv
+
+    from .errors import ConfigError
+
+    class TokenBatchSB3VecEnv(VecEnv):
+        """SB3 ``VecEnv`` over a ``TokenBatchVectorEnv`` in SAME_STEP autoreset mode.
+
+        ``get_attr``/``set_attr`` read and write attributes of the native vector env (shared by all
+        copies, so the value is repeated per index); ``env_method`` calls a method of the native
+        env once per index, passing ``copy=i`` to methods that take it (``episode_records``)."""
+
+        def __init__(self, venv):
+            if venv.autoreset_mode != AutoresetMode.SAME_STEP:
+                raise ConfigError("the SB3 adapter needs autoreset_mode SAME_STEP, got "
+                                  f"{venv.autoreset_mode}")
+            self.venv = venv
+            self._actions: Optional[np.ndarray] = None
+            super().__init__(venv.num_envs, venv.single_observation_space, venv.single_action_space)
+
+        # ---------------------------------------------------------------- core API
+        def reset(self):
+            seeds = list(self._seeds)
+            obs, infos = self.venv.reset(seed=seeds if any(s is not None for s in seeds) else None)
+            self.reset_infos = [_unbatch(infos, c) for c in range(self.num_envs)]
+            self._reset_seeds()
+            self._reset_options()
+            return np.array(obs, copy=True)
+
+        def step_async(self, actions: np.ndarray) -> None:
+            self._actions = np.array(actions, dtype=np.float64, copy=True).reshape(
+                self.num_envs, *self.action_space.shape)
+
+        def step_wait(self):
+            if self._actions is None:
+                raise ConfigError("step_wait() called without step_async()")
+            obs, rew, term, trunc, infos = self.venv.step(self._actions)
+            self._actions = None
+            dones = term | trunc
+            out = []
+            final = infos.get("final_info", {})
+            final_obs = infos.get("final_obs")
+            for c in range(self.num_envs):
+                d = _unbatch(infos, c)
+                if dones[c]:
+                    d.update(_unbatch(final, c))
+                    d["terminal_observation"] = np.array(final_obs[c], copy=True)
+                    d["TimeLimit.truncated"] = bool(trunc[c] and not term[c])
+                out.append(d)
+            return (np.array(obs, copy=True), np.asarray(rew, np.float32).copy(), dones.copy(), out)
+
+        def close(self) -> None:
+            self.venv.close()
+
+        # ---------------------------------------------------------------- attributes & methods
+        def get_attr(self, attr_name: str, indices=None) -> list:
+            idx = list(self._get_indices(indices))
+            val = getattr(self.venv, attr_name)
+            return [val for _ in idx]
+
+        def set_attr(self, attr_name: str, value: Any, indices=None) -> None:
+            setattr(self.venv, attr_name, value)
+
+        def env_method(self, method_name: str, *method_args, indices=None, **method_kwargs) -> list:
+            import inspect
+            fn = getattr(self.venv, method_name)
+            takes_copy = "copy" in inspect.signature(fn).parameters
+            return [fn(*method_args, **({"copy": i} if takes_copy else {}), **method_kwargs)
+                    for i in self._get_indices(indices)]
+
+        def env_is_wrapped(self, wrapper_class, indices=None) -> list:
+            return [False for _ in self._get_indices(indices)]
+
+        def get_images(self):
+            return [None for _ in range(self.num_envs)]
+
+    _CLASS = TokenBatchSB3VecEnv
+    return _CLASS
+
+
+def make_sb3_vec_env(num_envs: int = 1, **config):
+    """An SB3 ``VecEnv`` of ``num_envs`` TokenBatch-v0 copies (config: ``TokenBatchConfig`` fields;
+    ``autoreset_mode`` is forced to SAME_STEP)."""
+    from gymnasium.vector import AutoresetMode
+
+    from .envs import TokenBatchVectorEnv
+    am = config.pop("autoreset_mode", AutoresetMode.SAME_STEP)
+    if am not in (AutoresetMode.SAME_STEP, "SAME_STEP", "same_step", "SameStep"):
+        from .errors import ConfigError
+        raise ConfigError(f"autoreset_mode: the SB3 adapter needs SAME_STEP, got {am!r}")
+    venv = TokenBatchVectorEnv(num_envs, autoreset_mode=AutoresetMode.SAME_STEP, **config)
+    return sb3_vec_env_class()(venv)
