@@ -406,34 +406,12 @@ def _drive_py(pending, t0, dt, s0, s1, max_iters, kq, mrl, icfg, ps, ofcfg, out,
 _drive = njit(_drive_py)
 
 
-def _engine_digest() -> str:
-    import hashlib
-    from pathlib import Path
-    h = hashlib.sha256()
-    for f in sorted(Path(K.__file__).parent.glob("*.py")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
-
-
 def _guard_stale_cache() -> None:
-    """numba's on-disk cache of a function is keyed on its own file only, but ``_observe_one`` and
-    ``_drive`` link engine code (the kernel, the score formulas). When any engine source changes,
-    their cached machine code is flushed, so they are recompiled against the current engine."""
-    disp = [f for f in (_observe_one, _observe_tuple, _observe, _need_decision, _drive)
-            if hasattr(f, "_cache")]
-    if not disp:
-        return
-    try:
-        from pathlib import Path
-        stamp = Path(disp[0]._cache.cache_path) / "tokenbatch_envs.engine.sha256"
-        digest = _engine_digest()
-        if stamp.exists() and stamp.read_text() == digest:
-            return
-        for f in disp:
-            f._cache.flush()
-        stamp.write_text(digest)
-    except (OSError, AttributeError):  # pragma: no cover - read-only cache dir: numba recompiles anyway
-        pass
+    """``_observe_one`` and ``_drive`` link engine code (the kernel, the score formulas): flush their
+    cached machine code when any engine source changes (the engine's own guard, one implementation)."""
+    from .engine._jit import guard_stale_cache
+
+    guard_stale_cache([_observe_one, _observe_tuple, _observe, _need_decision, _drive], tag="envs")
 
 
 _guard_stale_cache()

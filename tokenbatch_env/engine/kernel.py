@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._jit import helper, njit
+from ._jit import guard_stale_cache, helper, njit
 from .scoring import P_EXTERNAL, P_GITTINS, gittins_score, idle_prefill_ns, policy_score, service_ms
 
 # ---------------------------------------------------------------------------------- constants
@@ -1091,3 +1091,6 @@ def _gittins_table_for(mrl) -> np.ndarray:
                 _GTAB_CACHE.pop(next(iter(_GTAB_CACHE)))
             _GTAB_CACHE[key] = tab
     return tab
+
+
+guard_stale_cache()  # every engine function defined so far (scoring's and this module's)
