@@ -8,24 +8,15 @@ engine; each keeps a regression test below.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before anything imports vllm
-
-from tokenbatch_env.integrations import vllm_harness as H  # noqa: E402
+from vllm_helpers import H, VLLM_MARKS  # noqa: E402  (sets VLLM_TARGET_DEVICE first)
 
 from engine_helpers import tiny_trace  # noqa: E402
 
-_REASON = H.vllm_import_error()
-if _REASON is not None and os.environ.get("TOKENBATCH_REQUIRE_VLLM") == "1":
-    raise RuntimeError(f"TOKENBATCH_REQUIRE_VLLM=1 but vllm is not importable: {_REASON}")
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(_REASON is not None,
-                                 reason=f"vllm not importable ({_REASON}); pip install -e '.[vllm]' "
-                                        "(see docs/fidelity.md)")]
+pytestmark = VLLM_MARKS
 
 KINDS = ("mix", "burst", "long", "hol", "prefix")
 

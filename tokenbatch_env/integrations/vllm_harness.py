@@ -208,9 +208,9 @@ class VllmRun:
     truncated: bool = False
 
 
-def _cost_ns(ps, now, items):
-    """Engine cost model (integer ps, rounded up to ns) for ``items`` = [(new, computed_before,
-    is_decode)]. Returns (end_ns, prefill_tokens, decodes)."""
+def _cost_ns(cost, now, items):
+    """The engine's cost model (``CostModel.iteration_ns``, exact integers) for ``items`` =
+    [(new, computed_before, is_decode)]. Returns (end_ns, prefill_tokens, decodes)."""
     pre = dec = c2 = attn = kv = 0
     for new, cb, is_dec in items:
         if is_dec:
@@ -220,9 +220,7 @@ def _cost_ns(ps, now, items):
             pre += new
             c2 += new * new
             attn += new * cb
-    t_ps = (int(ps[0]) + int(ps[1]) * pre + int(ps[2]) * c2 + int(ps[3]) * attn + int(ps[4]) * dec
-            + int(ps[5]) * kv)
-    return now + (t_ps + 999) // 1000, pre, dec
+    return now + int(cost.iteration_ns(pre, c2, attn, dec, kv)), pre, dec
 
 
 def replay(trace: Trace, profile="linear", policy="fcfs", *, num_blocks=None,
@@ -240,11 +238,11 @@ def replay(trace: Trace, profile="linear", policy="fcfs", *, num_blocks=None,
                                  async_scheduling=async_scheduling)
     if trace.block_size != hc.block_size:
         raise ConfigError(f"trace block size {trace.block_size} != profile block size {hc.block_size}")
-    return _replay(trace, hc, prof.cost.ps, max_iterations, scheduler_cls, scheduler_kwargs,
+    return _replay(trace, hc, prof.cost, max_iterations, scheduler_cls, scheduler_kwargs,
                    extra_args)
 
 
-def _replay(trace: Trace, hc: HarnessConfig, ps, max_iterations: int, scheduler_cls=None,
+def _replay(trace: Trace, hc: HarnessConfig, cost, max_iterations: int, scheduler_cls=None,
             scheduler_kwargs=None, extra_args=None) -> VllmRun:
     V = _vllm()
     Request, SamplingParams = V["Request"], V["SamplingParams"]
@@ -360,7 +358,7 @@ def _replay(trace: Trace, hc: HarnessConfig, ps, max_iterations: int, scheduler_
                         else:
                             sampled.append([next_uniq[i]])
                             next_uniq[i] += 1
-                    end, pre, dec = _cost_ns(ps, now, items)
+                    end, pre, dec = _cost_ns(cost, now, items)
                     pre_ids = sorted(index[r] for r in (so.preempted_req_ids or ()))
                     for r in (so.preempted_req_ids or ()):
                         rec["preemptions"][index[r]] += 1
