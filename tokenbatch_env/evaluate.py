@@ -100,6 +100,7 @@ class BenchConfig:
     engine: object = None                       # EngineConfig (None = defaults)
     upper_bound: bool = True
     progress: bool = False
+    threads: int = 1                            # rows simulated concurrently (results identical)
 
     def __post_init__(self):
         from .engine.state import EngineConfig
@@ -138,7 +139,7 @@ class BenchConfig:
                                             or not isinstance(self.max_traces, int) or self.max_traces < 1):
             raise ConfigError(f"max_traces: must be an integer >= 1, got {self.max_traces!r}")
         for f, lo in (("bootstrap_seed", 0), ("bootstrap_b", 100), ("capacity_steps", 0),
-                      ("warmup", 0), ("cooldown", 0)):
+                      ("warmup", 0), ("cooldown", 0), ("threads", 1)):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
                 raise ConfigError(f"{f}: must be an integer >= {lo}, got {v!r}")
@@ -731,15 +732,25 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                leave=False)
     per_row = {}
     try:
-        for row in rows:
-            bar.set_postfix_str(row.label)
+        def one_row(row):
             est = est_oracle if row.reference else est_pred
             res = _run_row(row, wl, copies, est * L, profile, cfg)
-            outs = [[request_outcomes(res.records(li * U + u), copies[li * U + u], wl.scored[u])
+            return [[request_outcomes(res.records(li * U + u), copies[li * U + u], wl.scored[u])
                      for u in range(U)] for li in range(L)]
-            per_row[row.label] = outs
-            del res
-            bar.update(1)
+
+        if cfg.threads > 1:   # the compiled kernel releases the GIL; each row is independent
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(min(cfg.threads, len(rows))) as ex:
+                futs = [(row, ex.submit(one_row, row)) for row in rows]
+                for row, f in futs:
+                    per_row[row.label] = f.result()
+                    bar.set_postfix_str(row.label)
+                    bar.update(1)
+        else:
+            for row in rows:
+                bar.set_postfix_str(row.label)
+                per_row[row.label] = one_row(row)
+                bar.update(1)
         ub = None
         if cfg.upper_bound:
             from .bounds import upper_bound
@@ -860,14 +871,32 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
     return BenchReport(cfg, data, meta, curves)
 
 
+def _tuned_info(src: Optional[str]) -> Optional[dict]:
+    """The ``tuned`` block that tuning/optuna_search.py writes into its params file (else None)."""
+    if src is None:
+        return None
+    try:
+        t = json.loads(Path(src).read_text()).get("tuned")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return t if isinstance(t, dict) and t.get("by") == "tuning/optuna_search.py" else None
+
+
 def _params_note(cfg: BenchConfig) -> dict:
     src = cfg.params_source
+    t = _tuned_info(src)
+    if t is not None:
+        note = (f"TUNED: from {Path(src).name} (tuning/optuna_search.py on {t.get('suite')}/{t.get('split')} "
+                f"at rho {t.get('loads')}, {t.get('trials_per_study')} trials per study)")
+    elif src is None:
+        note = "UNTUNED: default IndexParams"
+    else:
+        note = f"from {Path(src).name}; not produced by this project's tuning (untuned)"
     return {"index": dataclasses.asdict(cfg.index_params),
             "shed_margins": {p: cfg.shed_margin(p) for p in sorted({*cfg.policies, "edf", "index"})},
-            "source": src or "defaults (IndexParams(), shed margin 0.0)",
-            "tuned": False,
-            "note": ("UNTUNED: default IndexParams" if src is None else
-                     f"from {Path(src).name}; not produced by this project's tuning (untuned)")}
+            "source": Path(src).name if t is not None else (src or "defaults (IndexParams(), shed margin 0.0)"),
+            "tuned": t is not None,
+            "note": note}
 
 
 DEFINITIONS = {

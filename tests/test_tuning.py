@@ -1,0 +1,402 @@
+"""Tuning (DESIGN.md section 7): tuning/optuna_search.py end to end, determinism, several workers on a
+journal study, resuming a killed study, a PostgreSQL study, bad options, and the library pieces
+(search space, storage kinds, stale-trial recovery, failed trials never fatal)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+optuna = pytest.importorskip("optuna")
+
+from tokenbatch_env.errors import ConfigError  # noqa: E402
+from tokenbatch_env import tuning as T  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tuning" / "optuna_search.py"
+TINY = ["--trials", "4", "--k", "2", "--max-train-traces", "3", "--max-test-traces", "3",
+        "--eval-loads", "1.2", "--bootstrap-b", "200", "--quiet"]
+ROWS = ("index+shed", "edf+shed", "sjf+shed", "llf+shed")
+
+
+def run_script(*args, timeout=240, **kw):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env, **kw)
+
+
+def studies(storage, name="seed-200-stress-512-rho1.2"):
+    st = T.make_storage(storage)
+    return {r: optuna.load_study(study_name=f"{name}.{r}", storage=st) for r in ROWS}
+
+
+def complete(study):
+    return [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
+
+
+# ------------------------------------------------------------------------------------ end to end
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """The script twice with the same tiny budget and seed (one worker, fresh SQLite studies)."""
+    outs = []
+    for i in range(2):
+        out = tmp_path_factory.mktemp(f"tune{i}")
+        r = run_script(*TINY, "--out", out)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs.append(out)
+    return outs
+
+
+def test_end_to_end_writes_params_and_report(tiny_runs):
+    from tokenbatch_env.evaluate import load_params_file
+    from tokenbatch_env.policies import IndexParams
+
+    out = tiny_runs[0]
+    for name in ("best_params.json", "report.json", "report.md", "optimization_history.png", "run_meta.json",
+                 "study.db", "test/report.json", "test/report.md", "test/goodput_vs_load.png"):
+        assert (out / name).is_file(), name
+    params, margins = load_params_file(str(out / "best_params.json"))
+    assert isinstance(params, IndexParams)
+    assert {p for p, _ in margins} == {"index", "edf", "sjf", "llf"}
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["format"] == "tokenbatch-tuning-report"
+    assert set(rep["studies"]) == set(ROWS)
+    for s in rep["studies"].values():
+        assert s["states"] == {"COMPLETE": 4}
+    pe = rep["test"]["primary_endpoint"]
+    assert pe["split"] == "test" and pe["rho"] == 1.2 and "diff" in pe and len(pe["ci95"]) == 2
+    assert pe["parameters"]["tuned"] is True
+    # the test evaluation used exactly the tuned parameters
+    doc = json.loads((out / "best_params.json").read_text())
+    assert rep["test"]["parameters"]["index"] == pytest.approx(doc["index"], rel=1e-5)
+    # the search never saw the test split; study attrs carry the config; trials their evidence
+    sts = studies(str(out / "study.db"))
+    for row, st in sts.items():
+        assert st.user_attrs["config"]["test_split"] == "test"
+        assert st.user_attrs["objective"]["train_split"] == "train"
+        for t in st.trials:
+            assert t.user_attrs["host"] == socket.gethostname() and isinstance(t.user_attrs["pid"], int)
+            assert len(t.user_attrs["evidence_id"]) == 64 and "shed_margin" in t.user_attrs["config"]
+    md = (out / "report.md").read_text()
+    assert md.index("Held-out result") < md.index("## Search")
+
+
+def test_one_worker_fixed_seed_is_byte_identical(tiny_runs):
+    a, b = tiny_runs
+    assert (a / "best_params.json").read_bytes() == (b / "best_params.json").read_bytes()
+    assert (a / "report.json").read_bytes() == (b / "report.json").read_bytes()
+    assert (a / "test" / "report.json").read_bytes() == (b / "test" / "report.json").read_bytes()
+
+
+def test_rerun_of_a_finished_study_resumes_without_new_trials(tiny_runs, tmp_path):
+    out = tmp_path / "again"
+    shutil.copytree(tiny_runs[0], out)
+    r = run_script(*TINY, "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for st in studies(str(out / "study.db")).values():
+        assert len(st.trials) == 4
+    assert (out / "best_params.json").read_bytes() == (tiny_runs[0] / "best_params.json").read_bytes()
+
+
+# ------------------------------------------------------------------------------------ scale-out
+def _check_exact(sts, n):
+    for row, st in sts.items():
+        trials = st.get_trials(deepcopy=False)
+        done = complete(st)
+        assert len(done) == n, (row, [(t.number, t.state.name, t.user_attrs) for t in trials])
+        nums = [t.number for t in trials]
+        assert len(set(nums)) == len(nums)
+        assert all(t.state.name in ("COMPLETE", "FAIL") for t in trials)
+        # a FAIL here can only be a trial asked beyond the cap by a racing worker (never evaluated)
+        assert all(t.user_attrs.get("fail_reason") == T.OVER_CAP for t in trials if t.state.name == "FAIL")
+        keys = [json.dumps(t.params, sort_keys=True) for t in done]
+        assert len(set(keys)) == len(keys)       # nothing evaluated twice
+
+
+def test_two_workers_on_one_journal_study(tmp_path):
+    journal = tmp_path / "s.journal"
+    r = run_script("--trials", "6", "--k", "2", "--max-train-traces", "2", "--max-test-traces", "2",
+                   "--eval-loads", "1.2", "--bootstrap-b", "200", "--quiet", "--workers", "2",
+                   "--storage", journal, "--out", tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    sts = studies(str(journal))
+    _check_exact(sts, 6)
+    pids = {t.user_attrs["pid"] for st in sts.values() for t in st.trials}
+    assert len(pids) == 2                          # both workers did trials
+    assert (tmp_path / "out" / "best_params.json").is_file()
+
+
+def test_killed_run_resumes_keeping_completed_and_requeueing_stale(tmp_path):
+    db = tmp_path / "study.db"
+    args = ["--trials", "8", "--k", "2", "--max-train-traces", "16", "--max-test-traces", "2",
+            "--eval-loads", "1.2", "--bootstrap-b", "200", "--quiet", "--storage", db,
+            "--baselines", "edf", "--out", tmp_path / "out", "--threads", "1"]
+    name = "seed-200-stress-512-rho1.2.index+shed"
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    stale = []
+    first = [*args]
+    first[first.index("--trials") + 1] = "40"       # long enough never to finish before the kill
+    for attempt in range(3):
+        p = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, first)], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t0 = time.time()
+        try:
+            while time.time() - t0 < 120:
+                time.sleep(0.2)
+                if p.poll() is not None or not db.exists():
+                    continue
+                try:
+                    st = optuna.load_study(study_name=name, storage=T.make_storage(str(db)))
+                except Exception:  # noqa: BLE001 - the study (or its schema) is still being created
+                    continue
+                ts = st.get_trials(deepcopy=False)
+                if sum(t.state.name == "COMPLETE" for t in ts) >= 2 and any(t.state.name == "RUNNING" for t in ts):
+                    break
+        finally:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+        assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+        st = optuna.load_study(study_name=name, storage=T.make_storage(str(db)))
+        before = {t.number: (t.value, t.params) for t in complete(st)}
+        stale = [t.number for t in st.get_trials(deepcopy=False) if t.state.name == "RUNNING"]
+        if stale:
+            break
+    assert stale, "never caught a RUNNING trial at the kill"
+    assert len(before) < 8, before                  # the resumed run (cap 8) still has work to do
+    stale_params = {n: st.trials[n].params for n in stale}
+
+    r = run_script(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "stale RUNNING trial" in r.stderr
+    st = optuna.load_study(study_name=name, storage=T.make_storage(str(db)))
+    trials = st.get_trials(deepcopy=False)
+    for n, (v, params) in before.items():           # every completed trial kept as it was
+        assert trials[n].state.name == "COMPLETE" and trials[n].value == v and trials[n].params == params
+    for n in stale:                                 # stale -> FAIL, parameters re-enqueued and run
+        assert trials[n].state.name == "FAIL" and trials[n].user_attrs["fail_reason"] == T.STALE
+        again = [t for t in trials if t.user_attrs.get("requeued_from") == n]
+        assert len(again) == 1 and again[0].state.name == "COMPLETE"
+        # killed while suggesting, a stale trial may hold only some parameters: those are kept
+        assert stale_params[n].items() <= again[0].params.items()
+    assert len(complete(st)) == 8
+    assert not any(t.state.name == "RUNNING" for t in trials)
+
+
+# ------------------------------------------------------------------------------------ PostgreSQL
+def _pg_bin(name):
+    found = shutil.which(name)
+    if found:
+        return found
+    for d in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
+        if (d / name).is_file():
+            return str(d / name)
+    return None
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pg_skip(msg):
+    """Skip locally; fail in CI (.ci/run sets TOKENBATCH_REQUIRE_POSTGRES=1 after installing it)."""
+    if os.environ.get("TOKENBATCH_REQUIRE_POSTGRES") == "1":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+@pytest.fixture
+def postgres_url():
+    """A throw-away PostgreSQL server on a loopback port (Debian's postgresql package)."""
+    bins = {n: _pg_bin(n) for n in ("initdb", "pg_ctl", "createdb")}
+    missing = [n for n, b in bins.items() if b is None]
+    if missing:
+        _pg_skip(f"PostgreSQL server binaries not found ({', '.join(missing)}): apt-get install postgresql")
+    try:
+        import psycopg2  # noqa: F401
+    except ImportError:
+        _pg_skip("psycopg2 not installed: pip install -e '.[tune]' (psycopg2-binary)")
+    as_root = os.geteuid() == 0
+    if as_root:                                     # initdb refuses to run as root: use the postgres user
+        import pwd
+        try:
+            pw = pwd.getpwnam("postgres")
+        except KeyError:
+            _pg_skip("running as root and there is no 'postgres' user to run the server as")
+        pre = [shutil.which("runuser") or "runuser", "-u", "postgres", "--"]
+    else:
+        pre = []
+    base = Path(tempfile.mkdtemp(prefix="tb-pg-", dir="/tmp"))   # tmp_path's parents are 0700
+    data = base / "data"
+    if as_root:
+        os.chown(base, pw.pw_uid, pw.pw_gid)
+    port = _free_port()
+    run = lambda *a: subprocess.run([*pre, *a], capture_output=True, text=True, timeout=120)  # noqa: E731
+    try:
+        r = run(bins["initdb"], "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+        assert r.returncode == 0, r.stderr
+        r = run(bins["pg_ctl"], "-D", str(data), "-l", str(base / "log"), "-w", "-t", "60",
+                "-o", f"-h 127.0.0.1 -p {port} -k {base} -F", "start")
+        assert r.returncode == 0, r.stderr + (base / "log").read_text()
+        r = run(bins["createdb"], "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "optuna")
+        assert r.returncode == 0, r.stderr
+        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/optuna"
+    finally:
+        run(bins["pg_ctl"], "-D", str(data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_postgresql_study_with_two_workers(postgres_url, tmp_path):
+    r = run_script("--trials", "4", "--k", "2", "--max-train-traces", "2", "--max-test-traces", "2",
+                   "--eval-loads", "1.2", "--bootstrap-b", "200", "--quiet", "--workers", "2",
+                   "--storage", postgres_url, "--study-name", "pg", "--out", tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_exact(studies(postgres_url, "pg"), 4)
+    assert (tmp_path / "out" / "best_params.json").is_file()
+
+
+# ------------------------------------------------------------------------------------ bad options
+BAD = [
+    ["--trials", "0"], ["--k", "x"], ["--sampler", "grid"], ["--pruner", "hyperband"],
+    ["--storage", "study.txt"], ["--workers", "2", "--storage", "x.db"], ["--baselines", "aging"],
+    ["--loads", "-1"], ["--eval-loads", "a,b"], ["--max-train-traces", "0"], ["--timeout", "soon"],
+    ["--test-split", "train"], ["--profile", "no-such-profile"], ["--no-such-flag"], ["--seed", "-3"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD, ids=lambda a: " ".join(a))
+def test_bad_options_one_line_exit_2(argv, capsys, tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import optuna_search
+    finally:
+        sys.path.pop(0)
+    try:
+        rc = optuna_search.main([*argv, "--out", str(tmp_path / "o"), "--quiet"])
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err and "\n" not in err and "Traceback" not in err, err
+
+
+def test_bad_suite_split_exits_2_in_a_subprocess(tmp_path):
+    r = run_script("--suite", "seed-200", "--test-split", "nope", "--out", tmp_path, timeout=60)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "nope" in r.stderr
+
+
+# ------------------------------------------------------------------------------------ library
+def test_storage_kinds():
+    assert T.storage_kind("runs/a.db") == "sqlite" and T.storage_kind("sqlite:///x") == "sqlite"
+    assert T.storage_kind("a.journal") == "journal" and T.storage_kind("journal:/tmp/j") == "journal"
+    assert T.storage_kind("postgresql+psycopg2://u@h:5/d") == "rdb" and T.storage_kind("mysql://u@h/d") == "rdb"
+    with pytest.raises(ConfigError):
+        T.storage_kind("study.txt")
+
+
+def test_search_space_stays_in_range_and_loads():
+    from tokenbatch_env.policies import INDEX_RANGES, IndexParams
+    st = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    for _ in range(50):
+        c = T.suggest_index(st.ask())
+        IndexParams.from_dict(c["index"])            # in range
+        assert 0 <= c["shed_margin"] <= 2
+    assert set(c["index"]) == set(INDEX_RANGES)
+    # the extremes of the log1p scale map back inside the range
+    st.enqueue_trial({"log1p_gamma": math.log1p(1e3)})
+    assert T.suggest_index(st.ask())["index"]["gamma"] <= 1e3
+
+
+class _FakeObjective:
+    n_units = 4
+
+    def __init__(self, values):
+        self.values = list(values)
+
+    def evidence_id(self, row, c):
+        return "0" * 64
+
+    def evaluate(self, row, configs, report=None):
+        v = self.values.pop(0)
+        if isinstance(v, Exception):
+            raise v
+        return np.full(len(configs), v)
+
+
+def test_failed_and_nan_trials_are_marked_and_never_fatal(tmp_path):
+    cfg = T.TuneConfig(trials=6, k=2, baselines=(), out=str(tmp_path), progress=False)
+    fake = _FakeObjective([RuntimeError("boom"), float("nan"), 0.5])
+    T.optimize(cfg, objective=fake)
+    st = T.open_studies(cfg)["index+shed"]
+    states = [(t.state.name, t.user_attrs.get("fail_reason")) for t in st.trials]
+    assert states == [("FAIL", "exception")] * 2 + [("FAIL", "nan")] * 2 + [("COMPLETE", None)] * 2
+    assert "boom" in st.trials[0].user_attrs["error"]
+    assert st.best_value == 0.5
+
+
+def test_stale_running_trial_of_a_dead_pid_is_failed_and_requeued(tmp_path):
+    cfg = T.TuneConfig(trials=3, k=1, baselines=(), out=str(tmp_path), progress=False, warm_start=False)
+    st = T.open_studies(cfg)["index+shed"]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    t = st.ask()
+    T.suggest_index(t)
+    t.set_user_attr("host", socket.gethostname())
+    t.set_user_attr("pid", dead.pid)
+    alive = st.ask()                                 # our own pid: alive, left alone
+    T.suggest_index(alive)
+    for k, v in T._me().items():
+        alive.set_user_attr(k, v)
+    assert T.recover_stale_trials(st) == [t.number]
+    trials = st.get_trials(deepcopy=False)
+    assert trials[t.number].state.name == "FAIL" and trials[t.number].user_attrs["fail_reason"] == "stale"
+    assert trials[alive.number].state.name == "RUNNING"
+    waiting = [x for x in trials if x.state.name == "WAITING"]
+    assert len(waiting) == 1 and waiting[0].user_attrs["requeued_from"] == t.number
+    assert T.recover_stale_trials(st) == []          # idempotent
+    assert T.counted_trials(st) == 1                 # the stale one no longer counts; the requeued one will
+
+
+def test_resumed_study_with_another_objective_is_refused(tmp_path):
+    T.open_studies(T.TuneConfig(out=str(tmp_path), baselines=()))
+    with pytest.raises(ConfigError, match="another objective"):
+        T.open_studies(T.TuneConfig(out=str(tmp_path), baselines=(), max_train_traces=7))
+
+
+def test_threads_do_not_change_results():
+    a = T.TrainObjective(T.TuneConfig(max_train_traces=4, threads=1))
+    b = T.TrainObjective(T.TuneConfig(max_train_traces=4, threads=2))
+    confs = [{"index": {}, "shed_margin": 0.5}, {"index": {"a_edf": 3.0}, "shed_margin": 1.0}]
+    assert np.array_equal(a.evaluate("index+shed", confs), b.evaluate("index+shed", confs))
+    m = [{"shed_margin": 0.0}, {"shed_margin": 1.5}]
+    assert np.array_equal(a.evaluate("edf+shed", m), b.evaluate("edf+shed", m))
+    # pruning: the quarters add up to the same mean when nothing is pruned
+    assert np.allclose(a.evaluate("edf+shed", m, report=lambda j, s, v: False), a.evaluate("edf+shed", m))
+
+
+def test_import_tokenbatch_env_does_not_import_optuna():
+    code = "import sys, tokenbatch_env, tokenbatch_env.tuning; assert 'optuna' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_benchmark_threads_give_the_same_report():
+    from tokenbatch_env.evaluate import BenchConfig, run_benchmark
+    kw = dict(max_traces=2, loads=(1.2,), policies=("fcfs", "edf", "index"), shed=True, bootstrap_b=200,
+              upper_bound=False)
+    a = run_benchmark(BenchConfig(**kw))
+    b = run_benchmark(BenchConfig(**kw, threads=2))
+    assert a.to_json() == b.to_json()

@@ -1,0 +1,886 @@
+"""Tuning (DESIGN.md section 7): the library behind ``python tuning/optuna_search.py``.
+
+What it does
+------------
+* One **study per tuned row**, all in one storage: ``<name>.index+shed`` tunes the Gittins-barrier
+  index (kappa, slope, gamma, theta, beta, w_prefix, a_edf and the shed margin in [0, 2]; see
+  ``suggest_index`` for why "off" is not searched), and ``<name>.<policy>+shed`` tunes the shed
+  margin in [0, 2] of each baseline with a parameter (default EDF, SJF, LLF). A new study first
+  runs its warm starts (``warm_starts``: the index's SJF, EDF and default members; margins 0 and
+  0.5 for a baseline), which count toward its budget. Every study gets the **same number of trials** and the same
+  k, and the studies take turns batch by batch, so a ``--timeout`` also cuts them evenly. Aging is
+  not implemented in the engine, so there is no aging baseline to tune.
+* **Objective**: mean goodput (met / arrived, macro mean over units) on the TRAIN split (optionally
+  its first ``max_train_traces`` traces) at each tuning load; a unit is (trace, load). The traces are
+  scaled exactly as the evaluator scales them (``evaluate.prepare_workload``: the suite manifest's
+  ``lambda_sat``, ``scale_to_rate`` with the suite's nominal rate), and every trial sees the same
+  length estimates (the suite's predictor: common random numbers).
+* **k trials per engine run**: ``study.ask()`` k times, the units x k parameter sets as copies of one
+  simulate call (``evaluate.evaluate_index_params`` for the index), then ``study.tell``. The copies
+  are split over ``threads`` threads (the compiled kernel releases the GIL; each copy's result does
+  not depend on which batch it ran in, so results are identical for any thread count).
+* **Pruning** (``pruner="median"``): the units are cut into 4 quarters; after each quarter every
+  live trial reports its running mean and pruned trials leave the remaining quarters.
+* **Failures are never fatal**: an exception or a NaN value marks the batch's trials FAIL (user attr
+  ``fail_reason``) and the search goes on; they count toward the trial cap so a broken objective
+  cannot loop forever.
+* **Trial cap** (``trials``) is global across workers: a trial counts if it is COMPLETE, PRUNED,
+  RUNNING or FAILED by the objective; a trial asked beyond the cap by a racing worker is marked FAIL
+  with ``fail_reason = "over_cap"`` at once (never evaluated, never counted).
+* **Stale-trial recovery**: every trial records ``host``, ``pid`` and the process start time as
+  user attributes. On start, RUNNING trials of this host whose process is gone (or a zombie, or a
+  reused pid) are marked FAIL (``fail_reason = "stale"``) and their parameters re-enqueued.
+  RUNNING trials of other hosts are left alone (their liveness cannot be checked from here).
+* **Storage**: ``None`` -> an embedded SQLite file ``<out>/study.db`` (one process, resumable), or
+  ``<out>/study.journal`` with several workers; a path ending in ``.db``/``.sqlite``/``.sqlite3`` or
+  a ``sqlite:///`` URL -> SQLite; a path ending in ``.journal``/``.log``/``.jsonl`` or
+  ``journal:PATH`` -> ``JournalStorage(JournalFileBackend(PATH))`` (several processes, one machine);
+  ``postgresql://...`` / ``mysql://...`` (any SQLAlchemy driver suffix) -> that database.
+
+Optuna is imported lazily (inside functions) so ``import tokenbatch_env`` stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .errors import ConfigError, TokenBatchError
+
+#: baselines whose only parameter is the shed margin of their +shed row (aging: not implemented)
+TUNABLE_BASELINES = ("fcfs", "priority", "sjf", "edf", "llf")
+DEFAULT_BASELINES = ("edf", "sjf", "llf")
+SAMPLERS = ("tpe", "cmaes", "random")
+PRUNERS = ("none", "median")
+INDEX_ROW = "index+shed"
+QUARTERS = 4
+OVER_CAP, STALE = "over_cap", "stale"
+
+
+# ------------------------------------------------------------------------------------ config
+def _int_field(v, name: str, lo: int, allow_none: bool = False):
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < lo:
+        raise ConfigError(f"{name}: must be an integer >= {lo}, got {v!r}")
+    return int(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneConfig:
+    """Everything that determines a tuning run. Defaults are the newcomer's run (about 2 minutes on
+    2 cores, measured in benchmarks/README.md)."""
+
+    suite: str = "seed-200"
+    train_split: str = "train"           # the search sees only this split
+    test_split: str = "test"             # held out: evaluated once, with the best parameters
+    profile: str = "stress-512"
+    loads: tuple = (1.2,)                # tuning loads (rho): objective = mean over traces x loads
+    eval_loads: tuple = (1.0, 1.2, 1.5)  # test evaluation loads (goodput vs load; 1.2 = primary)
+    trials: int = 48                     # per study (the index and every baseline)
+    k: int = 8                           # trials per engine run
+    max_train_traces: Optional[int] = 40  # first N train traces (None = all 120)
+    max_test_traces: Optional[int] = None  # None = the whole test split (the pre-registered set)
+    timeout: Optional[float] = None      # seconds of search (None = no limit)
+    sampler: str = "tpe"                 # tpe (seeded multivariate TPE) | cmaes | random
+    pruner: str = "none"                 # none | median (reports after each quarter of the copies)
+    seed: int = 0
+    baselines: tuple = DEFAULT_BASELINES
+    storage: Optional[str] = None        # None = <out>/study.db (or <out>/study.journal with workers)
+    study_name: Optional[str] = None     # None = "<suite>-<profile>-rho<loads>"
+    out: str = "runs/tune"
+    workers: int = 1                     # local processes on one study (journal/RDB storage)
+    threads: Optional[int] = None        # engine threads per process (None = cores / workers)
+    bootstrap_b: int = 10_000
+    warm_start: bool = True              # enqueue the baselines' members of the family first
+    progress: bool = True
+
+    def __post_init__(self):
+        from .policies import BASELINES
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        for f in ("suite", "train_split", "test_split", "profile", "out"):
+            if not isinstance(getattr(self, f), str) or not getattr(self, f):
+                raise ConfigError(f"{f}: must be a non-empty string")
+        if self.train_split == self.test_split:
+            raise ConfigError(f"test_split must differ from train_split (both {self.train_split!r}): "
+                              "the test split must never be seen by the search")
+        for f in ("loads", "eval_loads"):
+            vals = tuple(getattr(self, f))
+            if not vals:
+                raise ConfigError(f"{f}: need at least one rho > 0")
+            for x in vals:
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+                    raise ConfigError(f"{f}: rho must be a finite number > 0, got {x!r}")
+            set_(f, tuple(sorted({float(x) for x in vals})))
+        set_("trials", _int_field(self.trials, "trials", 1))
+        set_("k", _int_field(self.k, "k", 1))
+        set_("max_train_traces", _int_field(self.max_train_traces, "max_train_traces", 1, True))
+        set_("max_test_traces", _int_field(self.max_test_traces, "max_test_traces", 1, True))
+        set_("seed", _int_field(self.seed, "seed", 0))
+        set_("workers", _int_field(self.workers, "workers", 1))
+        set_("threads", _int_field(self.threads, "threads", 1, True))
+        set_("bootstrap_b", _int_field(self.bootstrap_b, "bootstrap_b", 100))
+        if self.timeout is not None:
+            t = self.timeout
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+                raise ConfigError(f"timeout: must be a positive number of seconds, got {t!r}")
+            set_("timeout", float(t))
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"sampler: unknown {self.sampler!r}; valid: {', '.join(SAMPLERS)}")
+        if self.pruner not in PRUNERS:
+            raise ConfigError(f"pruner: unknown {self.pruner!r}; valid: {', '.join(PRUNERS)}")
+        bl = tuple(self.baselines)
+        for b in bl:
+            if b not in TUNABLE_BASELINES:
+                hint = " (aging is not implemented)" if "aging" in str(b) else ""
+                raise ConfigError(f"baselines: {b!r} has no tunable parameter{hint}; valid: "
+                                  f"{', '.join(TUNABLE_BASELINES)}")
+            assert b in BASELINES
+        if len(set(bl)) != len(bl):
+            raise ConfigError(f"baselines: duplicates in {list(bl)}")
+        set_("baselines", bl)
+        if self.study_name is not None and (not isinstance(self.study_name, str) or not self.study_name.strip()):
+            raise ConfigError("study_name: must be a non-empty string")
+        if self.storage is not None:
+            storage_kind(self.storage)       # validates
+        if self.workers > 1 and self.storage is not None and storage_kind(self.storage) == "sqlite":
+            raise ConfigError(f"--workers {self.workers} needs a journal file or an RDB URL as --storage "
+                              "(SQLite is for one process); e.g. --storage runs/study.journal")
+
+    # derived -------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        if self.study_name:
+            return self.study_name
+        return f"{self.suite}-{self.profile}-rho" + "-".join(f"{x:g}" for x in self.loads)
+
+    @property
+    def rows(self) -> tuple:
+        """The tuned rows, in turn order: the index first, then each baseline's +shed row."""
+        return (INDEX_ROW, *[f"{b}+shed" for b in self.baselines])
+
+    def study_name_of(self, row: str) -> str:
+        return f"{self.name}.{row}"
+
+    @property
+    def storage_url(self) -> str:
+        if self.storage is not None:
+            return self.storage
+        name = "study.journal" if self.workers > 1 else "study.db"
+        return str(Path(self.out) / name)
+
+    def engine_threads(self) -> int:
+        if self.threads is not None:
+            return self.threads
+        return max(1, available_cores() // self.workers)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["loads"], d["eval_loads"], d["baselines"] = list(self.loads), list(self.eval_loads), list(self.baselines)
+        return d
+
+    def objective_dict(self) -> dict:
+        """What defines a study's objective (a resumed study must match it)."""
+        return {"suite": self.suite, "train_split": self.train_split, "profile": self.profile,
+                "loads": list(self.loads), "max_train_traces": self.max_train_traces}
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover (non-Linux)
+        return os.cpu_count() or 1
+
+
+# ------------------------------------------------------------------------------------ search space
+def suggest_index(trial) -> dict:
+    """The index's search space (DESIGN.md section 4 ranges and scales) -> the trial's config:
+    ``{"index": {IndexParams fields}, "shed_margin": float}``. log1p parameters are searched as
+    ``x = ln(1 + value)`` (internal name ``log1p_<name>``). The margin is searched in [0, 2]; "off"
+    (inf) is left out: the tuned row is index+shed (the primary endpoint's), the no-shed ``index``
+    row is reported beside it, and an unshed trial at rho >= 1 costs ~4x the engine time (the
+    queue grows without bound) for goodput far below every shed row."""
+    from .policies import INDEX_RANGES, SHED_RANGE
+    idx = {}
+    for name, (lo, hi, scale) in INDEX_RANGES.items():
+        if scale == "log":
+            idx[name] = trial.suggest_float(name, lo, hi, log=True)
+        elif scale == "log1p":
+            x = trial.suggest_float(f"log1p_{name}", math.log1p(lo), math.log1p(hi))
+            idx[name] = min(hi, max(lo, math.expm1(x)))
+        else:
+            idx[name] = trial.suggest_float(name, lo, hi)
+    return {"index": idx, "shed_margin": trial.suggest_float("shed_margin", *SHED_RANGE)}
+
+
+def suggest_margin(trial) -> dict:
+    from .policies import SHED_RANGE
+    return {"shed_margin": trial.suggest_float("shed_margin", *SHED_RANGE)}
+
+
+def warm_starts(row: str) -> list:
+    """Trials enqueued first in a new study (part of its budget): for the index the members of
+    its family that are the baselines (SJF: only ``-ln S``; EDF: ``a_edf`` large; the defaults),
+    so the search starts from the best simple policy instead of having to find it; for a
+    baseline, margins 0 and 0.5."""
+    if row != INDEX_ROW:
+        return [{"shed_margin": 0.0}, {"shed_margin": 0.5}]
+    zero = {"kappa": 0.0, "slope": 1.0, "log1p_gamma": 0.0, "theta": 0.0, "beta": 0.0, "w_prefix": 0.0,
+            "a_edf": 0.0}
+    return [
+        {**zero, "shed_margin": 0.0},                       # SJF + shed
+        {**zero, "shed_margin": 0.5},
+        {**zero, "a_edf": 10.0, "shed_margin": 0.0},        # ~EDF + shed
+        {"kappa": 1.0, "slope": 1.0, "log1p_gamma": math.log1p(10.0), "theta": 0.2, "beta": 1.0,
+         "w_prefix": 1.0, "a_edf": 0.0, "shed_margin": 0.0},  # IndexParams() + shed
+    ]
+
+
+def config_to_enqueue(row: str, params: dict) -> dict:
+    """A trial's optuna params as they can be re-enqueued (identity: they are the internal ones)."""
+    return dict(params)
+
+
+def _margin_value(m) -> float:
+    return math.inf if m == "inf" else float(m)
+
+
+# ------------------------------------------------------------------------------------ storage
+def storage_kind(spec: str) -> str:
+    """'sqlite', 'journal' or 'rdb' for a --storage value; ConfigError if not understood."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError("--storage: must be a path or URL")
+    s = spec.strip()
+    low = s.lower()
+    if low.startswith("sqlite:///") or low.endswith((".db", ".sqlite", ".sqlite3")):
+        return "sqlite"
+    if low.startswith("journal:") or low.endswith((".journal", ".log", ".jsonl")):
+        return "journal"
+    scheme = low.split("://", 1)[0] if "://" in low else ""
+    if scheme.split("+")[0] in ("postgresql", "postgres", "mysql", "mariadb", "oracle", "mssql"):
+        return "rdb"
+    raise ConfigError(f"--storage: cannot tell what {spec!r} is; use a file ending in .db (SQLite), "
+                      ".journal (JournalFileBackend, several processes) or an RDB URL "
+                      "(postgresql://user@host:port/db, mysql://...)")
+
+
+def make_storage(spec: str):
+    """The optuna storage object for a --storage value (creates parent directories of files)."""
+    import optuna
+    kind = storage_kind(spec)
+    s = spec.strip()
+    if kind == "sqlite":
+        path = s[len("sqlite:///"):] if s.lower().startswith("sqlite:///") else s
+        Path(path).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+        file = str(Path(path).expanduser().resolve())
+        return optuna.storages.RDBStorage("sqlite:///" + file, engine_kwargs={"creator": lambda: _sqlite_connect(file)})
+    if kind == "journal":
+        from optuna.storages.journal import JournalFileBackend
+        path = s[len("journal:"):] if s.lower().startswith("journal:") else s
+        p = Path(path).expanduser().resolve()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(str(p)))
+    if s.lower().startswith("postgres://"):
+        s = "postgresql://" + s[len("postgres://"):]
+    try:
+        return optuna.storages.RDBStorage(s, heartbeat_interval=None)
+    except ImportError as e:
+        raise ConfigError(f"--storage {spec}: database driver missing ({e}); for PostgreSQL install "
+                          "psycopg2-binary (pip install -e '.[tune]')") from None
+    except Exception as e:  # noqa: BLE001 - unreachable server, bad credentials, ...
+        raise ConfigError(f"--storage {spec}: cannot open: {str(e).splitlines()[0]}") from None
+
+
+def _sqlite_connect(file: str):
+    """A SQLite connection in WAL mode with synchronous=NORMAL: a killed process never corrupts the
+    study or loses a committed trial (only an OS crash can lose the last commits), and a trial costs
+    no fsync per attribute (several times faster than the default rollback journal)."""
+    import sqlite3
+    con = sqlite3.connect(file, timeout=60, check_same_thread=False)
+    con.execute("PRAGMA journal_mode=WAL")
+    con.execute("PRAGMA synchronous=NORMAL")
+    return con
+
+
+# ------------------------------------------------------------------------------------ liveness
+def process_start_ticks(pid: int) -> Optional[int]:
+    """Start time of ``pid`` in clock ticks since boot (Linux /proc), None if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_alive(pid: int, start_ticks: Optional[int] = None) -> bool:
+    """True if ``pid`` runs on this host (not a zombie, and, when known, started at ``start_ticks``)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        state = stat[stat.rindex(")") + 2:].split()[0]
+        if state in ("Z", "X"):
+            return False
+    except (OSError, ValueError):
+        return True
+    if start_ticks is not None:
+        now = process_start_ticks(pid)
+        if now is not None and now != start_ticks:
+            return False     # the pid was reused by another process
+    return True
+
+
+def _me() -> dict:
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "pid_start": process_start_ticks(pid)}
+
+
+def recover_stale_trials(study) -> list:
+    """Mark RUNNING trials of dead processes on this host FAIL and re-enqueue their parameters.
+    Returns the numbers of the recovered trials."""
+    from optuna.trial import TrialState
+    host = socket.gethostname()
+    storage = study._storage
+    out = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        ua = t.user_attrs
+        if ua.get("host") != host or not isinstance(ua.get("pid"), int):
+            continue
+        if process_alive(ua["pid"], ua.get("pid_start")):
+            continue
+        try:
+            storage.set_trial_user_attr(t._trial_id, "fail_reason", STALE)
+            study.tell(t.number, state=TrialState.FAIL, skip_if_finished=False)
+        except Exception:  # noqa: BLE001 - another process recovered it first
+            continue
+        if t.params:
+            study.enqueue_trial(config_to_enqueue("", t.params),
+                                user_attrs={"requeued_from": t.number}, skip_if_exists=False)
+        out.append(t.number)
+    return out
+
+
+def _counts(t) -> bool:
+    from optuna.trial import TrialState
+    if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING):
+        return True
+    return t.state == TrialState.FAIL and t.user_attrs.get("fail_reason") not in (OVER_CAP, STALE, None)
+
+
+def counted_trials(study) -> int:
+    return sum(_counts(t) for t in study.get_trials(deepcopy=False))
+
+
+# ------------------------------------------------------------------------------------ the objective
+class TrainObjective:
+    """The train units (traces x tuning loads, scaled as the evaluator scales them) and the batched
+    evaluation of k configurations of one row."""
+
+    def __init__(self, cfg: TuneConfig):
+        from .engine.profiles import load_profile
+        from .evaluate import BenchConfig, prepare_workload
+
+        self.cfg = cfg
+        bc = BenchConfig(suite=cfg.suite, split=cfg.train_split, profile=cfg.profile, loads=cfg.loads,
+                         max_traces=cfg.max_train_traces, upper_bound=False)
+        self.bench_config = bc
+        self.profile = bc.engine.resolve(load_profile(cfg.profile))
+        self.wl = prepare_workload(bc, self.profile)
+        est = self.wl.estimates()
+        self.units, self.est = [], []
+        for rho in cfg.loads:
+            self.units += self.wl.at(rho)
+            self.est += est
+        self.threads = cfg.engine_threads()
+        self.evidence_inputs = {
+            "purpose": "tuning objective: mean goodput over (trace, load) units",
+            "workload": {"name": self.wl.name, "split": cfg.train_split, "trace_digests": self.wl.digests},
+            "loads": list(cfg.loads), "lambda_sat_rps": self.wl.lambda_sat,
+            "engine_config": bc.engine.to_dict(), "profile": {"name": self.profile.name,
+                                                              "profile": self.profile.to_dict()},
+            "predictor": self.wl.predictor.to_dict(), "t_ref_ms": self.wl.t_ref_ms,
+            "residual_life_sha256": hashlib.sha256(np.ascontiguousarray(self.wl.residual_life).tobytes()).hexdigest(),
+        }
+        from . import __version__
+        self.evidence_inputs["package_version"] = __version__
+
+    @property
+    def n_units(self) -> int:
+        return len(self.units)
+
+    def evidence_id(self, row: str, config: dict) -> str:
+        from .evaluate import canonical_json
+        return hashlib.sha256(canonical_json({**self.evidence_inputs, "row": row, "config": config})
+                              .encode()).hexdigest()
+
+    def _run(self, row: str, configs: list, idx: np.ndarray) -> np.ndarray:
+        """Goodput [k, len(idx)] of the configs on units ``idx`` (threads split the units)."""
+        parts = [p for p in np.array_split(idx, min(self.threads, len(idx))) if len(p)]
+        if len(parts) == 1:
+            return self._run_part(row, configs, parts[0])
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(len(parts)) as ex:
+            res = list(ex.map(lambda p: self._run_part(row, configs, p), parts))
+        return np.concatenate(res, axis=1)
+
+    def _run_part(self, row: str, configs: list, idx) -> np.ndarray:
+        traces = [self.units[i] for i in idx]
+        est = [self.est[i] for i in idx]
+        wl, prof, eng = self.wl, self.profile, self.bench_config.engine
+        if row == INDEX_ROW:
+            from .evaluate import evaluate_index_params
+            from .policies import IndexParams
+            return evaluate_index_params(
+                traces, prof, [IndexParams.from_dict(c["index"]) for c in configs],
+                shed_margins=[_margin_value(c["shed_margin"]) for c in configs], estimates=est,
+                residual_life=wl.residual_life, t_ref_ms=wl.t_ref_ms, config=eng)
+        return evaluate_margins(traces, prof, row[:-len("+shed")], [c["shed_margin"] for c in configs],
+                                estimates=est, residual_life=wl.residual_life, t_ref_ms=wl.t_ref_ms, config=eng)
+
+    def evaluate(self, row: str, configs: list, report=None) -> np.ndarray:
+        """Mean goodput per config. With ``report(j, step, value) -> bool`` (True = prune), the units
+        run in 4 quarters and pruned configs leave the remaining ones (their value: NaN)."""
+        k, U = len(configs), self.n_units
+        if report is None:
+            return self._run(row, configs, np.arange(U)).mean(axis=1)
+        sums, seen = np.zeros(k), 0
+        live = list(range(k))
+        out = np.full(k, np.nan)
+        for step, q in enumerate(np.array_split(np.arange(U), min(QUARTERS, U))):
+            g = self._run(row, [configs[j] for j in live], q)
+            seen += len(q)
+            keep = []
+            for r, j in enumerate(live):
+                sums[j] += g[r].sum()
+                if step < QUARTERS - 1 and seen < U and report(j, step, sums[j] / seen):
+                    continue
+                keep.append(j)
+            live = keep
+            if not live:
+                break
+        for j in live:
+            out[j] = sums[j] / U
+        return out
+
+
+def evaluate_margins(traces, profile, policy: str, margins, *, estimates=None, residual_life=None,
+                     t_ref_ms: float = 1000.0, config=None) -> np.ndarray:
+    """Goodput [k, T] of one baseline with k shed margins on T traces, as k*T copies of one simulate
+    call (the counterpart of ``evaluate.evaluate_index_params`` for a shed-margin-only policy)."""
+    from .engine.simulate import simulate
+    from .policies import check_shed_margin, engine_policy
+    traces = list(traces)
+    k, T = len(margins), len(traces)
+    ms = [check_shed_margin(_margin_value(m)) for m in margins]
+    base = engine_policy(policy, shed_margin=0.0, t_ref_ms=t_ref_ms)
+    pol = dataclasses.replace(base, name=f"{policy}+shed[k]",
+                              shed_margin=np.repeat(np.array([np.inf if m is None else m for m in ms]), T))
+    est = None if estimates is None else [e for _ in range(k) for e in estimates]
+    res = simulate(traces * k, profile, pol, config, estimates=est, residual_life=residual_life)
+    out = np.empty((k, T))
+    for j in range(k):
+        for i in range(T):
+            met = res.records(j * T + i)["met"]
+            out[j, i] = met.mean() if met.size else float("nan")
+    return out
+
+
+# ------------------------------------------------------------------------------------ studies
+def make_sampler(cfg: TuneConfig, row_index: int, worker: int = 0):
+    import optuna
+    # one stream per study and worker process (workers must not draw the same points)
+    seed = cfg.seed + 1000 * row_index + 1_000_003 * worker
+    if cfg.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True)
+    if cfg.sampler == "cmaes":
+        try:
+            import cmaes  # noqa: F401
+        except ImportError:
+            raise ConfigError("--sampler cmaes needs the cmaes package (pip install cmaes, or the "
+                              "[tune] extra)") from None
+        return optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False,
+                                            independent_sampler=optuna.samplers.RandomSampler(seed=seed))
+    return optuna.samplers.RandomSampler(seed=seed)
+
+
+def make_pruner(cfg: TuneConfig):
+    import optuna
+    if cfg.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=max(5, cfg.k), n_warmup_steps=0)
+    return optuna.pruners.NopPruner()
+
+
+def open_studies(cfg: TuneConfig, storage=None, *, write_attrs: bool = True, worker: int = 0) -> dict:
+    """row -> optuna Study (created if absent). A study that exists with a different objective
+    is refused (ConfigError): pick another --study-name."""
+    import optuna
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = storage if storage is not None else make_storage(cfg.storage_url)
+    out = {}
+    for i, row in enumerate(cfg.rows):
+        st = optuna.create_study(study_name=cfg.study_name_of(row), storage=storage, direction="maximize",
+                                 sampler=make_sampler(cfg, i, worker), pruner=make_pruner(cfg), load_if_exists=True)
+        old = st.user_attrs.get("objective")
+        if old is not None and old != cfg.objective_dict():
+            raise ConfigError(f"study {st.study_name!r} in {cfg.storage_url} was created for another "
+                              f"objective ({old}); use another --study-name or --storage")
+        if write_attrs:
+            if cfg.warm_start and not st.get_trials(deepcopy=False):
+                for ws in warm_starts(row):
+                    st.enqueue_trial(ws, user_attrs={"warm_start": True})
+            st.set_user_attr("objective", cfg.objective_dict())
+            st.set_user_attr("row", row)
+            st.set_user_attr("config", cfg.to_dict())
+        out[row] = st
+    return out
+
+
+@dataclasses.dataclass
+class _Batch:
+    trials: list
+    configs: list
+
+
+def _ask_batch(study, row: str, cfg: TuneConfig, me: dict, objective: TrainObjective) -> Optional[_Batch]:
+    """Ask up to k trials within the global cap (exact under races: see module docstring)."""
+    from optuna.trial import TrialState
+    if counted_trials(study) >= cfg.trials:
+        return None
+    trials, configs = [], []
+    for _ in range(cfg.k):
+        t = study.ask()
+        for key, v in me.items():
+            t.set_user_attr(key, v)
+        # rank of this trial among the counted ones (by number): beyond the cap -> never evaluated
+        rank = sum(1 for ft in study.get_trials(deepcopy=False)
+                   if _counts(ft) and ft.number <= t.number)
+        if rank > cfg.trials:
+            t.set_user_attr("fail_reason", OVER_CAP)
+            study.tell(t, state=TrialState.FAIL)
+            break
+        c = suggest_index(t) if row == INDEX_ROW else suggest_margin(t)
+        t.set_user_attr("config", c)
+        t.set_user_attr("evidence_id", objective.evidence_id(row, c))
+        trials.append(t)
+        configs.append(c)
+    return _Batch(trials, configs) if trials else None
+
+
+def _run_batch(study, row: str, batch: _Batch, objective: TrainObjective, cfg: TuneConfig) -> None:
+    from optuna.trial import TrialState
+    pruned = set()
+
+    def report(j, step, value):
+        t = batch.trials[j]
+        t.report(float(value), step)
+        if t.should_prune():
+            pruned.add(j)
+            return True
+        return False
+
+    try:
+        vals = objective.evaluate(row, batch.configs, report if cfg.pruner != "none" else None)
+    except Exception as e:  # noqa: BLE001 - a failed trial is never fatal
+        msg = f"{type(e).__name__}: {e}"[:500]
+        for t in batch.trials:
+            t.set_user_attr("fail_reason", "exception")
+            t.set_user_attr("error", msg)
+            study.tell(t, state=TrialState.FAIL)
+        print(f"warning: {row}: trials {[t.number for t in batch.trials]} failed: {msg}", file=sys.stderr)
+        return
+    for j, t in enumerate(batch.trials):
+        if j in pruned:
+            study.tell(t, state=TrialState.PRUNED)
+        elif not math.isfinite(vals[j]):
+            t.set_user_attr("fail_reason", "nan")
+            study.tell(t, state=TrialState.FAIL)
+        else:
+            study.tell(t, float(vals[j]))
+
+
+def _best(study) -> Optional[float]:
+    try:
+        return study.best_value
+    except ValueError:
+        return None
+
+
+def optimize(cfg: TuneConfig, *, bar=None, deadline: Optional[float] = None, storage=None,
+             objective: Optional["TrainObjective"] = None, worker: int = 0) -> None:
+    """One process's search loop: the studies take turns, one batch of up to k trials each, until
+    every study reached the cap (or the deadline passed)."""
+    studies = open_studies(cfg, storage, write_attrs=False, worker=worker)
+    objective = objective if objective is not None else TrainObjective(cfg)
+    me = _me()
+    done = {row: False for row in cfg.rows}
+    while not all(done.values()):
+        if deadline is not None and time.time() >= deadline:
+            break
+        for row, st in studies.items():
+            if done[row]:
+                continue
+            b = _ask_batch(st, row, cfg, me, objective)
+            if b is None:
+                done[row] = True
+                continue
+            _run_batch(st, row, b, objective, cfg)
+            if bar is not None:
+                bar.update(len(b.trials))
+                bar.set_postfix_str(" ".join(f"{r}={_best(s):.4f}" for r, s in studies.items()
+                                             if _best(s) is not None))
+
+
+def _worker_main(cfg: TuneConfig, deadline: Optional[float], worker: int) -> None:  # a spawned process
+    import warnings
+    warnings.filterwarnings("ignore")
+    optimize(dataclasses.replace(cfg, progress=False), deadline=deadline, worker=worker)
+
+
+def run_search(cfg: TuneConfig, objective: Optional["TrainObjective"] = None) -> dict:
+    """Recover stale trials, then search (in this process, or in ``workers`` processes). Returns
+    {"recovered": {row: [numbers]}, "search_wall_s": ...}."""
+    from tqdm.auto import tqdm
+
+    t0 = time.time()
+    storage = make_storage(cfg.storage_url)
+    studies = open_studies(cfg, storage)
+    recovered = {row: recover_stale_trials(st) for row, st in studies.items()}
+    for row, nums in recovered.items():
+        if nums:
+            print(f"{row}: {len(nums)} stale RUNNING trial(s) of dead processes marked FAIL and "
+                  f"re-enqueued: {nums}", file=sys.stderr)
+    deadline = None if cfg.timeout is None else t0 + cfg.timeout
+    total = cfg.trials * len(cfg.rows)
+    already = sum(min(cfg.trials, counted_trials(st)) for st in studies.values())
+    bar = tqdm(total=total, initial=already, desc="tuning trials", unit="trial", disable=not cfg.progress,
+               file=sys.stderr, dynamic_ncols=True)
+    try:
+        if cfg.workers == 1:
+            optimize(cfg, bar=bar, deadline=deadline, storage=storage, objective=objective)
+        else:
+            import multiprocessing as mp
+            ctx = mp.get_context("spawn")
+            procs = [ctx.Process(target=_worker_main, args=(cfg, deadline, i + 1), name=f"tune-worker-{i}")
+                     for i in range(cfg.workers)]
+            for p in procs:
+                p.start()
+            while any(p.is_alive() for p in procs):
+                time.sleep(0.5)
+                n = sum(min(cfg.trials, sum(1 for t in st.get_trials(deepcopy=False) if t.state.is_finished()
+                                            and _counts(t))) for st in studies.values())
+                bar.update(max(0, n - bar.n))
+                bar.set_postfix_str(" ".join(f"{r}={_best(s):.4f}" for r, s in studies.items()
+                                             if _best(s) is not None))
+            bad = [p.exitcode for p in procs if p.exitcode != 0]
+            if bad:
+                raise TokenBatchError(f"{len(bad)} of {cfg.workers} worker processes failed (exit codes {bad})")
+    finally:
+        bar.close()
+    return {"recovered": recovered, "search_wall_s": time.time() - t0}
+
+
+# ------------------------------------------------------------------------------------ results
+def study_summary(study, row: str) -> dict:
+    from optuna.trial import TrialState
+    trials = study.get_trials(deepcopy=False)
+    by_state = {}
+    for t in trials:
+        key = t.state.name
+        if t.state == TrialState.FAIL and t.user_attrs.get("fail_reason"):
+            key = f"FAIL ({t.user_attrs['fail_reason']})"
+        by_state[key] = by_state.get(key, 0) + 1
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    best = max(complete, key=lambda t: (t.value, -t.number)) if complete else None
+    hist = [{"number": t.number, "value": t.value, "config": t.user_attrs.get("config")} for t in complete]
+    return {"row": row, "study": study.study_name, "trials": len(trials), "states": dict(sorted(by_state.items())),
+            "best": None if best is None else {"number": best.number, "train_goodput": best.value,
+                                                "config": best.user_attrs.get("config"),
+                                                "evidence_id": best.user_attrs.get("evidence_id")},
+            "history": sorted(hist, key=lambda h: h["number"])}
+
+
+def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str) -> dict:
+    """The best parameters in the ``--params`` format that ``evaluate.load_params_file`` reads."""
+    idx = summaries[INDEX_ROW]["best"]
+    if idx is None:
+        raise TokenBatchError(f"study {summaries[INDEX_ROW]['study']!r} has no completed trial: nothing to "
+                              "write (see the FAIL reasons in the study's user attributes)")
+    doc = {"index": dict(idx["config"]["index"]), "shed_margin": idx["config"]["shed_margin"]}
+    notes = {}
+    for row in cfg.rows[1:]:
+        b = summaries[row]["best"]
+        pol = row[:-len("+shed")]
+        if b is None:
+            notes[pol] = "no completed trial: shed margin left at the default 0.0"
+            continue
+        doc[pol] = {"shed_margin": b["config"]["shed_margin"]}
+    doc["tuned"] = {
+        "by": "tuning/optuna_search.py", "suite": cfg.suite, "split": cfg.train_split,
+        "profile": cfg.profile, "loads": list(cfg.loads), "max_train_traces": cfg.max_train_traces,
+        "trials_per_study": cfg.trials, "k": cfg.k, "sampler": cfg.sampler, "seed": cfg.seed,
+        "study": cfg.name, "objective_evidence_id": objective_eid,
+        "train_goodput": {row: (s["best"] or {}).get("train_goodput") for row, s in summaries.items()},
+        "best_trial": {row: (s["best"] or {}).get("number") for row, s in summaries.items()},
+        **({"notes": notes} if notes else {}),
+    }
+    return doc
+
+
+def plot_history(summaries: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for row, s in summaries.items():
+        h = s["history"]
+        if not h:
+            continue
+        x = [e["number"] for e in h]
+        y = [e["value"] for e in h]
+        (ln,) = ax.plot(x, y, ".", ms=3, alpha=0.5)
+        ax.plot(x, np.maximum.accumulate(y), "-", color=ln.get_color(), label=f"{row} (best so far)")
+    ax.set_xlabel("trial number")
+    ax.set_ylabel("mean goodput on the train split")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("optimisation history")
+    fig.tight_layout()
+    fig.savefig(path, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
+def tuning_markdown(data: dict, bench_md: str) -> str:
+    cfg = data["config"]
+    L = [f"# TokenBatch tuning: {cfg['suite']} / {cfg['profile']}", ""]
+    L += ["## Held-out result", ""]
+    from .report import primary_lines
+    L += [f"    {x}" for x in primary_lines(data["test"])] + [""]
+    L += ["## Search", "",
+          f"- objective: mean goodput on {cfg['suite']}/{cfg['train_split']} "
+          f"({data['train_units']} units = traces x loads {cfg['loads']}); the {cfg['test_split']} "
+          "split is never seen by the search",
+          f"- budget: {cfg['trials']} trials per study, k = {cfg['k']} trials per engine run, sampler "
+          f"{cfg['sampler']} (seed {cfg['seed']}), pruner {cfg['pruner']}",
+          f"- the baselines' shed margins get the same budget; aging is not implemented (no aging baseline)",
+          f"- objective evidence id `{data['objective_evidence_id']}`", ""]
+    L += ["| row | study | trials (by state) | best trial | train goodput | best config |", "|---|---|---|---|---|---|"]
+    for row, s in data["studies"].items():
+        b = s["best"] or {}
+        st = ", ".join(f"{k} {v}" for k, v in s["states"].items())
+        conf = json.dumps(b.get("config"), sort_keys=True) if b else "-"
+        tg = f"{b['train_goodput']:.4f}" if b else "-"
+        L.append(f"| {row} | {s['study']} | {st} | {b.get('number', '-')} | {tg} | `{conf}` |")
+    L += ["", "![optimisation history](optimization_history.png)", "",
+          "![goodput vs load on the test split](test/goodput_vs_load.png)", "",
+          "## Test-split benchmark (the evaluator's report)", ""]
+    body = bench_md.split("\n", 1)[1] if bench_md.startswith("# ") else bench_md
+    L += [body.replace("\n## ", "\n### ")]
+    L += ["", f"Tuning evidence id `{data['evidence_id']}`. Wall times, host and date are in run_meta.json.", ""]
+    return "\n".join(L)
+
+
+def run_tuning(cfg: TuneConfig) -> dict:
+    """Search, then evaluate the best parameters on the held-out test split and write everything
+    into ``cfg.out``. Returns {"paths": [...], "data": report dict, "meta": {...}, "summary": text}."""
+    import platform
+    from datetime import datetime, timezone
+
+    from . import __version__
+    from ._io import write_text_atomic, write_with
+    from .evaluate import BenchConfig, canonical_json, load_params_file, run_benchmark
+    from .report import report_json
+
+    t0 = time.time()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # the train/test splits exist and differ: checked before any work
+    from .traces.suites import load_suite
+    suite = load_suite(cfg.suite)
+    for s in (cfg.train_split, cfg.test_split):
+        if s not in suite.splits:
+            raise ConfigError(f"suite {cfg.suite!r} has no split {s!r}; splits: {', '.join(suite.splits)}")
+    objective = TrainObjective(cfg)   # also validates the profile and suite
+    obj_eid = hashlib.sha256(canonical_json(objective.evidence_inputs).encode()).hexdigest()
+    search = run_search(cfg, objective)
+    studies = open_studies(cfg, write_attrs=False)
+    summaries = {row: study_summary(st, row) for row, st in studies.items()}
+
+    doc = params_document(cfg, summaries, obj_eid)
+    params_path = out / "best_params.json"
+    write_text_atomic(params_path, json.dumps(doc, indent=1) + "\n")
+    params, margins = load_params_file(str(params_path))   # the evaluator's reader: must load
+
+    t1 = time.time()
+    pols = ("fcfs", "sjf", "edf", "llf", "index")
+    pols += tuple(b for b in cfg.baselines if b not in pols)
+    bench = run_benchmark(BenchConfig(
+        suite=cfg.suite, split=cfg.test_split, profile=cfg.profile, policies=pols, shed=True,
+        loads=cfg.eval_loads, index_params=params, shed_margins=margins, params_source=str(params_path),
+        max_traces=cfg.max_test_traces, bootstrap_seed=cfg.seed, bootstrap_b=cfg.bootstrap_b,
+        progress=cfg.progress, threads=cfg.engine_threads()))
+    test_wall = time.time() - t1
+    bench_paths = bench.write(out / "test")
+
+    data = {
+        "format": "tokenbatch-tuning-report", "version": 1,
+        "tokenbatch_version": __version__,
+        "config": {k: v for k, v in cfg.to_dict().items() if k not in ("progress", "out", "storage", "threads",
+                                                                         "workers")},
+        "objective_evidence_id": obj_eid,
+        "train_units": objective.n_units,
+        "lambda_sat": {"rps": objective.wl.lambda_sat, "source": objective.wl.lambda_sat_source},
+        "t_ref_ms": objective.wl.t_ref_ms,
+        "studies": summaries,
+        "best_params": doc,
+        "aging": "not implemented in the engine: no aging baseline to tune",
+        "test_evidence_id": bench.evidence_id,
+        "test": bench.data,
+    }
+    data["evidence_id"] = hashlib.sha256(canonical_json(
+        {"objective": obj_eid, "config": data["config"], "best_params": report_rounded(doc),
+         "test": bench.evidence_id}).encode()).hexdigest()
+    meta = {"evidence_id": data["evidence_id"], "wall_time_s": round(time.time() - t0, 3),
+            "search_wall_s": round(search["search_wall_s"], 3), "test_eval_wall_s": round(test_wall, 3),
+            "recovered_stale_trials": search["recovered"], "storage": cfg.storage_url,
+            "workers": cfg.workers, "engine_threads": cfg.engine_threads(), "config": cfg.to_dict(),
+            "host": platform.node(), "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version(), "argv": list(sys.argv)}
+    write_with(out / "optimization_history.png", lambda p: plot_history(summaries, p), suffix=".png")
+    write_text_atomic(out / "report.md", tuning_markdown(data, bench.to_markdown()))
+    write_text_atomic(out / "run_meta.json", json.dumps(meta, indent=1, default=str) + "\n")
+    write_text_atomic(out / "report.json", report_json(data))   # the JSON last
+    paths = [params_path, out / "report.json", out / "report.md", out / "optimization_history.png",
+             out / "run_meta.json", *bench_paths]
+    return {"paths": paths, "data": data, "meta": meta, "summary": console_text(data, bench)}
+
+
+def report_rounded(obj):
+    from .report import rounded
+    return rounded(obj)
+
+
+def console_text(data: dict, bench) -> str:
+    lines = [bench.summary_text().rstrip(), "", "tuned (train split):"]
+    for row, s in data["studies"].items():
+        b = s["best"]
+        lines.append(f"  {row:<12} best train goodput "
+                     f"{'-' if b is None else format(b['train_goodput'], '.4f')}  "
+                     f"(trial {'-' if b is None else b['number']}; {s['trials']} trials: "
+                     + ", ".join(f"{k} {v}" for k, v in s["states"].items()) + ")")
+    lines.append("  aging: not implemented (no aging baseline)")
+    return "\n".join(lines) + "\n"
