@@ -67,18 +67,19 @@ def _float(text, name):
     return v
 
 
-def parse_loads(text: str) -> tuple:
+def parse_loads(text: str, name: str = "loads") -> tuple:
+    """A comma-separated list of rho values > 0 (``--NAME``), with one-line errors."""
     items = [s.strip() for s in str(text).split(",") if s.strip()]
     if not items:
-        raise ConfigError("--loads: need at least one rho > 0, e.g. 0.6,1.2")
+        raise ConfigError(f"--{name}: need at least one rho > 0, e.g. 0.6,1.2")
     out = []
     for s in items:
         try:
             v = float(s)
         except ValueError:
-            raise ConfigError(f"--loads: {s!r} is not a number (rho values > 0, comma-separated)") from None
+            raise ConfigError(f"--{name}: {s!r} is not a number (rho values > 0, comma-separated)") from None
         if not math.isfinite(v) or v <= 0:
-            raise ConfigError(f"--loads: rho must be a finite number > 0, got {s!r}")
+            raise ConfigError(f"--{name}: rho must be a finite number > 0, got {s!r}")
         out.append(v)
     return tuple(out)
 

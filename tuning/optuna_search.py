@@ -19,7 +19,6 @@ Bad options: one line on stderr, exit 2.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 
@@ -88,20 +87,9 @@ def _int(text, name, lo, allow_all=False):
 
 
 def _loads(text, name):
-    from tokenbatch_env.errors import ConfigError
-    items = [s.strip() for s in str(text).split(",") if s.strip()]
-    if not items:
-        raise ConfigError(f"--{name}: need at least one rho > 0, e.g. 1.2")
-    out = []
-    for s in items:
-        try:
-            v = float(s)
-        except ValueError:
-            raise ConfigError(f"--{name}: {s!r} is not a number (rho values > 0, comma-separated)") from None
-        if not math.isfinite(v) or v <= 0:
-            raise ConfigError(f"--{name}: rho must be a finite number > 0, got {s!r}")
-        out.append(v)
-    return tuple(out)
+    from tokenbatch_env.bench_cli import parse_loads  # the evaluator's own parser
+
+    return parse_loads(text, name)
 
 
 def config_from_args(args):
