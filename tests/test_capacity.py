@@ -1044,3 +1044,13 @@ def test_cli_trace_hook_parses_its_options():
     assert (args.trace, args.profile, args.trace_contract, args.json) == \
         ("t.csv", "linear", "c.json", True)
     assert args.contract_file is None and args.workload_file is None
+
+
+def test_priority_iterations_needs_trace_mode(tmp_path, capsys):
+    from tokenbatch_env.cli import main
+    fx = Path(__file__).parent / "fixtures" / "capacity"
+    code = main(["audit", str(fx / "illustrative_contract.json"), str(fx / "illustrative_workload.json"),
+                 "--priority-iterations", "3"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "--priority-iterations go with --trace" in err and len(err.splitlines()) == 1

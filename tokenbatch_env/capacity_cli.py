@@ -52,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
         if args.profile is None:
             raise CapacityError("--trace needs --profile NAME", where="audit")
         return run_trace(args)
-    if args.profile is not None or args.trace_contract is not None:
-        raise CapacityError("--profile and --contract go with --trace FILE",
+    if (args.profile is not None or args.trace_contract is not None
+            or getattr(args, "priority_iterations", None) is not None):
+        raise CapacityError("--profile, --contract and --priority-iterations go with --trace FILE",
                             where="audit")
     if args.contract_file is None or args.workload_file is None:
         raise CapacityError("needs CONTRACT and WORKLOAD files (or --trace FILE --profile NAME)",
