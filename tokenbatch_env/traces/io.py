@@ -557,18 +557,24 @@ def parse_timestamp_ns(text: str, _day_cache: dict = {}) -> int:  # noqa: B006 (
     return ((days * 24 + h) * 60 + mi_) * 60 * _NS_PER_S + s * _NS_PER_S + ns
 
 
-def read_azure(path, *, block_size: int = 16, name: Optional[str] = None) -> LoadResult:
-    """Read an Azure LLM inference trace CSV; arrivals relative to the first row. No SLOs/prefixes."""
+def _csv_table(path, required: Sequence[str]):
+    """A headed CSV with at least one data row: (file name, header, column index, data rows, their
+    line numbers); errors name the file, line and missing column."""
     p = Path(path)
     f = str(p)
     lines, rows = _csv_rows(_read_text(p), f)
     header, hline = rows[0], lines[0]
-    idx = _header_index(f, hline, header, AZURE_COLUMNS)
-    rows, lines = rows[1:], lines[1:]
-    n = len(rows)
-    if n == 0:
+    idx = _header_index(f, hline, header, required)
+    if len(rows) == 1:
         raise TraceError("no data rows after the header", file=f, row=hline + 1)
-    width = len(header)
+    return f, header, idx, rows[1:], lines[1:]
+
+
+def read_azure(path, *, block_size: int = 16, name: Optional[str] = None) -> LoadResult:
+    """Read an Azure LLM inference trace CSV; arrivals relative to the first row. No SLOs/prefixes."""
+    p = Path(path)
+    f, header, idx, rows, lines = _csv_table(p, AZURE_COLUMNS)
+    n, width = len(rows), len(header)
     it, ic, ig = idx["TIMESTAMP"], idx["ContextTokens"], idx["GeneratedTokens"]
     ts, ctx, gen = [0] * n, [0] * n, [0] * n
     line = col = None
@@ -696,15 +702,8 @@ def read_mooncake(path, block_size: int = 16, *, name: Optional[str] = None) -> 
 def read_burstgpt(path, *, block_size: int = 16, name: Optional[str] = None) -> LoadResult:
     """Read a BurstGPT CSV; failed requests (0 response tokens) are dropped and counted."""
     p = Path(path)
-    f = str(p)
-    lines, rows = _csv_rows(_read_text(p), f)
-    header, hline = rows[0], lines[0]
-    idx = _header_index(f, hline, header, BURSTGPT_COLUMNS)
-    rows, lines = rows[1:], lines[1:]
-    n = len(rows)
-    if n == 0:
-        raise TraceError("no data rows after the header", file=f, row=hline + 1)
-    width = len(header)
+    f, header, idx, rows, lines = _csv_table(p, BURSTGPT_COLUMNS)
+    n, width = len(rows), len(header)
     it, irq, irs = idx["Timestamp"], idx["Request tokens"], idx["Response tokens"]
     ts, req, resp = [0] * n, [0] * n, [0] * n
     col = None
