@@ -37,10 +37,10 @@ def _drive(step, acts, warm: int):
     return time.perf_counter() - t0, np.array(rewards)
 
 
-def bench_native(n: int, steps: int, warm: int, mode: str = "NEXT_STEP") -> dict:
-    from tokenbatch_env.envs import TokenBatchVectorEnv
+def _measure(make, n: int, steps: int, warm: int) -> dict:
+    """Build, reset and step an env (``make()``): build/reset times and env-steps/s after warm-up."""
     t0 = time.perf_counter()
-    env = TokenBatchVectorEnv(n, autoreset_mode=mode, **CONFIG)
+    env = make()
     build = time.perf_counter() - t0
     t0 = time.perf_counter()
     env.reset(seed=0)
@@ -48,22 +48,20 @@ def bench_native(n: int, steps: int, warm: int, mode: str = "NEXT_STEP") -> dict
     wall, rew = _drive(env.step, _actions(n, warm + steps), warm)
     return {"build_s": build, "reset_s": reset, "wall_s": wall, "steps_per_s": n * steps / wall,
             "rewards": rew}
+
+
+def bench_native(n: int, steps: int, warm: int, mode: str = "NEXT_STEP") -> dict:
+    from tokenbatch_env.envs import TokenBatchVectorEnv
+    return _measure(lambda: TokenBatchVectorEnv(n, autoreset_mode=mode, **CONFIG), n, steps, warm)
 
 
 def bench_sync(n: int, steps: int, warm: int) -> dict:
     import gymnasium as gym
 
     from tokenbatch_env.envs import TokenBatchEnv
-    t0 = time.perf_counter()
-    env = gym.vector.SyncVectorEnv([lambda: TokenBatchEnv(**CONFIG) for _ in range(n)],
-                                   autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
-    build = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    env.reset(seed=0)
-    reset = time.perf_counter() - t0
-    wall, rew = _drive(env.step, _actions(n, warm + steps), warm)
-    return {"build_s": build, "reset_s": reset, "wall_s": wall, "steps_per_s": n * steps / wall,
-            "rewards": rew}
+    return _measure(lambda: gym.vector.SyncVectorEnv([lambda: TokenBatchEnv(**CONFIG) for _ in range(n)],
+                                                     autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP),
+                    n, steps, warm)
 
 
 def bench_adapter(n: int, steps: int, warm: int) -> dict:
