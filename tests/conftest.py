@@ -27,3 +27,14 @@ def shared_path(*parts: str) -> Path:
 @pytest.fixture
 def shared():
     return shared_path
+
+
+def heavy_modules_loaded(module: str, heavy=("torch", "stable_baselines3", "optuna")) -> list:
+    """Which of ``heavy`` a fresh interpreter has loaded after ``import module`` (should be none)."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; print(','.join(m for m in {tuple(heavy)!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=120)
+    return [m for m in out.stdout.strip().split(",") if m]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,10 +18,8 @@ A = len(ACTION_NAMES)
 
 
 def test_sb3_module_imports_sb3_lazily():
-    code = ("import sys, tokenbatch_env.sb3; "
-            "print([m for m in ('torch', 'stable_baselines3') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    from conftest import heavy_modules_loaded
+    assert heavy_modules_loaded("tokenbatch_env.sb3", ("torch", "stable_baselines3")) == []
 
 
 def test_sb3_check_env_single():
