@@ -515,7 +515,6 @@ def evaluate_index_params(traces: Sequence, profile, params_list: Sequence, *, s
     shed margin). ``shed_margins``: None (no shedding), one value for all, or k values (None/inf =
     off). ``estimates``: one array per trace (reused for every parameter set: common random
     numbers). ``scored``: optional bool mask per trace (windows)."""
-    from .engine.simulate import simulate
     from .policies import IndexParams, check_shed_margin, engine_policy
 
     traces = list(traces)
@@ -534,8 +533,21 @@ def evaluate_index_params(traces: Sequence, profile, params_list: Sequence, *, s
     shed = np.repeat(np.array([np.inf if m is None else m for m in margins], np.float64), T)
     base = engine_policy("index", t_ref_ms=t_ref_ms)
     pol = dataclasses.replace(base, name="index[k]", theta=theta, shed_margin=shed)
+    return goodput_matrix(traces, k, profile, pol, config=config, estimates=estimates,
+                          residual_life=residual_life, scored=scored)
+
+
+def goodput_matrix(traces: Sequence, k: int, profile, policy, *, config=None, estimates=None,
+                   residual_life=None, scored=None) -> np.ndarray:
+    """Goodput [k, T] of ``policy`` (per-copy parameters for the k*T copies) on k repeats of T
+    traces, in ONE simulate call: copy ``j*T + i`` is parameter set j on trace i. The estimates of
+    trace i are reused for every j (common random numbers); ``scored``: bool mask per trace."""
+    from .engine.simulate import simulate
+
+    traces = list(traces)
+    T = len(traces)
     est = None if estimates is None else [e for _ in range(k) for e in estimates]
-    res = simulate(traces * k, profile, pol, config, estimates=est, residual_life=residual_life)
+    res = simulate(traces * k, profile, policy, config, estimates=est, residual_life=residual_life)
     out = np.empty((k, T))
     for j in range(k):
         for i in range(T):

@@ -481,7 +481,7 @@ def evaluate_margins(traces, profile, policy: str, margins, *, estimates=None, r
                      t_ref_ms: float = 1000.0, config=None) -> np.ndarray:
     """Goodput [k, T] of one baseline with k shed margins on T traces, as k*T copies of one simulate
     call (the counterpart of ``evaluate.evaluate_index_params`` for a shed-margin-only policy)."""
-    from .engine.simulate import simulate
+    from .evaluate import goodput_matrix
     from .policies import check_shed_margin, engine_policy
     traces = list(traces)
     k, T = len(margins), len(traces)
@@ -489,14 +489,8 @@ def evaluate_margins(traces, profile, policy: str, margins, *, estimates=None, r
     base = engine_policy(policy, shed_margin=0.0, t_ref_ms=t_ref_ms)
     pol = dataclasses.replace(base, name=f"{policy}+shed[k]",
                               shed_margin=np.repeat(np.array([np.inf if m is None else m for m in ms]), T))
-    est = None if estimates is None else [e for _ in range(k) for e in estimates]
-    res = simulate(traces * k, profile, pol, config, estimates=est, residual_life=residual_life)
-    out = np.empty((k, T))
-    for j in range(k):
-        for i in range(T):
-            met = res.records(j * T + i)["met"]
-            out[j, i] = met.mean() if met.size else float("nan")
-    return out
+    return goodput_matrix(traces, k, profile, pol, config=config, estimates=estimates,
+                          residual_life=residual_life)
 
 
 # ------------------------------------------------------------------------------------ studies
