@@ -149,8 +149,10 @@ def test_killed_run_resumes_keeping_completed_and_requeueing_stale(tmp_path):
     first = [*args]
     first[first.index("--trials") + 1] = "40"       # long enough never to finish before the kill
     for attempt in range(3):
-        p = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, first)], cwd=ROOT, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        errlog = tmp_path / f"first-{attempt}.err"
+        with open(errlog, "w") as ef:
+            p = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, first)], cwd=ROOT, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=ef)
         t0 = time.time()
         try:
             while time.time() - t0 < 120:
@@ -167,7 +169,8 @@ def test_killed_run_resumes_keeping_completed_and_requeueing_stale(tmp_path):
         finally:
             p.send_signal(signal.SIGKILL)
             p.wait()
-        assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+        assert p.returncode == -signal.SIGKILL, ("the run ended before it could be killed: "
+                                                 + errlog.read_text()[-2000:])
         st = optuna.load_study(study_name=name, storage=T.make_storage(str(db)))
         before = {t.number: (t.value, t.params) for t in complete(st)}
         stale = [t.number for t in st.get_trials(deepcopy=False) if t.state.name == "RUNNING"]
