@@ -140,18 +140,23 @@ def test_config_seed_used_without_reset_seed():
 
 
 # ---------------------------------------------------------------------------- a = 0 == the evaluator's index
-@pytest.mark.parametrize("shed", [0.0, None])
-def test_zero_action_reproduces_evaluator_index(shed):
+@pytest.mark.parametrize("mode,shed", [("index", 0.0), ("index", None), ("weights", 0.0), ("weights", None)])
+def test_zero_action_reproduces_evaluator_policy(mode, shed, tmp_path):
+    """a = 0 replays the evaluator's policy with the base parameters (theta* / w*), request by request."""
     from tokenbatch_env.engine.simulate import simulate
-    from tokenbatch_env.policies import IndexParams, engine_policy
+    from tokenbatch_env.policies import IndexParams, LinearWeights, engine_policy
     from tokenbatch_env.traces.windows import window_at
 
     N = 4
-    env = TokenBatchVectorEnv(N, rho=(0.9, 1.8), window=64, warmup=16, cooldown=16, shed_margin=shed)
+    weights = LinearWeights({"log_s": -1.0, "slack": -0.5, "first_token_out": 0.2})
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"weights": {"w": weights.to_dict()["w"]}}))
+    env = TokenBatchVectorEnv(N, rho=(0.9, 1.8), window=64, warmup=16, cooldown=16, shed_margin=shed,
+                              action_mode=mode, base_params=str(base) if mode == "weights" else None)
     _, info = env.reset(seed=3)
     recs = {}
     for _ in range(5000):
-        _, _, te, tr, inf = env.step(np.zeros((N, len(ACTION_NAMES))))
+        _, _, te, tr, inf = env.step(np.zeros((N, env.core.action_dim)))
         for c in np.flatnonzero(te | tr):
             if c not in recs:
                 assert te[c]
@@ -161,7 +166,7 @@ def test_zero_action_reproduces_evaluator_index(shed):
     assert len(recs) == N
     core, cfg = env.core, env.config
     wl = core.workload
-    pol = engine_policy("index", params=IndexParams(), shed_margin=shed, t_ref_ms=wl.t_ref_ms)
+    pol = engine_policy(mode, params=IndexParams(), weights=weights, shed_margin=shed, t_ref_ms=wl.t_ref_ms)
     traces, ests, wins = [], [], []
     for c in range(N):
         w = window_at(wl.unit_at(int(info["trace_index"][c]), float(info["rho"][c])),
@@ -310,7 +315,7 @@ def test_bad_actions():
     (dict(rho=(2.0, 1.0)), "rho"), (dict(rho="x"), "rho"), (dict(window=0), "window"),
     (dict(window=10_000), "window"), (dict(warmup=-1), "warmup"), (dict(k=0), "k"),
     (dict(decision_interval_ms=0), "decision_interval_ms"), (dict(action_mode="x"), "action_mode"),
-    (dict(action_mode="weights"), "action_mode"), (dict(reward_mode="x"), "reward_mode"),
+    (dict(reward_mode="x"), "reward_mode"),
     (dict(autoreset_mode="x"), "autoreset_mode"), (dict(seed=-1), "seed"),
     (dict(shed_margin=3.0), "shed_margin"), (dict(predictor="psychic"), "predictor"),
     (dict(clip_actions="yes"), "clip_actions"), (dict(max_steps=0), "max_steps"),
@@ -397,3 +402,35 @@ def test_compiled_driver_matches_reference_path():
         for x, y in zip(r0[:4], r1[:4]):
             assert np.array_equal(x, y)
         assert _same_info(_unbatch(r0[4], 0), _unbatch(r1[4], 0))
+
+
+# ---------------------------------------------------------------------------- weights action mode
+def test_weights_mode_spaces_check_env_and_mapping(tmp_path):
+    from gymnasium.utils.env_checker import check_env
+    from tokenbatch_env.engine import scoring as S
+    from tokenbatch_env.envs import WEIGHT_ACTION_NAMES
+
+    env = gym.make("TokenBatch-v0", action_mode="weights", **SMALL)
+    assert env.action_space.shape == (len(WEIGHT_ACTION_NAMES),) == (S.N_WEIGHTS + 1,)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_env(env.unwrapped)
+    core = env.unwrapped.core
+    a = np.zeros((1, 9))
+    theta, margin = core.map_actions(a)
+    assert np.array_equal(theta[0], core.theta_star) and theta[0, S.N_WEIGHTS] == core.workload.t_ref_ms
+    assert core.theta_star[0] == -1.0 and not core.theta_star[1:S.N_WEIGHTS].any()  # default: SJF's order
+    a[0, :S.N_WEIGHTS] = np.linspace(-1, 1, S.N_WEIGHTS)
+    a[0, -1] = 0.5
+    theta, margin = core.map_actions(a)
+    assert np.allclose(theta[0, :S.N_WEIGHTS], core.theta_star[:S.N_WEIGHTS] + a[0, :S.N_WEIGHTS])
+    assert margin[0] == 1.0   # 0.0 + 0.5 * 2
+    with pytest.raises(ActionError, match="w_z"):
+        env.unwrapped.step(np.r_[0.0, np.nan, np.zeros(7)])
+    p = tmp_path / "w.json"
+    p.write_text(json.dumps({"weights": {"w": {"to_deadline": -1.0}, "shed_margin": 0.5}}))
+    venv = TokenBatchVectorEnv(1, action_mode="weights", base_params=str(p), **SMALL)
+    assert venv.core.theta_star[5] == -1.0 and venv.core.base_margin == 0.5
+    p.write_text(json.dumps({"weights": {"w": {"nope": 1.0}}}))
+    with pytest.raises(Exception, match="nope"):
+        TokenBatchVectorEnv(1, action_mode="weights", base_params=str(p), **SMALL)

@@ -13,7 +13,7 @@ import pytest
 from tokenbatch_env import evaluate as ev
 from tokenbatch_env.engine.kernel import E_COMPLETED, E_SHED, E_TIMED_OUT
 from tokenbatch_env.errors import ConfigError, PolicyError
-from tokenbatch_env.policies import IndexParams
+from tokenbatch_env.policies import IndexParams, LinearWeights
 from tokenbatch_env.report import report_json, round_sig
 from tokenbatch_env.traces.trace import Trace
 
@@ -114,6 +114,17 @@ def test_params_file(tmp_path):
     p.write_text('{"bogus": 1}')
     with pytest.raises(ConfigError, match="valid"):
         ev.load_params_file(str(p))
+    p.write_text('{"weights": {"w": {"slack": -1.0}, "shed_margin": 0.75}}')
+    params, margins = ev.load_params_file(str(p))
+    assert dict(margins) == {"weights": 0.75} and ev.load_weights(str(p)).w[6] == -1.0
+    p.write_text('{"edf": {"w": [1, 2]}}')
+    with pytest.raises(ConfigError, match="edf"):
+        ev.load_params_file(str(p))
+    p.write_text('{"weights": {"w": [1, 2]}}')
+    with pytest.raises(PolicyError, match="weights.w"):
+        ev.load_weights(str(p))
+    p.write_text('{"index": {}}')
+    assert ev.load_weights(str(p)) is None
 
 
 def test_rows_always_include_baselines_and_primary():
@@ -196,6 +207,8 @@ def test_evidence_id_changes_with_every_input():
         dict(index_params=IndexParams(kappa=2.0)), dict(shed_margins=(("edf", 0.5),)),
         dict(policies=("fcfs", "sjf")), dict(shed=True), dict(split="validation"), dict(capacity=True),
     ]
+    with_w = dataclasses.replace(base, policies=("fcfs", "weights"))
+    assert _inputs(with_w) != _inputs(dataclasses.replace(with_w, weights=LinearWeights({"z": -1.0})))
     seen = {eid}
     for v in variants:
         e = _inputs(dataclasses.replace(base, **v))

@@ -101,13 +101,14 @@ def parse_policies(text: str) -> tuple:
 
 def config_from_args(args):
     from .engine.profiles import load_profile
-    from .evaluate import BenchConfig, load_params_file
+    from .evaluate import BenchConfig, load_params_file, load_weights
 
     load_profile(args.profile)  # unknown profile -> one line listing the valid ones
     kw = {}
     if args.params:
         params, margins = load_params_file(args.params)
-        kw.update(index_params=params, shed_margins=margins, params_source=args.params)
+        kw.update(index_params=params, shed_margins=margins, params_source=args.params,
+                  weights=load_weights(args.params))
     if args.trace is not None and args.windows is None:
         raise ConfigError("--trace needs --windows W (scored requests per window)")
     if args.trace is None and args.windows is not None:

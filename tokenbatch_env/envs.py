@@ -28,7 +28,7 @@ from .engine.kernel import _prefix_hits  # the engine's prefix-cache lookup (sam
 from .errors import ConfigError, TokenBatchError
 
 __all__ = ["TokenBatchConfig", "TokenBatchEnv", "TokenBatchVectorEnv", "ActionError", "OBS_LAYOUT",
-           "ACTION_NAMES", "make_vector_env"]
+           "ACTION_NAMES", "WEIGHT_ACTION_NAMES", "make_vector_env"]
 
 
 class ActionError(TokenBatchError, ValueError):
@@ -39,6 +39,8 @@ ACTION_MODES = ("index", "weights")
 REWARD_MODES = ("certain_miss", "met")
 #: index-mode action dimensions, in order: the seven index coefficients, then the shed margin
 ACTION_NAMES = ("kappa", "slope", "gamma", "theta", "beta", "w_prefix", "a_edf", "shed_margin")
+#: action dimensions of the ``weights`` mode: one weight per linear-score feature, then the shed margin
+WEIGHT_ACTION_NAMES = tuple(f"w_{f}" for f in S.LINEAR_FEATURES) + ("shed_margin",)
 _THETA_COL = {"kappa": S.I_KAPPA, "slope": S.I_SLOPE, "gamma": S.I_GAMMA, "theta": S.I_THETA,
               "beta": S.I_BETA, "w_prefix": S.I_W_PREFIX, "a_edf": S.I_A_EDF}
 
@@ -167,13 +169,14 @@ class TokenBatchConfig:
                 set_("predictor", PredictorSpec.from_dict(self.predictor))
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"predictor: {e}") from None
-        if self.action_mode == "weights":
-            raise ConfigError("action_mode: 'weights' needs an in-engine linear-score policy that the "
-                              "engine does not provide yet; valid today: 'index'")
 
     @property
     def n_req(self) -> int:
         return self.warmup + self.window + self.cooldown
+
+    @property
+    def action_names(self) -> tuple:
+        return ACTION_NAMES if self.action_mode == "index" else WEIGHT_ACTION_NAMES
 
 
 # ------------------------------------------------------------------ observation kernel
@@ -474,8 +477,8 @@ class _Core:
         from .engine.profiles import load_profile
         from .engine.simulate import EngineRun
         from .engine.state import EngineConfig, build_arrays
-        from .evaluate import BenchConfig, load_params_file, prepare_workload
-        from .policies import INDEX_RANGES, IndexParams
+        from .evaluate import BenchConfig, load_params_file, load_weights, prepare_workload
+        from .policies import INDEX_RANGES, IndexParams, LinearWeights
 
         if not _is_int(num_envs) or num_envs < 1:
             raise ConfigError(f"num_envs: must be an integer >= 1, got {num_envs!r}")
@@ -514,22 +517,26 @@ class _Core:
                               f"trace of {cfg.suite}/{cfg.split} has {max(lens)}")
         self.units = usable
         # base parameters theta* and shed margin
+        weights = LinearWeights()
         if cfg.base_params is not None:
             params, margins = load_params_file(cfg.base_params)
-            margin = dict(margins).get("index", cfg.shed_margin)
+            weights = load_weights(cfg.base_params) or weights
+            margin = dict(margins).get("index" if cfg.action_mode == "index" else "weights", cfg.shed_margin)
             margin = None if margin is None or math.isinf(margin) else float(margin)
         else:
             params, margin = IndexParams(), cfg.shed_margin
-        self.base_params, self.base_margin = params, margin
-        self.theta_star = params.theta_vector(wl.t_ref_ms)
+        self.base_params, self.base_margin, self.base_weights = params, margin, weights
+        self.theta_star = (params if cfg.action_mode == "index" else weights).theta_vector(wl.t_ref_ms)
         self.ranges = [INDEX_RANGES[n] for n in ACTION_NAMES[:-1]]
+        self.action_names = cfg.action_names
         # engine
         self._build_arrays = build_arrays
         t0 = wl.unit_at(usable[0], cfg.rho[0])
         from .traces.windows import window_at
         w0 = window_at(t0, cfg.warmup, cfg.window, cfg.warmup, cfg.cooldown)
         from .policies import engine_policy
-        pol = engine_policy("index", params=params, shed_margin=margin, t_ref_ms=wl.t_ref_ms)
+        pol = engine_policy(cfg.action_mode, params=params, weights=weights, shed_margin=margin,
+                            t_ref_ms=wl.t_ref_ms)
         est0 = self.estimates[usable[0]][w0.parent_start:w0.parent_start + len(w0.trace)]
         self.run = EngineRun([w0.trace] * N, profile, pol, self.engine_config,
                              estimates=[est0] * N, residual_life=wl.residual_life)
@@ -576,12 +583,16 @@ class _Core:
     # -------------------------------------------------------------- actions
     @property
     def action_dim(self) -> int:
-        return len(ACTION_NAMES)
+        return len(self.action_names)
 
     def map_actions(self, a: np.ndarray):
-        """[n, 8] actions in [-1, 1] -> (theta [n, NP], shed margin [n]); a = 0 gives theta*."""
+        """[n, A] actions in [-1, 1] -> (theta [n, N_THETA], shed margin [n]); a = 0 gives theta*.
+        ``weights`` mode: w = w* + a (only the direction w/|w| matters to the score)."""
         ts = self.theta_star
         theta = np.tile(ts, (a.shape[0], 1))
+        if self.config.action_mode == "weights":
+            theta[:, :S.N_WEIGHTS] += a[:, :S.N_WEIGHTS]
+            return theta, self._map_margin(a[:, -1])
         for j, (name, (lo, hi, scale)) in enumerate(zip(ACTION_NAMES, self.ranges)):
             col, x, base = _THETA_COL[name], a[:, j], ts[_THETA_COL[name]]
             if scale == "log":
@@ -591,14 +602,15 @@ class _Core:
             else:
                 v = base + x * (hi - lo)
             theta[:, col] = np.where(x == 0.0, base, np.clip(v, lo, hi))
+        return theta, self._map_margin(a[:, -1])
+
+    def _map_margin(self, x: np.ndarray) -> np.ndarray:
+        """The shed-margin action dimension: base + x * span, clipped; -1 (off) without a base."""
         if self.base_margin is None:
-            margin = np.full(a.shape[0], -1.0)
-        else:
-            from .policies import SHED_RANGE
-            lo, hi = SHED_RANGE
-            x = a[:, -1]
-            margin = np.where(x == 0.0, self.base_margin, np.clip(self.base_margin + x * (hi - lo), lo, hi))
-        return theta, margin
+            return np.full(x.shape[0], -1.0)
+        from .policies import SHED_RANGE
+        lo, hi = SHED_RANGE
+        return np.where(x == 0.0, self.base_margin, np.clip(self.base_margin + x * (hi - lo), lo, hi))
 
     # -------------------------------------------------------------- episodes
     def seed_copies(self, rows: Sequence[int], seeds: Sequence[Optional[int]]) -> None:
@@ -849,16 +861,16 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
         except (TypeError, ValueError):
             raise ActionError(f"actions must be numbers, got {type(actions).__name__}") from None
         if a.shape != (n, d):
-            raise ActionError(f"actions must have shape ({n}, {d}) (copies x {', '.join(ACTION_NAMES)}), "
+            raise ActionError(f"actions must have shape ({n}, {d}) (copies x {', '.join(self.core.action_names)}), "
                               f"got {a.shape}")
         if np.isnan(a).any():
             c, j = np.argwhere(np.isnan(a))[0]
-            raise ActionError(f"action is NaN at copy {c}, dimension {j} ({ACTION_NAMES[j]})")
+            raise ActionError(f"action is NaN at copy {c}, dimension {j} ({self.core.action_names[j]})")
         bad = ~np.isfinite(a) | (np.abs(a) > 1.0)
         if bad.any():
             if not self.config.clip_actions:
                 c, j = np.argwhere(bad)[0]
-                raise ActionError(f"action {a[c, j]!r} at copy {c}, dimension {j} ({ACTION_NAMES[j]}) is "
+                raise ActionError(f"action {a[c, j]!r} at copy {c}, dimension {j} ({self.core.action_names[j]}) is "
                                   f"outside [-1, 1]; pass clip_actions=True to clip instead")
             a = np.clip(a, -1.0, 1.0)
         return a
@@ -949,8 +961,12 @@ class TokenBatchEnv(gym.Env):
     shed margin [0, 2]); ``a = 0`` gives theta* exactly. With no base shed margin (None/inf) the
     last dimension is ignored. The action is held until the next decision epoch. NaN, inf or values
     outside [-1, 1] raise ``ActionError`` unless ``clip_actions=True`` (which clips inf and
-    out-of-range values; NaN always raises). ``weights`` mode is not available yet (needs engine
-    support).
+    out-of-range values; NaN always raises). ``weights`` mode: ``Box(-1, 1, (9,), float32)``, the
+    weights of a linear score ``(w/|w|) . f`` over ``engine.scoring.LINEAR_FEATURES`` (ln(S/T_ref),
+    z/10, queue_key/key_hi, prefix ratio, blocks needed/usable, (deadline - now)/T_ref, slack/T_ref,
+    first token out), ``w = w* + a`` around the base weights (the ``weights`` entry of
+    ``base_params``, else -e0: SJF's order), then the shed margin as above. The family contains
+    sjf (-e0), edf (-e5), llf (-e6) and the FCFS queue order (-e2).
 
     ## Observation Space
     ``Box(-10, 10, (18 + 11*K,), float32)``, K = ``k`` (default 8, so 106 entries), never NaN/inf
@@ -1006,7 +1022,7 @@ class TokenBatchEnv(gym.Env):
     used for copies never seeded by ``reset``.
 
     ## Version History
-    * v0: initial version.
+    * v0: initial version (``index`` and ``weights`` action modes).
     """
 
     metadata = {"render_modes": []}
@@ -1046,7 +1062,7 @@ class TokenBatchEnv(gym.Env):
         a = np.asarray(action, dtype=np.float64) if not isinstance(action, np.ndarray) else action
         if a.shape != (self._vec.core.action_dim,):
             raise ActionError(f"action must have shape ({self._vec.core.action_dim},) "
-                              f"({', '.join(ACTION_NAMES)}), got {np.shape(a)}")
+                              f"({', '.join(self._vec.core.action_names)}), got {np.shape(a)}")
         self._vec._check_actions(a[None, :])
         if self._vec._done[0]:
             raise ConfigError("the episode has ended (or reset() was never called): call reset() first")

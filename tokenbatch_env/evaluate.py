@@ -82,6 +82,7 @@ class BenchConfig:
     shed: bool = False                          # add a +shed row for every policy
     loads: tuple = DEFAULT_LOADS
     index_params: object = None                 # IndexParams (None = defaults)
+    weights: object = None                      # LinearWeights of the ``weights`` policy (None = defaults)
     shed_margins: tuple = ()                    # ((policy, margin), ...); default 0.0
     params_source: Optional[str] = None         # where the parameters came from (for the report)
     max_traces: Optional[int] = None
@@ -111,6 +112,11 @@ class BenchConfig:
             set_("index_params", IndexParams())
         elif not isinstance(self.index_params, IndexParams):
             raise ConfigError("index_params must be an IndexParams")
+        from .policies import LinearWeights
+        if self.weights is None:
+            set_("weights", LinearWeights())
+        elif not isinstance(self.weights, LinearWeights):
+            raise ConfigError("weights must be a LinearWeights")
         if self.engine is None:
             set_("engine", EngineConfig())
         elif not isinstance(self.engine, EngineConfig):
@@ -179,7 +185,7 @@ def load_params_file(path: str) -> tuple:
         raise ConfigError(f"--params {path}: invalid JSON: {e}") from None
     if not isinstance(d, dict):
         raise ConfigError(f"--params {path}: expected a JSON object")
-    valid = ["index", "shed_margin", *[b for b in BASELINES if b != "index"], *PARAMS_INFO_KEYS]
+    valid = ["index", "shed_margin", *[b for b in BASELINES if b != "index"], SCHEDULE_KEY, *PARAMS_INFO_KEYS]
     unknown = sorted(k for k in d if k not in valid and not k.startswith("_"))
     if unknown:
         raise ConfigError(f"--params {path}: unknown key(s) {unknown}; valid: {', '.join(valid)}")
@@ -207,11 +213,44 @@ def load_params_file(path: str) -> tuple:
         if b == "index" or b not in d:
             continue
         v = d[b]
-        if not isinstance(v, dict) or set(v) - {"shed_margin"}:
-            raise ConfigError(f"--params {path}: {b!r} must be {{\"shed_margin\": x}}")
+        allowed = {"shed_margin", "w"} if b == "weights" else {"shed_margin"}
+        if not isinstance(v, dict) or set(v) - allowed:
+            raise ConfigError(f"--params {path}: {b!r} must be {{\"shed_margin\": x}}"
+                              + (" with optional \"w\": {feature: weight}" if b == "weights" else ""))
         if "shed_margin" in v:
             margins[b] = margin(v["shed_margin"], f"{b}.shed_margin")
     return params, tuple(sorted(margins.items()))
+
+
+#: the params-file key of the ``index-scheduled`` comparator (``policies.IndexSchedule.to_dict``)
+SCHEDULE_KEY = "index-scheduled"
+
+
+def load_schedule(path: str):
+    """The ``index-scheduled`` schedule in a ``--params`` file, or None when it has none."""
+    from .policies import IndexSchedule
+    load_params_file(path)
+    d = json.loads(Path(path).read_text())
+    if SCHEDULE_KEY not in d:
+        return None
+    try:
+        return IndexSchedule.from_dict(d[SCHEDULE_KEY])
+    except (PolicyError, TypeError, ValueError) as e:
+        raise PolicyError(f"--params {path}: {SCHEDULE_KEY}: {e}") from None
+
+
+def load_weights(path: str):
+    """The ``weights`` policy's tuned weights in a ``--params`` file (``{"weights": {"w": ...}}``),
+    or None when the file has none (validated by ``load_params_file`` first)."""
+    from .policies import LinearWeights
+    load_params_file(path)
+    v = json.loads(Path(path).read_text()).get("weights", {})
+    if "w" not in v:
+        return None
+    try:
+        return LinearWeights.from_dict(v["w"])
+    except PolicyError as e:
+        raise PolicyError(f"--params {path}: weights.w: {e}") from None
 
 
 # ------------------------------------------------------------------------------------ rows
@@ -503,7 +542,7 @@ def _run_row(row: Row, wl: Workload, traces: list, est: list, profile, cfg: Benc
     from .engine.simulate import simulate
     from .policies import engine_policy
     pol = engine_policy(row.policy, params=cfg.index_params if row.policy == "index" else None,
-                        shed_margin=row.shed_margin, t_ref_ms=wl.t_ref_ms)
+                        weights=cfg.weights, shed_margin=row.shed_margin, t_ref_ms=wl.t_ref_ms)
     return simulate(traces, profile, pol, cfg.engine, estimates=est, residual_life=wl.residual_life)
 
 
@@ -587,6 +626,9 @@ def evidence_inputs(cfg: BenchConfig, wl: Workload, profile, rows: list) -> dict
              "estimates": "oracle" if r.reference else "predictor"}
         if r.policy == "index":
             d["index_params"] = dataclasses.asdict(cfg.index_params)
+            d["t_ref_ms"] = wl.t_ref_ms
+        if r.policy == "weights":
+            d["weights"] = cfg.weights.to_dict()["w"]
             d["t_ref_ms"] = wl.t_ref_ms
         pol.append(d)
     return {

@@ -18,7 +18,7 @@ from .engine import scoring as _s
 from .errors import PolicyError
 
 #: name -> (in-engine id, needs parameters)
-BASELINES = ("fcfs", "priority", "sjf", "srpt-oracle", "edf", "llf", "empirical-gittins", "index")
+BASELINES = ("fcfs", "priority", "sjf", "srpt-oracle", "edf", "llf", "empirical-gittins", "index", "weights")
 
 #: DESIGN.md section 4 ranges: name -> (low, high, scale)
 INDEX_RANGES = {
@@ -64,11 +64,111 @@ class IndexParams:
         """The engine's parameter vector (layout of ``engine.scoring``)."""
         if not (math.isfinite(t_ref_ms) and t_ref_ms > 0):
             raise PolicyError(f"T_ref must be a positive number of ms, got {t_ref_ms!r}")
-        v = np.zeros(_s.N_INDEX_PARAMS)
+        v = np.zeros(_s.N_THETA)
         v[_s.I_KAPPA], v[_s.I_SLOPE], v[_s.I_GAMMA] = self.kappa, self.slope, self.gamma
         v[_s.I_THETA], v[_s.I_BETA], v[_s.I_W_PREFIX] = self.theta, self.beta, self.w_prefix
         v[_s.I_A_EDF], v[_s.I_T_REF_MS] = self.a_edf, t_ref_ms
         return v
+
+
+#: the weight range of the ``weights`` policy (per feature; only the direction w/|w| matters)
+WEIGHT_RANGE = (-1.0, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearWeights:
+    """The ``weights`` policy: score = (w/|w|) . f over ``engine.scoring.LINEAR_FEATURES``.
+    Default: -e0, i.e. shortest estimated service first (SJF's order)."""
+
+    w: tuple = (-1.0,) + (0.0,) * (_s.N_WEIGHTS - 1)
+
+    def __post_init__(self):
+        w = self.w
+        if isinstance(w, dict):
+            unknown = set(w) - set(_s.LINEAR_FEATURES)
+            if unknown:
+                raise PolicyError(f"unknown weight(s) {sorted(unknown)}; valid: {list(_s.LINEAR_FEATURES)}")
+            w = [w.get(n, 0.0) for n in _s.LINEAR_FEATURES]
+        if isinstance(w, (str, bytes)) or not hasattr(w, "__len__") or len(w) != _s.N_WEIGHTS:
+            raise PolicyError(f"weights: need {_s.N_WEIGHTS} numbers ({', '.join(_s.LINEAR_FEATURES)}), "
+                              f"got {self.w!r}")
+        out = []
+        for name, v in zip(_s.LINEAR_FEATURES, w):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
+                    or not math.isfinite(float(v)):
+                raise PolicyError(f"weight {name} must be a finite number, got {v!r}")
+            out.append(float(v))
+        object.__setattr__(self, "w", tuple(out))
+
+    @classmethod
+    def from_dict(cls, d) -> "LinearWeights":
+        """``{"w": [8 numbers] or {feature: weight}}`` or ``{feature: weight}``."""
+        if isinstance(d, dict) and set(d) == {"w"}:
+            d = d["w"]
+        return cls(d)
+
+    def to_dict(self) -> dict:
+        return {"w": dict(zip(_s.LINEAR_FEATURES, self.w))}
+
+    def theta_vector(self, t_ref_ms: float) -> np.ndarray:
+        if not (math.isfinite(t_ref_ms) and t_ref_ms > 0):
+            raise PolicyError(f"T_ref must be a positive number of ms, got {t_ref_ms!r}")
+        v = np.zeros(_s.N_THETA)
+        v[:_s.N_WEIGHTS] = self.w
+        v[_s.I_LIN_T_REF_MS] = t_ref_ms
+        return v
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexSchedule:
+    """``index-scheduled`` (DESIGN.md section 8): one tuned index (and shed margin) per load bucket,
+    chosen at each decision epoch from the observed arrival rate (arrivals in the last 10 s over
+    lambda_sat, i.e. an estimate of rho; ``envs`` observation entry ``arrival_rate``). Bucket i
+    covers [edges[i-1], edges[i]) with edges[-1] = 0 and edges[B-1] = inf. ``loads``: the rho each
+    bucket was tuned at (for the report)."""
+
+    edges: tuple            # B - 1 increasing rho boundaries
+    params: tuple           # B IndexParams
+    margins: tuple          # B shed margins (None = no shedding)
+    loads: tuple = ()       # B tuning loads (informational)
+
+    def __post_init__(self):
+        B = len(self.params)
+        if B < 1 or len(self.edges) != B - 1 or len(self.margins) != B:
+            raise PolicyError(f"index-scheduled: need B parameter sets, B margins and B - 1 edges, got "
+                              f"{B}, {len(self.margins)}, {len(self.edges)}")
+        e = [float(x) for x in self.edges]
+        if any(not math.isfinite(x) or x <= 0 for x in e) or any(b <= a for a, b in zip(e, e[1:])):
+            raise PolicyError(f"index-scheduled: edges must be finite, > 0 and increasing, got {self.edges!r}")
+        for p in self.params:
+            if not isinstance(p, IndexParams):
+                raise PolicyError("index-scheduled: params must be IndexParams")
+        object.__setattr__(self, "edges", tuple(e))
+        object.__setattr__(self, "margins", tuple(check_shed_margin(m) for m in self.margins))
+
+    @classmethod
+    def from_loads(cls, loads, params, margins) -> "IndexSchedule":
+        """Buckets around tuning loads: edges at the geometric midpoints of consecutive loads."""
+        loads = [float(x) for x in loads]
+        edges = tuple(math.sqrt(a * b) for a, b in zip(loads, loads[1:]))
+        return cls(edges, tuple(params), tuple(margins), tuple(loads))
+
+    def bucket(self, rate_rho) -> np.ndarray:
+        """Bucket index of each observed rate (array)."""
+        return np.searchsorted(np.asarray(self.edges), np.asarray(rate_rho, float), side="right")
+
+    def to_dict(self) -> dict:
+        return {"edges": list(self.edges), "loads": list(self.loads),
+                "index": [dataclasses.asdict(p) for p in self.params],
+                "shed_margin": ["inf" if m is None else m for m in self.margins]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "IndexSchedule":
+        if not isinstance(d, dict) or not {"edges", "index", "shed_margin"} <= set(d):
+            raise PolicyError("index-scheduled: need an object with edges, index (list) and shed_margin (list)")
+        margins = [None if m in ("inf", None) else float(m) for m in d["shed_margin"]]
+        return cls(tuple(d["edges"]), tuple(IndexParams.from_dict(p) for p in d["index"]), tuple(margins),
+                   tuple(d.get("loads", ())))
 
 
 def check_shed_margin(m: Optional[float]) -> Optional[float]:
@@ -193,23 +293,28 @@ def _engine_ids(name: str) -> tuple[int, int]:
              "sjf": (K.MODE_SCORE, _s.P_SJF), "srpt-oracle": (K.MODE_SCORE, _s.P_SJF),
              "edf": (K.MODE_SCORE, _s.P_EDF), "llf": (K.MODE_SCORE, _s.P_LLF),
              "empirical-gittins": (K.MODE_SCORE, _s.P_GITTINS),
-             "index": (K.MODE_SCORE, _s.P_INDEX)}
+             "index": (K.MODE_SCORE, _s.P_INDEX), "weights": (K.MODE_SCORE, _s.P_LINEAR)}
     return table[check_policy_name(name)]
 
 
 def engine_policy(name: str, *, params: Optional[IndexParams] = None, shed_margin=None,
-                  t_ref_ms: float = 1000.0):
+                  t_ref_ms: float = 1000.0, weights: Optional[LinearWeights] = None):
     """The engine's form of a named policy. ``srpt-oracle`` is ``sjf`` fed true lengths (the
     caller must pass the oracle predictor's estimates); ``empirical-gittins`` reads the family's
     output-length distribution from the run's residual-life table (``simulate(...,
     residual_life=)``; deployable: no per-request lengths); ``index`` uses ``params`` (defaults if
-    None) scaled by the suite-wide ``t_ref_ms``. ``shed_margin``: None/inf = no shedding. Bad
+    None) scaled by the suite-wide ``t_ref_ms``; ``weights`` uses ``weights`` (``LinearWeights``,
+    default SJF's direction). ``shed_margin``: None/inf = no shedding. Bad
     parameters raise ``PolicyError`` naming the policy."""
     from .engine.simulate import EnginePolicy
 
     mode, pid = _engine_ids(name)
     try:
-        theta = (params or IndexParams()).theta_vector(t_ref_ms) if name == "index" else None
+        theta = None
+        if name == "index":
+            theta = (params or IndexParams()).theta_vector(t_ref_ms)
+        elif name == "weights":
+            theta = (weights or LinearWeights()).theta_vector(t_ref_ms)
         margin = check_shed_margin(shed_margin)
     except PolicyError as e:
         raise PolicyError(f"policy {name!r}: {e}") from None

@@ -541,9 +541,11 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         if pid == P_GITTINS:  # known prefill cost + the family's decode cost
                             sc = gittins_score(gtab, mrl, gen[c, r], p_left * fcfg[F_U_P], fcfg[F_U_D])
                         else:
+                            kh = key_hi[c] if key_hi[c] > 1 else 1
                             sc = policy_score(pid, theta[c], ratio, s_ms, d_left, slack_ms, t1[c, r] / 1e6,
                                               first_out, kvf, float(blocks_needed), usable,
-                                              to_deadline_ms, float(arrival[c, r] + t1[c, r]), float(bs))
+                                              to_deadline_ms, float(arrival[c, r] + t1[c, r]), float(bs),
+                                              qkey[c, r] / kh)
                         if sc != sc:
                             nan_score[0] = c
                             nan_score[1] = r

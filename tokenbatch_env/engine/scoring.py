@@ -16,13 +16,20 @@ import numpy as np
 from ._jit import njit
 
 # policy ids (the kernel's MODE_SCORE dispatches on these)
-P_EXTERNAL, P_SJF, P_EDF, P_LLF, P_INDEX, P_GITTINS = 0, 1, 2, 3, 4, 5
+P_EXTERNAL, P_SJF, P_EDF, P_LLF, P_INDEX, P_GITTINS, P_LINEAR = 0, 1, 2, 3, 4, 5, 6
 POLICY_IDS = {"external": P_EXTERNAL, "sjf": P_SJF, "edf": P_EDF, "llf": P_LLF, "index": P_INDEX,
-              "empirical-gittins": P_GITTINS}
+              "empirical-gittins": P_GITTINS, "weights": P_LINEAR}
 POLICY_NAMES = {v: k for k, v in POLICY_IDS.items()}
 
 # index parameter vector layout
 (I_KAPPA, I_SLOPE, I_GAMMA, I_THETA, I_BETA, I_W_PREFIX, I_A_EDF, I_T_REF_MS, N_INDEX_PARAMS) = range(9)
+# linear-score ("weights") parameter vector layout: 8 weights, then T_ref
+LINEAR_FEATURES = ("log_s", "z", "queue_pos", "prefix_ratio", "blocks_needed", "to_deadline", "slack",
+                   "first_token_out")
+N_WEIGHTS = len(LINEAR_FEATURES)
+I_LIN_T_REF_MS = N_WEIGHTS
+#: width of every policy parameter vector (the engine keeps one [copies, N_THETA] array)
+N_THETA = max(N_INDEX_PARAMS, N_WEIGHTS + 1)
 
 Z_CLIP = 50.0
 
@@ -59,9 +66,30 @@ def index_log_score(theta, prefix_ratio, s_ms, d_left, z, first_token_out, kv, b
 
 
 @njit
+def linear_score(theta, prefix_ratio, s_ms, z, first_token_out, blocks_needed, usable_blocks,
+                 to_deadline_ms, slack_ms, queue_pos):
+    """The ``weights`` policy (DESIGN.md section 5): (w/|w|) . f over ``LINEAR_FEATURES`` =
+    [ln(S/T_ref), z/10, queue_key/key_hi, prefix ratio, blocks needed/usable, to-deadline/T_ref,
+    slack/T_ref, first token out]. Contains sjf (w = -e0), fcfs order (-e2), edf (-e5), llf (-e6).
+    w = 0 scores every request 0 (ties: arrival, id)."""
+    t_ref = theta[I_LIN_T_REF_MS]
+    norm = 0.0
+    for j in range(N_WEIGHTS):
+        norm += theta[j] * theta[j]
+    if norm == 0.0:
+        return 0.0
+    out = theta[0] * math.log(s_ms / t_ref) + theta[1] * (z / 10.0) + theta[2] * queue_pos
+    out += theta[3] * prefix_ratio + theta[4] * (blocks_needed / usable_blocks)
+    out += theta[5] * (to_deadline_ms / t_ref) + theta[6] * (slack_ms / t_ref)
+    if first_token_out:
+        out += theta[7]
+    return out / math.sqrt(norm)
+
+
+@njit
 def policy_score(pid, theta, prefix_ratio, s_ms, d_left, slack_ms, t1_ms, first_token_out, kv,
-                 blocks_needed, usable_blocks, to_deadline_ms, deadline_ms, block_size):
-    """Score of one request under policy ``pid``."""
+                 blocks_needed, usable_blocks, to_deadline_ms, deadline_ms, block_size, queue_pos=0.0):
+    """Score of one request under policy ``pid``. ``queue_pos`` = queue_key / key_hi (``weights`` only)."""
     if pid == P_SJF:
         return -s_ms
     if pid == P_EDF:
@@ -73,6 +101,9 @@ def policy_score(pid, theta, prefix_ratio, s_ms, d_left, slack_ms, t1_ms, first_
         z = Z_CLIP
     elif z < -Z_CLIP:
         z = -Z_CLIP
+    if pid == P_LINEAR:
+        return linear_score(theta, prefix_ratio, s_ms, z, first_token_out, blocks_needed, usable_blocks,
+                            to_deadline_ms, slack_ms, queue_pos)
     return index_log_score(theta, prefix_ratio, s_ms, d_left, z, first_token_out, kv, blocks_needed,
                            usable_blocks, to_deadline_ms, block_size)
 

@@ -16,7 +16,7 @@ from ..traces.trace import Trace
 from . import kernel as K
 from .outcomes import request_metrics
 from .profiles import Profile, load_profile
-from .scoring import N_INDEX_PARAMS, P_EXTERNAL
+from .scoring import N_THETA, P_EXTERNAL
 from .state import NEVER, EngineConfig, build_arrays, make_cfg, make_fcfg
 
 BUILTIN_MODES = {"fcfs": K.MODE_FCFS, "priority": K.MODE_PRIORITY}
@@ -136,7 +136,7 @@ class EngineRun:
                             stream_records=iteration_sink is not None)
         self.fcfg = make_fcfg(self.profile)
         C, R = A.arrival.shape
-        self.theta = np.zeros((C, N_INDEX_PARAMS))
+        self.theta = np.zeros((C, N_THETA))
         self.shed_margin = np.full(C, -1.0)
         self.set_policy_params(self.policy.theta, self.policy.shed_margin)
         mrl = np.ones(1) if residual_life is None else np.ascontiguousarray(residual_life, np.float64)
@@ -155,7 +155,7 @@ class EngineRun:
         """Per-copy policy parameters ([NP] or [C, NP]; shed margin scalar or [C], None/inf/<0 = off)."""
         C = self.n_copies
         if theta is not None:
-            self.theta[:] = _per_copy(theta, C, "policy theta", N_INDEX_PARAMS)
+            self.theta[:] = _per_copy(theta, C, "policy theta", N_THETA)
         if shed_margin is not None or theta is None:
             m = _per_copy(-1.0 if shed_margin is None else shed_margin, C, "shed_margin")
             self.shed_margin[:] = np.where(np.isfinite(m), m, -1.0)

@@ -238,7 +238,7 @@ class _TokenBatchMixin:
                            shed_margin=self.tokenbatch.shed_margin, t_ref_ms=self.tokenbatch.t_ref_ms)
         self._tb_pid = _PIDS[self.tokenbatch.policy]
         self._tb_theta = (np.ascontiguousarray(ep.theta, np.float64) if ep.theta is not None
-                          else np.zeros(_s.N_INDEX_PARAMS))
+                          else np.zeros(_s.N_THETA))
         pool = self.kv_cache_manager.block_pool
         self._tb_usable = float(pool.num_gpu_blocks - 1)   # block 0 is the null block
         self._tb_info: dict[str, _ReqInfo] = {}
