@@ -440,6 +440,48 @@ _KERNEL_KNOWN = ("cfg", "fcfg", "theta", "shed_margin", "mrl", "nan_score", "tie
 
 
 
+# ------------------------------------------------------------------ shared with the evaluator
+def obs_constants(profile, engine_config, t_ref_ms: float, lambda_sat: float, shed_on: bool):
+    """(icfg, fcfg, ps) of ``_observe``: the observation's engine constants."""
+    ps = np.ascontiguousarray(np.asarray(profile.cost.ps[:4], np.int64))
+    icfg = np.array([profile.block_size, profile.max_num_batched_tokens, profile.usable_blocks,
+                     profile.max_num_seqs, int(engine_config.prefix_caching), int(shed_on)], np.int64)
+    u_p, u_d = profile.cost.per_token_ms(profile.max_num_batched_tokens)
+    return icfg, np.array([u_p, u_d, t_ref_ms, lambda_sat, RATE_WINDOW_S * 1e9]), ps
+
+
+def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: Optional[float]):
+    """[n, A] actions in [-1, 1] -> (theta [n, N_THETA], shed margin [n]); a = 0 gives theta*.
+    ``index``: per-parameter residuals (see ``TokenBatchEnv``); ``weights``: w = w* + a (only the
+    direction w/|w| matters to the score). Margin -1 = shedding off."""
+    from .policies import INDEX_RANGES, SHED_RANGE
+    a = np.asarray(a, np.float64)
+    theta = np.tile(theta_star, (a.shape[0], 1))
+    if mode == "weights":
+        theta[:, :S.N_WEIGHTS] += a[:, :S.N_WEIGHTS]
+    else:
+        for j, name in enumerate(ACTION_NAMES[:-1]):
+            lo, hi, scale = INDEX_RANGES[name]
+            col, x, base = _THETA_COL[name], a[:, j], theta_star[_THETA_COL[name]]
+            if scale == "log":
+                v = base * np.exp(x * math.log(hi / lo))
+            elif scale == "log1p":
+                v = np.expm1(np.log1p(base) + x * math.log1p(hi))
+            else:
+                v = base + x * (hi - lo)
+            theta[:, col] = np.where(x == 0.0, base, np.clip(v, lo, hi))
+    x = a[:, -1]
+    if base_margin is None:
+        return theta, np.full(x.shape[0], -1.0)
+    lo, hi = SHED_RANGE
+    return theta, np.where(x == 0.0, base_margin, np.clip(base_margin + x * (hi - lo), lo, hi))
+
+
+def observe(mask, obs, need, t0, k, run, icfg, fcfg, ps) -> None:
+    """Observation rows (and decision-needed flags) of the ``mask`` copies of an ``EngineRun``."""
+    _observe(mask, k, t0, run.mrl, icfg, ps, fcfg, obs, need, tuple(run.arrays))
+
+
 # ------------------------------------------------------------------ the batched core
 _GROW_FILL = {"hash_head": -1, "chain_val": 0}
 #: prepared workloads (suite traces, lambda_sat, residual life, estimates), shared read-only by every
@@ -478,7 +520,7 @@ class _Core:
         from .engine.simulate import EngineRun
         from .engine.state import EngineConfig, build_arrays
         from .evaluate import BenchConfig, load_params_file, load_weights, prepare_workload
-        from .policies import INDEX_RANGES, IndexParams, LinearWeights
+        from .policies import IndexParams, LinearWeights
 
         if not _is_int(num_envs) or num_envs < 1:
             raise ConfigError(f"num_envs: must be an integer >= 1, got {num_envs!r}")
@@ -527,7 +569,6 @@ class _Core:
             params, margin = IndexParams(), cfg.shed_margin
         self.base_params, self.base_margin, self.base_weights = params, margin, weights
         self.theta_star = (params if cfg.action_mode == "index" else weights).theta_vector(wl.t_ref_ms)
-        self.ranges = [INDEX_RANGES[n] for n in ACTION_NAMES[:-1]]
         self.action_names = cfg.action_names
         # engine
         self._build_arrays = build_arrays
@@ -545,14 +586,10 @@ class _Core:
         self.k = cfg.k
         self.obs_dim = N_ENGINE + 2 * NQ + 2 + cfg.k * (F + 1)
         ps = profile.cost.ps
-        self.ps = np.ascontiguousarray(np.asarray(ps[:4], np.int64))
         # the shortest iteration that can emit a token: one decode, or a 1-token (re)compute chunk
         self.t_min_ns = int((int(ps[0]) + min(int(ps[4]), int(ps[1]) + int(ps[2])) + 999) // 1000)
-        self.icfg = np.array([profile.block_size, profile.max_num_batched_tokens, profile.usable_blocks,
-                              profile.max_num_seqs, int(self.engine_config.prefix_caching),
-                              int(margin is not None)], np.int64)
-        u_p, u_d = profile.cost.per_token_ms(profile.max_num_batched_tokens)
-        self.fcfg = np.array([u_p, u_d, wl.t_ref_ms, wl.lambda_sat, RATE_WINDOW_S * 1e9])
+        self.icfg, self.fcfg, self.ps = obs_constants(profile, self.engine_config, wl.t_ref_ms, wl.lambda_sat,
+                                                      margin is not None)
         self.dt_ns = max(1, int(round(cfg.decision_interval_ms * 1e6)))
         R = cfg.n_req
         self.s0, self.s1 = cfg.warmup, cfg.warmup + cfg.window
@@ -586,31 +623,7 @@ class _Core:
         return len(self.action_names)
 
     def map_actions(self, a: np.ndarray):
-        """[n, A] actions in [-1, 1] -> (theta [n, N_THETA], shed margin [n]); a = 0 gives theta*.
-        ``weights`` mode: w = w* + a (only the direction w/|w| matters to the score)."""
-        ts = self.theta_star
-        theta = np.tile(ts, (a.shape[0], 1))
-        if self.config.action_mode == "weights":
-            theta[:, :S.N_WEIGHTS] += a[:, :S.N_WEIGHTS]
-            return theta, self._map_margin(a[:, -1])
-        for j, (name, (lo, hi, scale)) in enumerate(zip(ACTION_NAMES, self.ranges)):
-            col, x, base = _THETA_COL[name], a[:, j], ts[_THETA_COL[name]]
-            if scale == "log":
-                v = base * np.exp(x * math.log(hi / lo))
-            elif scale == "log1p":
-                v = np.expm1(np.log1p(base) + x * math.log1p(hi))
-            else:
-                v = base + x * (hi - lo)
-            theta[:, col] = np.where(x == 0.0, base, np.clip(v, lo, hi))
-        return theta, self._map_margin(a[:, -1])
-
-    def _map_margin(self, x: np.ndarray) -> np.ndarray:
-        """The shed-margin action dimension: base + x * span, clipped; -1 (off) without a base."""
-        if self.base_margin is None:
-            return np.full(x.shape[0], -1.0)
-        from .policies import SHED_RANGE
-        lo, hi = SHED_RANGE
-        return np.where(x == 0.0, self.base_margin, np.clip(self.base_margin + x * (hi - lo), lo, hi))
+        return map_actions(a, self.config.action_mode, self.theta_star, self.base_margin)
 
     # -------------------------------------------------------------- episodes
     def seed_copies(self, rows: Sequence[int], seeds: Sequence[Optional[int]]) -> None:
@@ -656,8 +669,7 @@ class _Core:
         self.observe(mask)
 
     def observe(self, mask: np.ndarray) -> None:
-        _observe(mask, self.k, self.t0, self.run.mrl, self.icfg, self.ps, self.fcfg, self.obs, self.need,
-                 tuple(self.run.arrays))
+        observe(mask, self.obs, self.need, self.t0, self.k, self.run, self.icfg, self.fcfg, self.ps)
 
     def step(self, live: np.ndarray, theta: np.ndarray, margin: np.ndarray):
         """Apply the (held) parameters of the ``live`` copies and advance each to its next decision

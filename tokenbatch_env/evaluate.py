@@ -102,6 +102,8 @@ class BenchConfig:
     upper_bound: bool = True
     progress: bool = False
     threads: int = 1                            # rows simulated concurrently (results identical)
+    schedule: object = None                     # IndexSchedule: adds the "index-scheduled" row
+    controllers: tuple = ()                     # control.ControlSpec rows (trained agents)
 
     def __post_init__(self):
         from .engine.state import EngineConfig
@@ -141,6 +143,18 @@ class BenchConfig:
                 raise PolicyError(f"shed margin for unknown policy {p!r}; valid: {', '.join(BASELINES)}")
             check_shed_margin(m)
         set_("shed_margins", tuple(sorted(sm.items())))
+        from .control import ControlSpec
+        from .policies import IndexSchedule
+        if self.schedule is not None and not isinstance(self.schedule, IndexSchedule):
+            raise ConfigError("schedule must be a policies.IndexSchedule")
+        ctl = tuple(self.controllers)
+        if any(not isinstance(c, ControlSpec) for c in ctl):
+            raise ConfigError("controllers must be control.ControlSpec objects")
+        labels = [c.label for c in ctl] + (["index-scheduled"] if self.schedule is not None else [])
+        if len(set(labels)) != len(labels) or set(labels) & set(BASELINES) or \
+                any(lab.endswith(SHED_SUFFIX) for lab in labels):
+            raise ConfigError(f"controllers: labels must be unique and differ from the policy rows, got {labels}")
+        set_("controllers", ctl)
         if self.max_traces is not None and (isinstance(self.max_traces, bool)
                                             or not isinstance(self.max_traces, int) or self.max_traces < 1):
             raise ConfigError(f"max_traces: must be an integer >= 1, got {self.max_traces!r}")
@@ -285,7 +299,21 @@ def build_rows(cfg: BenchConfig) -> list:
     add("edf", True, True)
     if _is_primary_suite(cfg):
         add("index", True, True)
+    for spec in control_specs(cfg):
+        rows.append(Row(spec.label, CONTROLLED, None))
     return rows
+
+
+#: ``Row.policy`` of a controller row (``index-scheduled``, trained agents)
+CONTROLLED = "controlled"
+#: what a controller row is also compared with, pairwise (DESIGN.md section 8), when present
+CONTROL_COMPARATORS = ("index+shed", "index-scheduled", "weights+shed")
+
+
+def control_specs(cfg: BenchConfig) -> list:
+    """The controller rows of ``cfg`` (index-scheduled first, then the agents)."""
+    from .control import schedule_spec
+    return ([schedule_spec(cfg.schedule)] if cfg.schedule is not None else []) + list(cfg.controllers)
 
 
 def _is_primary_suite(cfg: BenchConfig) -> bool:
@@ -541,6 +569,11 @@ def _paired(a, b, cfg: BenchConfig, block) -> dict:
 def _run_row(row: Row, wl: Workload, traces: list, est: list, profile, cfg: BenchConfig):
     from .engine.simulate import simulate
     from .policies import engine_policy
+    if row.policy == CONTROLLED:
+        from .control import run_controlled
+        spec = next(s for s in control_specs(cfg) if s.label == row.label)
+        return run_controlled(traces, profile, cfg.engine, spec, estimates=est, residual_life=wl.residual_life,
+                              t_ref_ms=wl.t_ref_ms, lambda_sat=wl.lambda_sat)
     pol = engine_policy(row.policy, params=cfg.index_params if row.policy == "index" else None,
                         weights=cfg.weights, shed_margin=row.shed_margin, t_ref_ms=wl.t_ref_ms)
     return simulate(traces, profile, pol, cfg.engine, estimates=est, residual_life=wl.residual_life)
@@ -553,14 +586,42 @@ def evaluate_index_params(traces: Sequence, profile, params_list: Sequence, *, s
     simulate call (copy ``j*T + i`` = parameter set j on trace i, with its own theta row and
     shed margin). ``shed_margins``: None (no shedding), one value for all, or k values (None/inf =
     off). ``estimates``: one array per trace (reused for every parameter set: common random
-    numbers). ``scored``: optional bool mask per trace (windows)."""
-    from .policies import IndexParams, check_shed_margin, engine_policy
+    numbers). ``scored``: optional bool mask per trace (windows). The index's case of
+    ``evaluate_param_vectors``."""
+    from .policies import IndexParams
 
-    traces = list(traces)
-    k, T = len(params_list), len(traces)
-    if k == 0 or T == 0:
+    if len(params_list) == 0 or len(traces) == 0:
         raise ConfigError("evaluate_index_params needs at least one parameter set and one trace")
     params = [p if isinstance(p, IndexParams) else IndexParams.from_dict(p) for p in params_list]
+    return evaluate_param_vectors(traces, profile, "index", np.stack([p.theta_vector(t_ref_ms) for p in params]),
+                                  shed_margins=shed_margins, estimates=estimates, residual_life=residual_life,
+                                  t_ref_ms=t_ref_ms, config=config, scored=scored)
+
+
+def evaluate_param_vectors(traces: Sequence, profile, policy: str, thetas=None, *, shed_margins=None,
+                           estimates: Optional[Sequence[np.ndarray]] = None, residual_life=None,
+                           t_ref_ms: float = 1000.0, config=None, scored=None) -> np.ndarray:
+    """Goodput matrix [k, T] of k parameter sets of the in-engine ``policy`` on T traces, as k*T
+    copies of ONE simulate call (copy ``j*T + i`` = set j on trace i, with its own theta row and
+    shed margin). ``thetas``: [k, N_THETA] engine parameter vectors (``IndexParams.theta_vector``,
+    ``LinearWeights.theta_vector``), or None for a policy without parameters (then k = the number
+    of ``shed_margins``). ``shed_margins``, ``estimates``, ``scored``: as in
+    ``evaluate_index_params``."""
+    from .policies import check_shed_margin, engine_policy
+
+    traces = list(traces)
+    T = len(traces)
+    if thetas is not None:
+        thetas = np.asarray(thetas, np.float64)
+        if thetas.ndim != 2:
+            raise ConfigError(f"thetas: expected a [k, N_THETA] array, got shape {thetas.shape}")
+        k = len(thetas)
+    elif shed_margins is None or np.ndim(shed_margins) == 0:
+        raise ConfigError(f"evaluate_param_vectors({policy!r}): give theta vectors or k shed margins")
+    else:
+        k = len(shed_margins)
+    if k == 0 or T == 0:
+        raise ConfigError("evaluate_param_vectors needs at least one parameter set and one trace")
     if shed_margins is None or np.ndim(shed_margins) == 0:
         margins = [shed_margins] * k
     else:
@@ -568,10 +629,14 @@ def evaluate_index_params(traces: Sequence, profile, params_list: Sequence, *, s
         if len(margins) != k:
             raise ConfigError(f"shed_margins: expected {k} values, got {len(margins)}")
     margins = [check_shed_margin(None if m is None else float(m)) for m in margins]
-    theta = np.repeat(np.stack([p.theta_vector(t_ref_ms) for p in params]), T, axis=0)
+    base = engine_policy(policy, t_ref_ms=t_ref_ms)
+    theta = base.theta
+    if thetas is not None:
+        if base.theta is None or thetas.shape[1] != np.shape(base.theta)[-1]:
+            raise ConfigError(f"policy {policy!r} takes no parameter vector of width {thetas.shape[1]}")
+        theta = np.repeat(thetas, T, axis=0)
     shed = np.repeat(np.array([np.inf if m is None else m for m in margins], np.float64), T)
-    base = engine_policy("index", t_ref_ms=t_ref_ms)
-    pol = dataclasses.replace(base, name="index[k]", theta=theta, shed_margin=shed)
+    pol = dataclasses.replace(base, name=f"{policy}[k]", theta=theta, shed_margin=shed)
     return goodput_matrix(traces, k, profile, pol, config=config, estimates=estimates,
                           residual_life=residual_life, scored=scored)
 
@@ -629,6 +694,12 @@ def evidence_inputs(cfg: BenchConfig, wl: Workload, profile, rows: list) -> dict
             d["t_ref_ms"] = wl.t_ref_ms
         if r.policy == "weights":
             d["weights"] = cfg.weights.to_dict()["w"]
+            d["t_ref_ms"] = wl.t_ref_ms
+        if r.policy == CONTROLLED:
+            spec = next(s for s in control_specs(cfg) if s.label == r.label)
+            d["controller"] = {"action_mode": spec.action_mode, "k": spec.k,
+                               "decision_interval_ms": spec.decision_interval_ms,
+                               "base_margin": _num_or_str(spec.base_margin), **dict(spec.evidence)}
             d["t_ref_ms"] = wl.t_ref_ms
         pol.append(d)
     return {
@@ -846,7 +917,8 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                  "shed_margin": _num_or_str(r.shed_margin), "reference": r.reference,
                  "goodput": _ci(g, cfg, block),
                  "relative_goodput": (float(g.mean()) / g_fcfs - 1) if g_fcfs > 0 else None}
-            d["vs"] = {b: _paired(g, unit_good[b][li], cfg, block) for b in BASELINE_ROWS if b != r.label}
+            vs = BASELINE_ROWS + (CONTROL_COMPARATORS if r.policy == CONTROLLED else ())
+            d["vs"] = {b: _paired(g, unit_good[b][li], cfg, block) for b in vs if b != r.label and b in unit_good}
             if ub_mean is not None:
                 d["gap_closed"] = ((float(g.mean()) - g_fcfs) / (ub_mean - g_fcfs)
                                    if ub_mean - g_fcfs >= 0.02 else None)

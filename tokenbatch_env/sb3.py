@@ -19,9 +19,16 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["make_sb3_vec_env", "sb3_vec_env_class"]
+__all__ = ["make_sb3_vec_env", "sb3_vec_env_class", "request_set_extractor_class", "load_agent"]
 
 _CLASS = None
+_EXTRACTOR = None
+
+
+def __getattr__(name):  # the lazily built classes, importable by name (so saved models unpickle)
+    if name == "RequestSetExtractor":
+        return request_set_extractor_class()
+    raise AttributeError(name)
 
 
 def _unbatch(infos: dict, c: int) -> dict:
@@ -138,3 +145,77 @@ def make_sb3_vec_env(num_envs: int = 1, **config):
         raise ConfigError(f"autoreset_mode: the SB3 adapter needs SAME_STEP, got {am!r}")
     venv = TokenBatchVectorEnv(num_envs, autoreset_mode=AutoresetMode.SAME_STEP, **config)
     return sb3_vec_env_class()(venv)
+
+
+def request_set_extractor_class():
+    """``RequestSetExtractor``: a set-structured SB3 features extractor for TokenBatch-v0
+    observations. One encoder (shared weights) embeds each of the K observed waiting requests; a
+    masked mean and a masked max pool them (order- and padding-invariant); the pooled vectors and
+    the engine + queue summary go through an MLP. ``features_extractor_kwargs``: ``k`` (the env's
+    K), ``embed`` (per-request width, 32), ``features_dim`` (128)."""
+    global _EXTRACTOR
+    if _EXTRACTOR is not None:
+        return _EXTRACTOR
+    import torch
+    from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
+    from torch import nn
+
+    from .envs import F, N_ENGINE, NQ
+
+    class RequestSetExtractor(BaseFeaturesExtractor):
+        def __init__(self, observation_space, k: int = 8, embed: int = 32, features_dim: int = 128):
+            super().__init__(observation_space, features_dim)
+            self.k, self.g = int(k), N_ENGINE + 2 * NQ + 2
+            if observation_space.shape[0] != self.g + self.k * (F + 1):
+                raise ValueError(f"RequestSetExtractor(k={k}) does not fit observations of size "
+                                 f"{observation_space.shape[0]} (expected {self.g + self.k * (F + 1)})")
+            self.encoder = nn.Sequential(nn.Linear(F, embed), nn.Tanh(), nn.Linear(embed, embed), nn.Tanh())
+            self.head = nn.Sequential(nn.Linear(self.g + 2 * embed, features_dim), nn.Tanh())
+
+        def forward(self, obs):
+            g, k = self.g, self.k
+            glob = obs[:, :g]
+            req = obs[:, g:g + k * F].reshape(-1, k, F)
+            valid = (obs[:, g + k * F:g + k * (F + 1)] > 0.5).unsqueeze(-1)
+            e = self.encoder(req)
+            n = valid.sum(dim=1).clamp(min=1)
+            mean = (e * valid).sum(dim=1) / n
+            mx = torch.where(valid, e, torch.full_like(e, -1.0)).max(dim=1).values   # tanh >= -1
+            return self.head(torch.cat([glob, mean, mx], dim=1))
+
+    RequestSetExtractor.__module__ = __name__
+    RequestSetExtractor.__qualname__ = "RequestSetExtractor"
+    _EXTRACTOR = RequestSetExtractor
+    return _EXTRACTOR
+
+
+def load_agent(model_path: str, vecnormalize_path: Optional[str] = None, observation_space=None,
+               action_space=None):
+    """A saved PPO agent as ``predict(obs [n, D]) -> actions [n, A]`` (deterministic: the mean
+    action), applying the saved observation normalisation (VecNormalize statistics) if given.
+    One torch thread (several thrash on small machines)."""
+    import pickle
+
+    import torch
+    from stable_baselines3 import PPO
+
+    torch.set_num_threads(1)
+    request_set_extractor_class()
+    custom = {}
+    if observation_space is not None:
+        custom = {"observation_space": observation_space, "action_space": action_space}
+    model = PPO.load(model_path, device="cpu", custom_objects=custom)
+    norm = None
+    if vecnormalize_path is not None:
+        with open(vecnormalize_path, "rb") as f:
+            norm = pickle.load(f)
+        norm.training = False
+
+    def predict(obs):
+        x = np.asarray(obs, np.float32)
+        if norm is not None:
+            x = norm.normalize_obs(x)
+        actions, _ = model.predict(x, deterministic=True)
+        return np.asarray(actions, np.float64)
+
+    return predict

@@ -1,0 +1,136 @@
+"""PPO agents (agents/): a tiny training run end to end, save/load with normalisation statistics,
+evaluation through the evaluator, determinism, and the set-structured features extractor."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("stable_baselines3")
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "agents"))
+import evaluate_agent  # noqa: E402
+import train_ppo  # noqa: E402
+
+TINY = ["--n-envs", "8", "--timesteps", "512", "--n-steps", "32", "--batch-size", "128", "--n-epochs", "2",
+        "--eval-every", "256", "--eval-traces", "2", "--window", "32", "--warmup", "8", "--cooldown", "8",
+        "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ppo")
+    assert train_ppo.main(TINY + ["--out", str(out)]) == 0
+    return out
+
+
+def test_tiny_training_writes_models_config_and_metrics(trained):
+    for d in ("best", "final"):
+        assert {"model.zip", "vecnormalize.pkl", "config.json"} <= {p.name for p in (trained / d).iterdir()}
+    cfg = json.loads((trained / "final" / "config.json").read_text())
+    assert cfg["train"]["timesteps"] == 512 and cfg["env"]["window"] == 32
+    m = json.loads((trained / "train_metrics.json").read_text())
+    v = m["validation"]
+    assert m["timesteps"] >= 512 and len(v["curve"]) >= 2
+    assert 0 <= v["best_agent"] <= 1 and 0 <= v["edf+shed"] <= 1
+    assert v["best_agent"] == max(c["val_goodput"] for c in v["curve"])
+    assert list((trained / "tb").iterdir())   # TensorBoard event files
+
+
+def test_save_load_round_trip_keeps_normalisation(trained):
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from tokenbatch_env.sb3 import load_agent, make_sb3_vec_env
+    d = trained / "final"
+    predict = load_agent(str(d / "model.zip"), str(d / "vecnormalize.pkl"))
+    venv = VecNormalize.load(str(d / "vecnormalize.pkl"), make_sb3_vec_env(2, window=32, warmup=8, cooldown=8))
+    assert venv.obs_rms.count > 8          # statistics were saved, not a fresh normaliser
+    model = PPO.load(str(d / "model.zip"), device="cpu")
+    obs = np.random.default_rng(0).uniform(-1, 1, (5, venv.observation_space.shape[0])).astype(np.float32)
+    venv.training = False
+    want = model.predict(venv.normalize_obs(obs), deterministic=True)[0]
+    assert np.allclose(predict(obs), want)
+    raw = model.predict(obs, deterministic=True)[0]
+    assert not np.allclose(raw, want)      # the normalisation matters, so the check can fail
+
+
+def test_evaluate_agent_through_the_evaluator_is_deterministic(trained, tmp_path):
+    args = ["--model", str(trained / "best"), "--max-traces", "2", "--loads", "1.2", "--bootstrap-b", "200",
+            "--no-progress"]
+    assert evaluate_agent.main(args + ["--out", str(tmp_path / "a")]) == 0
+    assert evaluate_agent.main(args + ["--out", str(tmp_path / "b")]) == 0
+    a = (tmp_path / "a" / "report.json").read_bytes()
+    assert a == (tmp_path / "b" / "report.json").read_bytes()
+    data = json.loads(a)
+    labels = [r["label"] for r in data["loads"][0]["rows"]]
+    assert "ppo:best" in labels and "index+shed" in labels and "edf+shed" in labels
+    vs = json.loads((tmp_path / "a" / "agent_vs.json").read_text())["rows"]
+    assert {r["vs"] for r in vs} >= {"edf+shed", "index+shed"}
+    assert (tmp_path / "a" / "agent_vs.md").read_text().startswith("# Agent vs comparators")
+
+
+def test_evaluate_agent_bad_model_is_a_clear_error(tmp_path, capsys):
+    assert evaluate_agent.main(["--model", str(tmp_path)]) == 2
+    assert "no model file" in capsys.readouterr().err
+
+
+def test_train_bad_config_is_a_clear_error(capsys):
+    assert train_ppo.main(["--policy", "transformer"]) == 2
+    assert "policy" in capsys.readouterr().err
+
+
+def test_set_extractor_is_permutation_and_padding_invariant():
+    from tokenbatch_env.envs import F, N_ENGINE, NQ, TokenBatchVectorEnv
+    from tokenbatch_env.sb3 import request_set_extractor_class
+
+    env = TokenBatchVectorEnv(1, window=32, warmup=8, cooldown=8, k=4)
+    ext = request_set_extractor_class()(env.single_observation_space, k=4)
+    g = N_ENGINE + 2 * NQ + 2
+    rng = np.random.default_rng(1)
+    obs = rng.uniform(-1, 1, (1, g + 4 * (F + 1))).astype(np.float32)
+    obs[0, g + 4 * F:] = [1, 1, 1, 0]       # three valid requests, one padding slot
+    perm = obs.copy()
+    req = obs[0, g:g + 4 * F].reshape(4, F)
+    perm[0, g:g + 4 * F] = req[[2, 0, 1, 3]].ravel()
+    pad = obs.copy()
+    pad[0, g + 3 * F:g + 4 * F] = 9.0      # garbage in the invalid slot
+    with torch.no_grad():
+        a, b, c = (ext(torch.as_tensor(x)) for x in (obs, perm, pad))
+        assert torch.allclose(a, b, atol=1e-6) and torch.allclose(a, c, atol=1e-6)
+        other = obs.copy()
+        other[0, g] += 1.0                  # a valid request's feature does matter
+        assert not torch.allclose(a, ext(torch.as_tensor(other)))
+    with pytest.raises(ValueError, match="does not fit"):
+        request_set_extractor_class()(env.single_observation_space, k=5)
+
+
+@pytest.mark.parametrize("extra", [["--policy", "set"], ["--action-mode", "weights"]])
+def test_set_policy_and_weights_mode_train(tmp_path, extra):
+    out = tmp_path / "run"
+    assert train_ppo.main(TINY + ["--timesteps", "256", "--eval-every", "0", "--out", str(out)] + extra) == 0
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    assert cfg["train"]["policy"] == ("set" if "set" in extra else "mlp")
+    from tokenbatch_env.control import agent_spec
+    spec = agent_spec(str(out / "final"))
+    assert spec.action_mode == cfg["env"]["action_mode"]
+    ctrl = spec.make(1000.0)
+    from tokenbatch_env.envs import TokenBatchVectorEnv
+    env = TokenBatchVectorEnv(3, **{k: v for k, v in cfg["env"].items() if k not in ("rho",)})
+    obs, _ = env.reset(seed=0)
+    theta, margin = ctrl(obs)
+    assert theta.shape == (3, 9) and np.isfinite(theta).all() and margin.shape == (3,)
+
+
+def test_scripts_run_from_the_command_line(trained):
+    out = subprocess.run([sys.executable, str(ROOT / "agents" / "train_ppo.py"), "--help"], capture_output=True,
+                         text=True, check=True)
+    assert "--action-mode" in out.stdout and "--base-params" in out.stdout
+    out = subprocess.run([sys.executable, str(ROOT / "agents" / "evaluate_agent.py"), "--help"],
+                         capture_output=True, text=True, check=True)
+    assert "--model" in out.stdout
