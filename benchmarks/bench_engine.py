@@ -9,7 +9,8 @@ Prints, see benchmarks/README.md for the definitions:
       traces cycled to N copies and each scaled to rho = 1.2 (rate 1.2 * lambda_sat);
   (b) the Azure LLM 2023 conversation trace replayed under FCFS on ``llama3-8b-h100``: wall time and
       iteration count;
-  (c) memory per copy (sum of the EngineArrays' nbytes / copies) for (a) and (b);
+  (c) memory per copy (sum of the EngineArrays' nbytes / copies) for (a) and (b), and per request:
+      average (per copy / requests) and, for (b), marginal (whole trace vs its first half);
   (d) compile time from a cold numba cache (a subprocess with NUMBA_CACHE_DIR set to a temp dir).
 """
 
@@ -45,6 +46,13 @@ def _mem_per_copy(arrays) -> float:
     return sum(a.nbytes for a in arrays) / arrays.now.shape[0]
 
 
+def _state_bytes(trace, profile: str) -> int:
+    """Engine state of one copy, built but not run (the arrays never grow while running)."""
+    from tokenbatch_env.engine.simulate import EngineRun
+
+    return sum(a.nbytes for a in EngineRun(trace, profile).arrays)
+
+
 def bench_copies(copies: int, rho: float = 1.2, profile: str = "stress-512", n_sat: int = 4) -> dict:
     from tokenbatch_env.engine.saturation import measure_lambda_sat
     from tokenbatch_env.engine.simulate import simulate
@@ -74,8 +82,11 @@ def bench_azure(path: Path = AZURE_CONV, profile: str = "llama3-8b-h100", repeat
         t0 = time.perf_counter()
         res = simulate(trace, profile, "fcfs")
         best = min(best, time.perf_counter() - t0)
-    return dict(requests=len(trace), wall_s=best, iterations=int(res.arrays.it.sum()),
-                mem_per_copy=_mem_per_copy(res.arrays))
+    n, half = len(trace), len(trace) // 2
+    marginal = (_state_bytes(trace, profile) - _state_bytes(trace.subset(slice(0, half)), profile)) / (n - half)
+    return dict(requests=n, wall_s=best, iterations=int(res.arrays.it.sum()),
+                mem_per_copy=_mem_per_copy(res.arrays), bytes_per_request=_mem_per_copy(res.arrays) / n,
+                marginal_bytes_per_request=marginal)
 
 
 def cold_compile_seconds() -> float:
@@ -107,14 +118,17 @@ def main(argv=None) -> int:
     print(f"    wall {a['wall_s']:.2f} s, {a['iterations']:,} iterations (sum over copies)")
     print(f"    engine steps/s:          {a['steps_per_s']:,.0f}")
     print(f"    simulated iterations/s:  {a['sim_iter_per_s']:,.0f}")
-    print(f"(c) memory per copy:         {a['mem_per_copy'] / 1024:,.1f} KiB")
+    print(f"(c) memory per copy:         {a['mem_per_copy'] / 1024:,.1f} KiB "
+          f"({a['mem_per_copy'] * a['copies'] / a['requests']:,.0f} bytes/request)")
     if not args.no_azure:
         if AZURE_CONV.exists():
             b = bench_azure(repeats=1 if args.quick else 2)
             print(f"(b) Azure conv ({b['requests']:,} requests), FCFS, llama3-8b-h100: "
                   f"{b['wall_s']:.2f} s, {b['iterations']:,} iterations "
                   f"({b['wall_s'] / b['iterations'] * 1e6:.2f} us/iteration)")
-            print(f"(c) memory per copy:         {b['mem_per_copy'] / 2**20:,.1f} MiB")
+            print(f"(c) memory per copy:         {b['mem_per_copy'] / 2**20:,.1f} MiB "
+                  f"({b['bytes_per_request']:,.0f} bytes/request on average, "
+                  f"{b['marginal_bytes_per_request']:,.0f} marginal)")
         else:
             print(f"(b) skipped: {AZURE_CONV} not found")
     if not args.quick:

@@ -65,19 +65,7 @@ class SimResult:
 
     def records(self, copy: int = 0) -> dict:
         """One copy's request records as columns (DESIGN.md section 3, "Outcomes")."""
-        A, n, t = self.arrays, len(self.traces[copy]), self.traces[copy]
-        col = lambda a: np.asarray(a[copy, :n]).copy()  # noqa: E731
-        rec = {
-            "request": np.arange(n), "arrival_ns": col(A.arrival), "prompt_tokens": col(A.prompt),
-            "output_tokens": col(A.out_len), "first_scheduled_ns": col(A.first_sched),
-            "first_token_ns": col(A.first_token), "first_token_iteration": col(A.first_token_it),
-            "finish_ns": col(A.finish), "finish_iteration": col(A.finish_it),
-            "preemptions": col(A.n_preempt), "recomputed_tokens": col(A.recomputed),
-            "swapped_blocks": col(A.swapped),
-            "end_state": col(A.end_state).astype(np.int64),
-        }
-        rec.update(request_metrics(rec, t))
-        return rec
+        return record_columns(self.arrays, self.traces[copy], copy, 0, len(self.traces[copy]))
 
     def iterations(self, copy: int = 0) -> dict:
         m = int(self.arrays.n_iter_rec[copy]) if self.config.record_iterations else 0
@@ -87,6 +75,32 @@ class SimResult:
     @property
     def truncated(self) -> np.ndarray:
         return self.arrays.n_ended < self.arrays.n_req
+
+
+class _TraceRows:
+    """The SLO columns of rows [lo, hi) of a trace, all that ``request_metrics`` reads."""
+
+    def __init__(self, trace: Trace, lo: int, hi: int):
+        self.has_slos = trace.has_slos
+        self.ttft_slo_ns = trace.ttft_slo_ns[lo:hi] if trace.has_slos else None
+        self.tpot_slo_ns = trace.tpot_slo_ns[lo:hi] if trace.has_slos else None
+
+
+def record_columns(A: K.EngineArrays, trace: Trace, copy: int, lo: int, hi: int) -> dict:
+    """Request records of rows [lo, hi) of one copy: the one implementation behind
+    ``SimResult.records`` and the streaming ``record_sink``."""
+    col = lambda a: np.asarray(a[copy, lo:hi]).copy()  # noqa: E731
+    rec = {
+        "request": np.arange(lo, hi), "arrival_ns": col(A.arrival), "prompt_tokens": col(A.prompt),
+        "output_tokens": col(A.out_len), "first_scheduled_ns": col(A.first_sched),
+        "first_token_ns": col(A.first_token), "first_token_iteration": col(A.first_token_it),
+        "finish_ns": col(A.finish), "finish_iteration": col(A.finish_it),
+        "preemptions": col(A.n_preempt), "recomputed_tokens": col(A.recomputed),
+        "swapped_blocks": col(A.swapped),
+        "end_state": col(A.end_state).astype(np.int64),
+    }
+    rec.update(request_metrics(rec, _TraceRows(trace, lo, hi)))
+    return rec
 
 
 def _resolve_policy(policy) -> tuple[EnginePolicy, Optional[Scorer]]:
@@ -119,9 +133,13 @@ class EngineRun:
                  policy: Union[str, EnginePolicy, Scorer] = "fcfs", config: Optional[EngineConfig] = None,
                  *, estimates: Optional[Sequence[np.ndarray]] = None,
                  residual_life: Optional[np.ndarray] = None,
-                 iteration_sink: Optional[Callable[[int, dict], None]] = None):
+                 iteration_sink: Optional[Callable[[int, dict], None]] = None,
+                 record_sink: Optional[Callable[[int, dict], None]] = None, record_chunk: int = 65_536):
         """``iteration_sink(copy, columns)`` receives per-iteration records in chunks of at most
-        ``config.record_iterations`` rows (streaming: memory stays bounded whatever the length)."""
+        ``config.record_iterations`` rows; ``record_sink(copy, columns)`` receives each copy's final
+        request records in request order, at most ``record_chunk`` rows a call (the columns of
+        ``SimResult.records``), the rest when ``result()`` marks them ``unfinished``: files of any
+        length are written with bounded buffers."""
         if isinstance(traces, Trace):
             traces = [traces]
         self.traces = list(traces)
@@ -132,6 +150,9 @@ class EngineRun:
         if iteration_sink is not None and self.config.record_iterations < 1:
             raise ConfigError("an iteration sink needs record_iterations >= 1 (the buffer size)")
         self.iteration_sink = iteration_sink
+        if record_sink is not None and int(record_chunk) < 1:
+            raise ConfigError(f"record_chunk must be >= 1, got {record_chunk}")
+        self.record_sink, self.record_chunk = record_sink, int(record_chunk)
         self.cfg = make_cfg(self.profile, self.config, self.policy.mode, self.policy.pid,
                             stream_records=iteration_sink is not None)
         self.fcfg = make_fcfg(self.profile)
@@ -146,6 +167,7 @@ class EngineRun:
         self.tier = np.zeros((C, R), np.int8)
         self.score = np.zeros((C, R), np.float64)
         self._no_shed = np.zeros((C, R), np.bool_)
+        self._rec_emitted = np.zeros(C, np.int64)  # per copy: requests [0, n) handed to record_sink
 
     @property
     def n_copies(self) -> int:
@@ -187,6 +209,8 @@ class EngineRun:
                                   score, shed, act, steps, until)
             if self.iteration_sink is not None:
                 self.flush_iterations()
+            if self.record_sink is not None:
+                self.flush_records()
             stuck = act & (A.now == snap[0]) & (A.it == snap[1]) & (A.n_ended == snap[2]) \
                 & (A.n_wait == snap[3]) & (A.n_run == snap[4])
             if stuck.any():  # a safety net: the engine must never spin without progress
@@ -204,6 +228,34 @@ class EngineRun:
             self.iteration_sink(int(c), {name: block[:, i].copy() for i, name in enumerate(K.ITER_COLUMNS)})
             A.n_iter_rec[c] = 0
 
+    def flush_records(self) -> None:
+        """Hand the next final records to the record sink: per copy the contiguous prefix of ended
+        requests, so rows stay in order. Under async scheduling a request that ended in the last
+        iteration can still be preempted (counted) at the next schedule: not final until then."""
+        A, e = self.arrays, self._rec_emitted
+        C, R = A.end_state.shape
+        if R == 0:
+            return
+        open_ = e < A.n_req
+        head = A.end_state[np.arange(C), np.minimum(e, R - 1)]
+        done = self.done
+        for c in np.flatnonzero(open_ & (head != K.E_NONE)):  # cheap test: the next row has ended
+            lo, n = int(e[c]), int(A.n_req[c])
+            hi, w = lo, 1024
+            while hi < n:  # the first open request at or after lo (windows: O(rows handed over))
+                seg = A.end_state[c, hi:min(n, hi + w)] == K.E_NONE
+                if seg.any():
+                    hi += int(seg.argmax())
+                    break
+                hi += seg.size
+                w *= 2
+            if not done[c] and A.n_pend[c] > 0:
+                hi = min(hi, int(A.pend_ids[c, :A.n_pend[c]].min()))
+            for a in range(lo, hi, self.record_chunk):
+                b = min(hi, a + self.record_chunk)
+                self.record_sink(int(c), record_columns(A, self.traces[c], int(c), a, b))
+                e[c] = b
+
     def result(self) -> SimResult:
         """Outcomes so far; requests still open at the iteration cap are marked ``unfinished``."""
         A = self.arrays
@@ -211,6 +263,8 @@ class EngineRun:
         capped = (A.it >= self.config.max_iterations)[:, None]
         unfinished = capped & (A.end_state == K.E_NONE) & (np.arange(R)[None, :] < A.n_req[:, None])
         A.end_state[unfinished] = K.E_UNFINISHED
+        if self.record_sink is not None:
+            self.flush_records()
         return SimResult(self.traces, self.profile, self.config, self.policy.name, A)
 
 
@@ -219,15 +273,18 @@ def simulate(traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile]
              *, estimates: Optional[Sequence[np.ndarray]] = None,
              residual_life: Optional[np.ndarray] = None, progress: bool = False,
              chunk_steps: int = 20_000,
-             iteration_sink: Optional[Callable[[int, dict], None]] = None) -> SimResult:
+             iteration_sink: Optional[Callable[[int, dict], None]] = None,
+             record_sink: Optional[Callable[[int, dict], None]] = None,
+             record_chunk: int = 65_536) -> SimResult:
     """Replay each trace on its own engine copy, all copies stepped together, until every request
     has ended or the iteration cap is hit (unfinished requests are then ``unfinished``).
 
     ``estimates`` (one float array per trace) and ``residual_life`` (a mean-residual-life table,
     see ``tokenbatch_env.predictors``) feed the in-engine scores; requests without an estimate use
-    the table (default: 1 token left)."""
+    the table (default: 1 token left). ``iteration_sink``/``record_sink`` stream records to the
+    caller in bounded chunks (see ``EngineRun``)."""
     run = EngineRun(traces, profile, policy, config, estimates=estimates, residual_life=residual_life,
-                    iteration_sink=iteration_sink)
+                    iteration_sink=iteration_sink, record_sink=record_sink, record_chunk=record_chunk)
     bar = None
     if progress:
         from tqdm.auto import tqdm

@@ -30,12 +30,29 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress", action="store_true", help="show a progress bar")
 
 
-def _write_csv(path: str, cols: dict) -> None:
-    names = list(cols)
-    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(names)
-        w.writerows(zip(*(np.asarray(cols[k]).tolist() for k in names)))
+def _csv_sink(stack: contextlib.ExitStack, path: str, names=None, convert=None):
+    """A sink writing chunks of columns to ``path`` through a temp file renamed when ``stack``
+    closes without an exception (a failed run leaves no partial file). Without ``names`` the
+    header is the first chunk's keys; ``sink.header(names)`` writes it if no chunk came."""
+    tmp = stack.enter_context(atomic_path(path))
+    w = csv.writer(stack.enter_context(open(tmp, "w", newline="")))
+    state = {"names": None}
+
+    def header(cols_names):
+        if state["names"] is None:
+            state["names"] = list(cols_names)
+            w.writerow(state["names"])
+
+    def sink(copy, cols):
+        header(names if names is not None else cols)
+        if convert is not None:
+            cols = convert(cols)
+        w.writerows(zip(*(np.asarray(cols[k]).tolist() for k in state["names"])))
+
+    sink.header = header
+    if names is not None:
+        header(names)
+    return sink
 
 
 def run(args) -> int:
@@ -64,26 +81,22 @@ def run(args) -> int:
     if args.rho is not None:
         lam = measure_lambda_sat(trace, profile, config)
         trace = scale_to_rate(trace, args.rho * lam)
-    with contextlib.ExitStack() as stack:
-        sink = None
-        if args.iterations:
-            tmp = stack.enter_context(atomic_path(args.iterations))
-            f = stack.enter_context(open(tmp, "w", newline=""))
-            w = csv.writer(f)
-            w.writerow(ITER_COLUMNS)
+    def end_state_names(cols):
+        return dict(cols, end_state=np.array([END_STATE_NAMES[i] for i in cols["end_state"]]))
 
-            def sink(copy, cols):
-                w.writerows(zip(*(cols[k].tolist() for k in ITER_COLUMNS)))
-        res = simulate(trace, profile, args.policy, config, progress=args.progress, iteration_sink=sink)
-    rec = res.records(0)
+    # records stream to temp files through bounded buffers, renamed into place only on success
+    with contextlib.ExitStack() as stack:
+        it_sink = _csv_sink(stack, args.iterations, ITER_COLUMNS) if args.iterations else None
+        rec_sink = _csv_sink(stack, args.records, convert=end_state_names) if args.records else None
+        res = simulate(trace, profile, args.policy, config, progress=args.progress,
+                       iteration_sink=it_sink, record_sink=rec_sink)
+        rec = res.records(0)
+        if rec_sink is not None:
+            rec_sink.header(rec)  # an empty trace: the header alone
     s = summarize(rec, trace)
     s.update({"trace": trace.name, "trace_digest": trace.digest, "profile": profile.name,
               "profile_provenance": profile.provenance, "policy": args.policy,
               "lambda_sat_rps": lam, "rho": args.rho})
-    if args.records:
-        rec = dict(rec)
-        rec["end_state"] = np.array([END_STATE_NAMES[i] for i in rec["end_state"]])
-        _write_csv(args.records, rec)
     if args.json:
         print(json.dumps(s, indent=1, default=float))
         return 0
