@@ -288,6 +288,10 @@ def train(cfg: TrainConfig) -> dict:
         return g
 
     class Callback(BaseCallback):
+        def _on_training_start(self) -> None:
+            if cfg.eval_every:
+                evaluate_now(0, self.logger)   # the initial policy (mean action ~ 0: about the base)
+
         def _on_step(self) -> bool:
             for info in self.locals.get("infos", []):
                 if "episode_goodput" in info:

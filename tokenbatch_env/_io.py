@@ -38,3 +38,13 @@ def write_with(path: str | os.PathLike, writer: Callable[[Path], None], suffix: 
     """Call ``writer(tmp_path)`` and move the result into place atomically."""
     with atomic_path(path, suffix=suffix) as tmp:
         writer(tmp)
+
+
+def sha256_file(path) -> str:
+    """Hex SHA-256 of a file's bytes (read in 1 MiB blocks)."""
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -10,13 +10,13 @@ traces, loads and random streams of the static baselines. One engine, one observ
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ._io import sha256_file
 from .errors import ConfigError
 
 
@@ -101,14 +101,6 @@ def schedule_spec(schedule, *, k: int = 8, decision_interval_ms: float = 100.0) 
 
 
 # ------------------------------------------------------------------------------ trained agents
-def file_sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def agent_spec(model_path: str, label: Optional[str] = None) -> ControlSpec:
     """A trained PPO agent (``agents/train_ppo.py`` output: ``<dir>/model.zip``, ``config.json``
     and optionally ``vecnormalize.pkl``) as a deterministic controller (mean action). Needs torch
@@ -139,8 +131,8 @@ def agent_spec(model_path: str, label: Optional[str] = None) -> ControlSpec:
     base = core.base_params if mode == "index" else core.base_weights
     obs_space, act_space = probe.single_observation_space, probe.single_action_space
     probe.close()
-    digests = (("model_sha256", file_sha256(model)),
-               ("vecnormalize_sha256", file_sha256(norm) if norm else None),
+    digests = (("model_sha256", sha256_file(model)),
+               ("vecnormalize_sha256", sha256_file(norm) if norm else None),
                ("env", json.dumps(env_kw, sort_keys=True, default=str)))
 
     def load():

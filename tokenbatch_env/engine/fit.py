@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import json
 import math
 import os
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._io import sha256_file
 from ..errors import ProfileError
 from .cost_model import TERMS, CostModel
 from .profiles import MAX_MAPE_PCT, Profile
@@ -209,14 +209,6 @@ def check_gate(mape: dict, what: str = "fit") -> None:
 
 def _fmt_mape(mape: dict) -> str:
     return ", ".join(f"{k} {v:.2f}%" for k, v in mape.items())
-
-
-def sha256_file(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fitted_profile(samples_path, *, weighting: str = SHIPPED_WEIGHTING) -> Profile:
