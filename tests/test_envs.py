@@ -209,6 +209,38 @@ def test_episode_reward_sums(mode):
     assert checked >= 6
 
 
+@pytest.mark.parametrize("shed", [None, 0.5])
+def test_unreachable_ttft_counts_before_the_deadline_and_is_never_met(shed):
+    """A lost TTFT is a certain miss as soon as it is unreachable on an idle engine (not at its
+    deadline, not when shed); such a request is never met (the rule is exact)."""
+    N = 4
+    env = TokenBatchVectorEnv(N, rho=(1.6, 2.4), shed_margin=shed, **SMALL)
+    env.reset(seed=4)
+    core = env.core
+    early, flagged, done = 0, {}, 0
+    for _ in range(4000):
+        before = core.certain.copy()
+        _, _, te, tr, inf = env.step(np.zeros((N, len(ACTION_NAMES))))
+        A = core.run.arrays
+        s = slice(core.s0, core.s1)
+        new = core.certain & ~before
+        for c in np.flatnonzero(~(te | tr)):
+            for j in np.flatnonzero(new[c]):
+                r = core.s0 + j
+                if A.end_state[c, r] == 0 and A.first_token[c, r] < 0 and \
+                        A.now[c] <= A.arrival[c, r] + A.t1[c, r]:
+                    early += 1
+                    flagged.setdefault(c, set()).add(j)
+        for c in np.flatnonzero(te | tr):
+            rec = env.episode_records(int(c))
+            for j in flagged.pop(c, set()):
+                assert not rec["met"][j]
+            done += 1
+        if done >= 8:
+            break
+    assert early > 0 and done >= 8
+
+
 def test_truncation_counts_open_requests():
     env = TokenBatchVectorEnv(1, max_episode_steps=3, rho=2.0, **SMALL)
     env.reset(seed=0)

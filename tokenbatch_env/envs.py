@@ -599,6 +599,7 @@ class _Core:
         self.need = np.zeros(N, np.bool_)
         self.t0 = np.zeros(N, np.int64)
         self.t2 = np.zeros((N, R), np.int64)
+        self.h_best = np.zeros((N, R), np.int64)   # best-case prefix hits (bounds.best_case_hits)
         self.certain = np.zeros((N, cfg.window), bool)
         self.met_seen = np.zeros((N, cfg.window), bool)
         self.steps = np.zeros(N, np.int64)
@@ -635,6 +636,7 @@ class _Core:
 
     def reset_copies(self, rows: np.ndarray) -> None:
         """Draw a new episode (trace, window, rho) for each copy in ``rows`` and lay it out."""
+        from .bounds import best_case_hits
         from .traces.windows import window_at
         cfg, wl = self.config, self.workload
         rows = np.asarray(rows, np.int64)
@@ -654,6 +656,7 @@ class _Core:
             self.rho[c], self.trace_index[c], self.window_start[c] = rho, u, start
             self.traces[c] = w.trace
             self.t2[c] = w.trace.tpot_slo_ns
+            self.h_best[c] = best_case_hits(w.trace, self.run.profile.block_size, self.engine_config.prefix_caching)
         B = self._build_arrays(traces, self.run.profile, self.engine_config, ests)
         self.run.arrays = _splice(self.run.arrays, B, rows)
         A = self.run.arrays
@@ -738,6 +741,23 @@ class _Core:
         ended = es != K.E_NONE
         met = (es == K.E_COMPLETED) & (ft - arr <= t1) & ((o <= 1) | (fin - ft <= t2 * np.maximum(o - 1, 1)))
         ttft_lost = (ft < 0) & (arr <= now) & (now > arr + t1)
+        # TTFT unreachable: even an idle engine, with every cacheable prefix block cached, could
+        # not emit the first token by arrival + T1 (the TTFT analogue of tpot_lost below)
+        open_ = (ft < 0) & (arr <= now) & ~ended & ~ttft_lost & ~self.certain[rows]
+        if open_.any():
+            from .bounds import min_prefill_ps2
+            ri, ci = np.nonzero(open_)
+            c_abs = rows[ri]
+            r_abs = ci + self.s0
+            n_tok = A.prompt[c_abs, r_abs]
+            comp = A.computed[c_abs, r_abs]
+            h = np.maximum(self.h_best[c_abs, r_abs], comp)
+            # a preempted request may re-hit its own cached blocks: assume all but the last token
+            h = np.where(A.n_preempt[c_abs, r_abs] > 0, np.maximum(n_tok - 1, 0), h)
+            h = np.minimum(h, np.maximum(n_tok - 1, 0))
+            t_min = -((-min_prefill_ps2(n_tok, h, self.run.profile.cost.ps, self.run.profile.max_num_batched_tokens))
+                      // 2000)
+            ttft_lost[ri, ci] = now[ri, 0] + t_min > arr[ri, ci] + t1[ri, ci]
         tpot_lost = (ft >= 0) & ~ended & (o > 1) & (now + (o - A.gen[rows, s]) * self.t_min_ns - ft > t2 * (o - 1))
         capped = A.capped[rows, s] & (arr <= now)
         certain = (ended & ~met) | ttft_lost | tpot_lost | capped | (trunc[rows][:, None] & ~ended)
@@ -999,8 +1019,12 @@ class TokenBatchEnv(gym.Env):
     ## Rewards
     ``certain_miss`` (default): minus the number of scored requests whose miss became certain
     during the step: ended without being met (shed, timed out, rejected, length capped, late),
-    no first token by arrival + T1, or TPOT unreachable even if every remaining token came one
+    no first token by arrival + T1, TTFT unreachable even on an idle engine with every cacheable
+    prefix block cached (``bounds.min_prefill_ps2``: the minimum prefill time over all chunkings of
+    the tokens not yet computed), or TPOT unreachable even if every remaining token came one
     minimum-length iteration (c0 + c_decode) apart; at truncation every open scored request counts.
+    (The TTFT-unreachable rule makes a lost request count when it is lost, not at its deadline or
+    when it is shed, so delaying shedding earns no discounted reward.)
     Over an episode the rewards sum to -(window - met). ``met``: +1 per scored request completed
     within both SLOs. Both have the same optimal policy; ``certain_miss`` signals earlier. One step
     spans at least ``decision_interval_ms`` of simulated time; a discount gamma per step of 0.99
@@ -1034,7 +1058,8 @@ class TokenBatchEnv(gym.Env):
     used for copies never seeded by ``reset``.
 
     ## Version History
-    * v0: initial version (``index`` and ``weights`` action modes).
+    * v0: initial version (``index`` and ``weights`` action modes; ``certain_miss`` counts a TTFT
+      as lost once unreachable on an idle engine).
     """
 
     metadata = {"render_modes": []}
