@@ -1,6 +1,7 @@
 """Tuning (DESIGN.md section 7): tuning/optuna_search.py end to end, determinism, several workers on a
-journal study, resuming a killed study, a PostgreSQL study, bad options, and the library pieces
-(search space, storage kinds, stale-trial recovery, failed trials never fatal)."""
+journal study, resuming a killed study, a PostgreSQL study, bad options, the DESIGN.md section 8
+comparators (weights+shed, index-scheduled: params file entries, warm starts, resume), and the library
+pieces (search space, storage kinds, stale-trial recovery, failed trials never fatal)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ from tokenbatch_env import tuning as T  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tuning" / "optuna_search.py"
 TINY = ["--trials", "4", "--k", "2", "--max-train-traces", "3", "--max-test-traces", "3",
-        "--eval-loads", "1.2", "--bootstrap-b", "200", "--quiet"]
-ROWS = ("index+shed", "edf+shed", "sjf+shed", "llf+shed")
+        "--eval-loads", "1.2,1.5", "--bootstrap-b", "200", "--quiet"]
+BASE_ROWS = ("index+shed", "edf+shed", "sjf+shed", "llf+shed")
+BUCKETS = ("index@rho1.2", "index@rho1.5")            # TINY's index-scheduled studies (2 trials each)
+ROWS = (*BASE_ROWS, "weights+shed", *BUCKETS)
+ROWS_1_2 = (*BASE_ROWS, "weights+shed", "index@rho1.2")   # --eval-loads 1.2: one bucket, full budget
 
 
 def run_script(*args, timeout=240, **kw):
@@ -37,9 +41,9 @@ def run_script(*args, timeout=240, **kw):
                           timeout=timeout, cwd=ROOT, env=env, **kw)
 
 
-def studies(storage, name="seed-200-stress-512-rho1.2"):
+def studies(storage, name="seed-200-stress-512-rho1.2", rows=ROWS):
     st = T.make_storage(storage)
-    return {r: optuna.load_study(study_name=f"{name}.{r}", storage=st) for r in ROWS}
+    return {r: optuna.load_study(study_name=f"{name}.{r}", storage=st) for r in rows}
 
 
 def complete(study):
@@ -69,12 +73,12 @@ def test_end_to_end_writes_params_and_report(tiny_runs):
         assert (out / name).is_file(), name
     params, margins = load_params_file(str(out / "best_params.json"))
     assert isinstance(params, IndexParams)
-    assert {p for p, _ in margins} == {"index", "edf", "sjf", "llf"}
+    assert {p for p, _ in margins} == {"index", "edf", "sjf", "llf", "weights"}
     rep = json.loads((out / "report.json").read_text())
     assert rep["format"] == "tokenbatch-tuning-report"
     assert set(rep["studies"]) == set(ROWS)
-    for s in rep["studies"].values():
-        assert s["states"] == {"COMPLETE": 4}
+    for row, s in rep["studies"].items():
+        assert s["states"] == {"COMPLETE": 2 if row in BUCKETS else 4}, row   # buckets: ceil(4 / 2)
     pe = rep["test"]["primary_endpoint"]
     assert pe["split"] == "test" and pe["rho"] == 1.2 and "diff" in pe and len(pe["ci95"]) == 2
     assert pe["parameters"]["tuned"] is True
@@ -91,6 +95,51 @@ def test_end_to_end_writes_params_and_report(tiny_runs):
             assert len(t.user_attrs["evidence_id"]) == 64 and "shed_margin" in t.user_attrs["config"]
     md = (out / "report.md").read_text()
     assert md.index("Held-out result") < md.index("## Search")
+    assert "ceil(4 / 2) = 2 trials each" in md and "weights+shed" in md and "index@rho1.5" in md
+
+
+def test_params_file_has_the_comparators(tiny_runs):
+    """weights+shed and index-scheduled: valid entries, loadable by the evaluator's readers, equal to
+    the best trials of their studies; the test report has their rows."""
+    import dataclasses
+
+    from tokenbatch_env.engine.scoring import LINEAR_FEATURES
+    from tokenbatch_env.evaluate import BenchConfig, load_schedule, load_weights
+    from tokenbatch_env.policies import IndexParams, IndexSchedule, LinearWeights
+
+    out = tiny_runs[0]
+    path = str(out / "best_params.json")
+    doc = json.loads((out / "best_params.json").read_text())
+    sts = studies(str(out / "study.db"))
+    w = load_weights(path)
+    assert isinstance(w, LinearWeights) and all(-1 <= x <= 1 for x in w.w)
+    best = max(complete(sts["weights+shed"]), key=lambda t: (t.value, -t.number))
+    assert doc["weights"]["w"] == {f: best.params[f"w_{f}"] for f in LINEAR_FEATURES}
+    assert doc["weights"]["shed_margin"] == best.params["shed_margin"]
+    sched = load_schedule(path)
+    assert isinstance(sched, IndexSchedule) and sched.loads == (1.2, 1.5) and len(sched.edges) == 1
+    for b, p, m in zip(BUCKETS, sched.params, sched.margins):
+        bt = max(complete(sts[b]), key=lambda t: (t.value, -t.number))
+        assert p == IndexParams.from_dict(bt.user_attrs["config"]["index"]) and m == bt.params["shed_margin"]
+        assert sts[b].user_attrs["objective"]["loads"] == [float(b.split("rho")[1])]
+    assert doc["tuned"]["comparators"]["index-scheduled"]["trials_per_bucket_study"] == 2
+    rep = json.loads((out / "report.json").read_text())
+    labels = {r["label"] for r in rep["test"]["loads"][0]["rows"]}
+    assert {"weights", "weights+shed"} <= labels
+    if "schedule" in {f.name for f in dataclasses.fields(BenchConfig)}:
+        assert "index-scheduled" in labels and rep["index_scheduled_in_test"] is True
+
+
+def test_warm_starts_are_the_first_trials(tiny_runs):
+    sts = studies(str(tiny_runs[0] / "study.db"))
+    for row, st in sts.items():
+        ws = T.warm_starts(row)[:T.TuneConfig(trials=4, eval_loads=(1.2, 1.5)).trials_of(row)]
+        trials = sorted(st.trials, key=lambda t: t.number)
+        for w, t in zip(ws, trials):
+            assert t.params == pytest.approx(w) and t.user_attrs["warm_start"] is True, row
+        assert not any(t.user_attrs.get("warm_start") for t in trials[len(ws):]), row
+    w0 = sorted(sts["weights+shed"].trials, key=lambda t: t.number)[0].user_attrs["config"]
+    assert w0["weights"]["log_s"] == -1.0 and w0["shed_margin"] == 0.0      # SJF's direction, margin 0
 
 
 def test_one_worker_fixed_seed_is_byte_identical(tiny_runs):
@@ -105,9 +154,39 @@ def test_rerun_of_a_finished_study_resumes_without_new_trials(tiny_runs, tmp_pat
     shutil.copytree(tiny_runs[0], out)
     r = run_script(*TINY, "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
-    for st in studies(str(out / "study.db")).values():
-        assert len(st.trials) == 4
+    for row, st in studies(str(out / "study.db")).items():
+        assert len(st.trials) == (2 if row in BUCKETS else 4)
     assert (out / "best_params.json").read_bytes() == (tiny_runs[0] / "best_params.json").read_bytes()
+
+
+def test_comparator_studies_added_and_grown_on_resume_match_a_fresh_run(tiny_runs, tmp_path):
+    """Resume: a --no-comparators study gets the comparator studies on the next run (the finished
+    ones get no new trial), and a study grown from --trials 2 to 4 keeps its trials and runs its
+    remaining warm starts: the result is byte-identical to the fresh run with --trials 4."""
+    fresh = tiny_runs[0]
+    out = tmp_path / "grown"
+    small = [*TINY]
+    small[small.index("--trials") + 1] = "2"
+    r = run_script(*small, "--no-comparators", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads((out / "best_params.json").read_text())
+    assert "weights" not in doc and "index-scheduled" not in doc
+    st = T.make_storage(str(out / "study.db"))
+    names = {s.study_name for s in optuna.get_all_study_summaries(st)}
+    assert names == {f"seed-200-stress-512-rho1.2.{r}" for r in BASE_ROWS}
+    r = run_script(*small, "--out", out)                 # + the comparator studies (2 and 1 trials)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sts = studies(str(out / "study.db"))
+    assert {row: len(s.trials) for row, s in sts.items()} == {r: 1 if r in BUCKETS else 2 for r in ROWS}
+    before = {row: [(t.number, t.params, t.value) for t in s.trials] for row, s in sts.items()}
+    r = run_script(*TINY, "--out", out)                  # grown to --trials 4
+    assert r.returncode == 0, r.stderr[-2000:]
+    sts = studies(str(out / "study.db"))
+    for row, s in sts.items():
+        assert [(t.number, t.params, t.value) for t in s.trials][:len(before[row])] == before[row]
+        assert len(complete(s)) == len(s.trials) == (2 if row in BUCKETS else 4)
+    for name in ("best_params.json", "report.json"):
+        assert (out / name).read_bytes() == (fresh / name).read_bytes(), name
 
 
 # ------------------------------------------------------------------------------------ scale-out
@@ -131,7 +210,7 @@ def test_two_workers_on_one_journal_study(tmp_path):
                    "--eval-loads", "1.2", "--bootstrap-b", "200", "--quiet", "--workers", "2",
                    "--storage", journal, "--out", tmp_path / "out")
     assert r.returncode == 0, r.stderr[-3000:]
-    sts = studies(str(journal))
+    sts = studies(str(journal), rows=ROWS_1_2)
     _check_exact(sts, 6)
     pids = {t.user_attrs["pid"] for st in sts.values() for t in st.trials}
     assert len(pids) == 2                          # both workers did trials
@@ -195,6 +274,9 @@ def test_killed_run_resumes_keeping_completed_and_requeueing_stale(tmp_path):
         assert stale_params[n].items() <= again[0].params.items()
     assert len(complete(st)) == 8
     assert not any(t.state.name == "RUNNING" for t in trials)
+    # every study of the run (the comparators' too) resumed to its cap of 8
+    for row, s in studies(str(db), rows=("index+shed", "edf+shed", "weights+shed", "index@rho1.2")).items():
+        assert len(complete(s)) == 8 and not any(t.state.name == "RUNNING" for t in s.trials), row
 
 
 # ------------------------------------------------------------------------------------ PostgreSQL
@@ -267,7 +349,7 @@ def test_postgresql_study_with_two_workers(postgres_url, tmp_path):
                    "--eval-loads", "1.2", "--bootstrap-b", "200", "--quiet", "--workers", "2",
                    "--storage", postgres_url, "--study-name", "pg", "--out", tmp_path / "out")
     assert r.returncode == 0, r.stderr[-3000:]
-    _check_exact(studies(postgres_url, "pg"), 4)
+    _check_exact(studies(postgres_url, "pg", rows=ROWS_1_2), 4)
     assert (tmp_path / "out" / "best_params.json").is_file()
 
 
@@ -341,7 +423,7 @@ class _FakeObjective:
 
 
 def test_failed_and_nan_trials_are_marked_and_never_fatal(tmp_path):
-    cfg = T.TuneConfig(trials=6, k=2, baselines=(), out=str(tmp_path), progress=False)
+    cfg = T.TuneConfig(trials=6, k=2, baselines=(), out=str(tmp_path), progress=False, comparators=False)
     fake = _FakeObjective([RuntimeError("boom"), float("nan"), 0.5])
     T.optimize(cfg, objective=fake)
     st = T.open_studies(cfg)["index+shed"]
@@ -403,3 +485,64 @@ def test_benchmark_threads_give_the_same_report():
     a = run_benchmark(BenchConfig(**kw))
     b = run_benchmark(BenchConfig(**kw, threads=2))
     assert a.to_json() == b.to_json()
+
+
+# ------------------------------------------------------------------------------------ comparators
+def test_comparator_rows_and_budget():
+    cfg = T.TuneConfig()
+    assert cfg.rows == (*BASE_ROWS, "weights+shed", "index@rho1", "index@rho1.2", "index@rho1.5")
+    assert cfg.bucket_rows == {"index@rho1": 1.0, "index@rho1.2": 1.2, "index@rho1.5": 1.5}
+    assert [cfg.trials_of(r) for r in cfg.rows] == [48] * 5 + [16] * 3          # same total budget
+    assert T.TuneConfig(trials=50).bucket_trials == 17                           # ceil(50 / 3)
+    assert cfg.objective_dict("index@rho1.5")["loads"] == [1.5] and cfg.objective_dict(T.INDEX_ROW)["loads"] == [1.2]
+    assert cfg.study_name_of("index@rho1.2") == "seed-200-stress-512-rho1.2.index@rho1.2"
+    assert T.TuneConfig(comparators=False).rows == BASE_ROWS
+    with pytest.raises(ConfigError):
+        T.TuneConfig(comparators="yes")
+
+
+def test_weights_search_space_and_warm_starts():
+    from tokenbatch_env.engine.scoring import LINEAR_FEATURES
+    from tokenbatch_env.policies import WEIGHT_RANGE, LinearWeights
+    st = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    for _ in range(30):
+        c = T.suggest_config("weights+shed", st.ask())
+        assert set(c["weights"]) == set(LINEAR_FEATURES)
+        assert all(WEIGHT_RANGE[0] <= v <= WEIGHT_RANGE[1] for v in c["weights"].values())
+        assert 0 <= c["shed_margin"] <= 2
+        LinearWeights(c["weights"])
+    ws = T.warm_starts("weights+shed")
+    assert [[k for k, v in w.items() if v == -1.0] for w in ws] == [["w_log_s"], ["w_to_deadline"], ["w_slack"]]
+    assert all(w["shed_margin"] == 0.0 and sum(map(abs, w.values())) == 1.0 for w in ws)
+    assert T.warm_starts("index@rho1.5") == T.warm_starts(T.INDEX_ROW)
+    assert T.row_kind("index@rho1.5") == "index" and T.row_kind("llf+shed") == "margin"
+
+
+def test_weights_batch_equals_separate_runs_and_bucket_units():
+    """k weight vectors in one engine run (per-copy theta) = k separate runs; a bucket study's units
+    are the train traces at its load."""
+    from tokenbatch_env.engine.simulate import simulate
+    from tokenbatch_env.policies import LinearWeights, engine_policy
+
+    obj = T.TrainObjective(T.TuneConfig(max_train_traces=3, eval_loads=(1.2, 1.5)))
+    confs = [{"weights": {"log_s": -1.0}, "shed_margin": 0.0},
+             {"weights": {"to_deadline": -1.0, "z": 0.3}, "shed_margin": 0.5},
+             {"weights": {"slack": -0.5, "prefix_ratio": 0.8, "blocks_needed": -0.2}, "shed_margin": 1.5}]
+    G = obj._run("weights+shed", confs, np.arange(3))
+    wl = obj.wl
+    for j, c in enumerate(confs):
+        pol = engine_policy("weights", weights=LinearWeights(c["weights"]), shed_margin=c["shed_margin"],
+                            t_ref_ms=wl.t_ref_ms)
+        res = simulate(obj.units, obj.profile, pol, obj.bench_config.engine, estimates=obj.est,
+                       residual_life=wl.residual_life)
+        assert G[j].tolist() == [res.records(i)["met"].mean() for i in range(3)]
+    assert len({tuple(r) for r in G.tolist()}) > 1
+    # SJF's direction with margin 0 is sjf+shed(0); a bucket study at 1.2 sees the index study's units
+    assert np.array_equal(G[0], obj._run("sjf+shed", [{"shed_margin": 0.0}], np.arange(3))[0])
+    ic = [{"index": {}, "shed_margin": 0.5}]
+    assert np.array_equal(obj.evaluate("index@rho1.2", ic), obj.evaluate(T.INDEX_ROW, ic))
+    units15, est15 = obj.units_of("index@rho1.5")
+    assert len(units15) == 3 and all(a.arrival_ns[-1] > b.arrival_ns[-1] for a, b in zip(obj.units, units15))
+    assert all(np.array_equal(a, b) for a, b in zip(est15, obj.est))        # same length estimates (CRN)
+    assert not np.array_equal(obj.evaluate("index@rho1.5", ic), obj.evaluate(T.INDEX_ROW, ic))
+    assert obj.evidence_id("index@rho1.5", ic[0]) != obj.evidence_id("index@rho1.2", ic[0])

@@ -10,13 +10,21 @@ What it does
   0.5 for a baseline), which count toward its budget. Every study gets the **same number of trials** and the same
   k, and the studies take turns batch by batch, so a ``--timeout`` also cuts them evenly. Aging is
   not implemented in the engine, so there is no aging baseline to tune.
+* **Comparators** (DESIGN.md section 8, on by default, ``comparators=False`` /
+  ``--no-comparators`` to skip): ``<name>.weights+shed`` tunes the ``weights`` policy (8 weights in
+  ``policies.WEIGHT_RANGE`` over ``engine.scoring.LINEAR_FEATURES`` and the shed margin; warm
+  starts SJF's, EDF's and LLF's directions at margin 0) with ``trials`` trials, and
+  ``<name>.index@rho<x>`` tunes the index (+ margin) at each test evaluation load x (one load
+  bucket of ``index-scheduled``) on the same train traces, with ceil(trials / B) trials each for B
+  buckets: the same total budget as the index study. They run after the rows above in each turn.
 * **Objective**: mean goodput (met / arrived, macro mean over units) on the TRAIN split (optionally
   its first ``max_train_traces`` traces) at each tuning load; a unit is (trace, load). The traces are
   scaled exactly as the evaluator scales them (``evaluate.prepare_workload``: the suite manifest's
   ``lambda_sat``, ``scale_to_rate`` with the suite's nominal rate), and every trial sees the same
   length estimates (the suite's predictor: common random numbers).
 * **k trials per engine run**: ``study.ask()`` k times, the units x k parameter sets as copies of one
-  simulate call (``evaluate.evaluate_index_params`` for the index), then ``study.tell``. The copies
+  simulate call (``evaluate.evaluate_param_vectors``: one theta row and shed margin per copy), then
+  ``study.tell``. The copies
   are split over ``threads`` threads (the compiled kernel releases the GIL; each copy's result does
   not depend on which batch it ran in, so results are identical for any thread count).
 * **Pruning** (``pruner="median"``): the units are cut into 4 quarters; after each quarter every
@@ -63,6 +71,8 @@ DEFAULT_BASELINES = ("edf", "sjf", "llf")
 SAMPLERS = ("tpe", "cmaes", "random")
 PRUNERS = ("none", "median")
 INDEX_ROW = "index+shed"
+WEIGHTS_ROW = "weights+shed"         # comparator: tuned constant weights (weights-static)
+BUCKET_PREFIX = "index@rho"          # comparator: index-scheduled, one index study per load bucket
 QUARTERS = 4
 OVER_CAP, STALE = "over_cap", "stale"
 
@@ -78,8 +88,8 @@ def _int_field(v, name: str, lo: int, allow_none: bool = False):
 
 @dataclasses.dataclass(frozen=True)
 class TuneConfig:
-    """Everything that determines a tuning run. Defaults are the newcomer's run (about 2 minutes on
-    2 cores, measured in benchmarks/README.md)."""
+    """Everything that determines a tuning run. Defaults are the newcomer's run (about 2.5 minutes on
+    2 cores with the comparators, measured in benchmarks/README.md)."""
 
     suite: str = "seed-200"
     train_split: str = "train"           # the search sees only this split
@@ -87,7 +97,7 @@ class TuneConfig:
     profile: str = "stress-512"
     loads: tuple = (1.2,)                # tuning loads (rho): objective = mean over traces x loads
     eval_loads: tuple = (1.0, 1.2, 1.5)  # test evaluation loads (goodput vs load; 1.2 = primary)
-    trials: int = 48                     # per study (the index and every baseline)
+    trials: int = 48                     # per study (index, baselines, weights+shed; buckets: ceil(trials/B))
     k: int = 8                           # trials per engine run
     max_train_traces: Optional[int] = 40  # first N train traces (None = all 120)
     max_test_traces: Optional[int] = None  # None = the whole test split (the pre-registered set)
@@ -104,6 +114,7 @@ class TuneConfig:
     bootstrap_b: int = 10_000
     warm_start: bool = True              # enqueue the baselines' members of the family first
     progress: bool = True
+    comparators: bool = True             # also tune weights+shed and index-scheduled (DESIGN.md section 8)
 
     def __post_init__(self):
         from .policies import BASELINES
@@ -149,6 +160,13 @@ class TuneConfig:
         if len(set(bl)) != len(bl):
             raise ConfigError(f"baselines: duplicates in {list(bl)}")
         set_("baselines", bl)
+        if not isinstance(self.comparators, (bool, np.bool_)):
+            raise ConfigError(f"comparators: must be True or False, got {self.comparators!r}")
+        set_("comparators", bool(self.comparators))
+        names = [f"{BUCKET_PREFIX}{x:g}" for x in self.eval_loads]
+        if self.comparators and len(set(names)) != len(names):
+            raise ConfigError(f"eval_loads: {list(self.eval_loads)} are too close to name one index study "
+                              "per load bucket")
         if self.study_name is not None and (not isinstance(self.study_name, str) or not self.study_name.strip()):
             raise ConfigError("study_name: must be a non-empty string")
         if self.storage is not None:
@@ -166,8 +184,33 @@ class TuneConfig:
 
     @property
     def rows(self) -> tuple:
-        """The tuned rows, in turn order: the index first, then each baseline's +shed row."""
-        return (INDEX_ROW, *[f"{b}+shed" for b in self.baselines])
+        """The tuned rows, in turn order: the index first, then each baseline's +shed row, then (with
+        ``comparators``) weights+shed and the index-scheduled bucket studies (low load first)."""
+        rows = (INDEX_ROW, *[f"{b}+shed" for b in self.baselines])
+        if self.comparators:
+            rows += (WEIGHTS_ROW, *self.bucket_rows)
+        return rows
+
+    @property
+    def bucket_rows(self) -> dict:
+        """index-scheduled's studies: row ("index@rho1.2") -> its load bucket's tuning load (the
+        test evaluation loads); empty without ``comparators``."""
+        if not self.comparators:
+            return {}
+        return {f"{BUCKET_PREFIX}{x:g}": x for x in self.eval_loads}
+
+    @property
+    def bucket_trials(self) -> int:
+        """Trials per bucket study: ceil(trials / B), so index-scheduled's B studies together get
+        (at least) the index study's budget."""
+        return -(-self.trials // max(1, len(self.eval_loads)))
+
+    def trials_of(self, row: str) -> int:
+        return self.bucket_trials if row.startswith(BUCKET_PREFIX) else self.trials
+
+    def loads_of(self, row: str) -> tuple:
+        """The loads a row's objective averages over (a bucket study: its bucket's load)."""
+        return (self.bucket_rows[row],) if row.startswith(BUCKET_PREFIX) else self.loads
 
     def study_name_of(self, row: str) -> str:
         return f"{self.name}.{row}"
@@ -189,10 +232,11 @@ class TuneConfig:
         d["loads"], d["eval_loads"], d["baselines"] = list(self.loads), list(self.eval_loads), list(self.baselines)
         return d
 
-    def objective_dict(self) -> dict:
+    def objective_dict(self, row: Optional[str] = None) -> dict:
         """What defines a study's objective (a resumed study must match it)."""
+        loads = self.loads if row is None else self.loads_of(row)
         return {"suite": self.suite, "train_split": self.train_split, "profile": self.profile,
-                "loads": list(self.loads), "max_train_traces": self.max_train_traces}
+                "loads": list(loads), "max_train_traces": self.max_train_traces}
 
 
 def available_cores() -> int:
@@ -228,12 +272,43 @@ def suggest_margin(trial) -> dict:
     return {"shed_margin": trial.suggest_float("shed_margin", *SHED_RANGE)}
 
 
+def suggest_weights(trial) -> dict:
+    """The ``weights`` policy's search space: one weight per ``engine.scoring.LINEAR_FEATURES`` in
+    ``policies.WEIGHT_RANGE`` (internal name ``w_<feature>``; only the direction w/|w| matters)
+    and the shed margin in [0, 2] -> ``{"weights": {feature: w}, "shed_margin": float}``."""
+    from .engine.scoring import LINEAR_FEATURES
+    from .policies import SHED_RANGE, WEIGHT_RANGE
+    w = {f: trial.suggest_float(f"w_{f}", *WEIGHT_RANGE) for f in LINEAR_FEATURES}
+    return {"weights": w, "shed_margin": trial.suggest_float("shed_margin", *SHED_RANGE)}
+
+
+def row_kind(row: str) -> str:
+    """'index' (index+shed and the index-scheduled bucket studies), 'weights' or 'margin'."""
+    if row == INDEX_ROW or row.startswith(BUCKET_PREFIX):
+        return "index"
+    return "weights" if row == WEIGHTS_ROW else "margin"
+
+
+def suggest_config(row: str, trial) -> dict:
+    kind = row_kind(row)
+    if kind == "index":
+        return suggest_index(trial)
+    return suggest_weights(trial) if kind == "weights" else suggest_margin(trial)
+
+
 def warm_starts(row: str) -> list:
-    """Trials enqueued first in a new study (part of its budget): for the index the members of
-    its family that are the baselines (SJF: only ``-ln S``; EDF: ``a_edf`` large; the defaults),
-    so the search starts from the best simple policy instead of having to find it; for a
-    baseline, margins 0 and 0.5."""
-    if row != INDEX_ROW:
+    """Trials enqueued first in a new study (part of its budget): for the index (and each
+    index-scheduled bucket study) the members of its family that are the baselines (SJF: only
+    ``-ln S``; EDF: ``a_edf`` large; the defaults), so the search starts from the best simple
+    policy instead of having to find it; for weights+shed the directions of SJF (-1 on log_s),
+    EDF (-1 on to_deadline) and LLF (-1 on slack) at margin 0; for a baseline, margins 0 and 0.5.
+    ``open_studies`` enqueues at most the study's trial cap of them."""
+    kind = row_kind(row)
+    if kind == "weights":
+        from .engine.scoring import LINEAR_FEATURES
+        zero = {f"w_{f}": 0.0 for f in LINEAR_FEATURES}
+        return [{**zero, f"w_{f}": -1.0, "shed_margin": 0.0} for f in ("log_s", "to_deadline", "slack")]
+    if kind == "margin":
         return [{"shed_margin": 0.0}, {"shed_margin": 0.5}]
     zero = {"kappa": 0.0, "slope": 1.0, "log1p_gamma": 0.0, "theta": 0.0, "beta": 0.0, "w_prefix": 0.0,
             "a_edf": 0.0}
@@ -388,7 +463,8 @@ def counted_trials(study) -> int:
 # ------------------------------------------------------------------------------------ the objective
 class TrainObjective:
     """The train units (traces x tuning loads, scaled as the evaluator scales them) and the batched
-    evaluation of k configurations of one row."""
+    evaluation of k configurations of one row. An index-scheduled bucket study's units are the same
+    traces at its bucket's load (``units_of``)."""
 
     def __init__(self, cfg: TuneConfig):
         from .engine.profiles import load_profile
@@ -405,6 +481,7 @@ class TrainObjective:
         for rho in cfg.loads:
             self.units += self.wl.at(rho)
             self.est += est
+        self._by_load = {}
         self.threads = cfg.engine_threads()
         self.evidence_inputs = {
             "purpose": "tuning objective: mean goodput over (trace, load) units",
@@ -422,10 +499,22 @@ class TrainObjective:
     def n_units(self) -> int:
         return len(self.units)
 
+    def units_of(self, row: str) -> tuple:
+        """(units, estimates) of a row's objective: the tuning units, or for a bucket study the
+        train traces at its bucket's load (built once)."""
+        if not row.startswith(BUCKET_PREFIX):
+            return self.units, self.est
+        rho = self.cfg.bucket_rows[row]
+        if rho not in self._by_load:
+            self._by_load[rho] = (self.wl.at(rho), self.wl.estimates())
+        return self._by_load[rho]
+
     def evidence_id(self, row: str, config: dict) -> str:
         from .evaluate import canonical_json
-        return hashlib.sha256(canonical_json({**self.evidence_inputs, "row": row, "config": config})
-                              .encode()).hexdigest()
+        inputs = {**self.evidence_inputs, "row": row, "config": config}
+        if row.startswith(BUCKET_PREFIX):
+            inputs["loads"] = list(self.cfg.loads_of(row))
+        return hashlib.sha256(canonical_json(inputs).encode()).hexdigest()
 
     def _run(self, row: str, configs: list, idx: np.ndarray) -> np.ndarray:
         """Goodput [k, len(idx)] of the configs on units ``idx`` (threads split the units)."""
@@ -438,23 +527,30 @@ class TrainObjective:
         return np.concatenate(res, axis=1)
 
     def _run_part(self, row: str, configs: list, idx) -> np.ndarray:
-        traces = [self.units[i] for i in idx]
-        est = [self.est[i] for i in idx]
+        units, est = self.units_of(row)
+        traces = [units[i] for i in idx]
+        est = [est[i] for i in idx]
         wl, prof, eng = self.wl, self.profile, self.bench_config.engine
-        if row == INDEX_ROW:
-            from .evaluate import evaluate_index_params
-            from .policies import IndexParams
-            return evaluate_index_params(
-                traces, prof, [IndexParams.from_dict(c["index"]) for c in configs],
-                shed_margins=[_margin_value(c["shed_margin"]) for c in configs], estimates=est,
-                residual_life=wl.residual_life, t_ref_ms=wl.t_ref_ms, config=eng)
-        return evaluate_margins(traces, prof, row[:-len("+shed")], [c["shed_margin"] for c in configs],
-                                estimates=est, residual_life=wl.residual_life, t_ref_ms=wl.t_ref_ms, config=eng)
+        kind = row_kind(row)
+        if kind == "margin":
+            return evaluate_margins(traces, prof, row[:-len("+shed")], [c["shed_margin"] for c in configs],
+                                    estimates=est, residual_life=wl.residual_life, t_ref_ms=wl.t_ref_ms,
+                                    config=eng)
+        from .evaluate import evaluate_param_vectors
+        from .policies import IndexParams, LinearWeights
+        if kind == "index":
+            policy, thetas = "index", [IndexParams.from_dict(c["index"]).theta_vector(wl.t_ref_ms) for c in configs]
+        else:
+            policy, thetas = "weights", [LinearWeights(c["weights"]).theta_vector(wl.t_ref_ms) for c in configs]
+        return evaluate_param_vectors(traces, prof, policy, np.stack(thetas),
+                                      shed_margins=[_margin_value(c["shed_margin"]) for c in configs],
+                                      estimates=est, residual_life=wl.residual_life, t_ref_ms=wl.t_ref_ms,
+                                      config=eng)
 
     def evaluate(self, row: str, configs: list, report=None) -> np.ndarray:
         """Mean goodput per config. With ``report(j, step, value) -> bool`` (True = prune), the units
         run in 4 quarters and pruned configs leave the remaining ones (their value: NaN)."""
-        k, U = len(configs), self.n_units
+        k, U = len(configs), len(self.units_of(row)[0])
         if report is None:
             return self._run(row, configs, np.arange(U)).mean(axis=1)
         sums, seen = np.zeros(k), 0
@@ -480,17 +576,11 @@ class TrainObjective:
 def evaluate_margins(traces, profile, policy: str, margins, *, estimates=None, residual_life=None,
                      t_ref_ms: float = 1000.0, config=None) -> np.ndarray:
     """Goodput [k, T] of one baseline with k shed margins on T traces, as k*T copies of one simulate
-    call (the counterpart of ``evaluate.evaluate_index_params`` for a shed-margin-only policy)."""
-    from .evaluate import goodput_matrix
-    from .policies import check_shed_margin, engine_policy
-    traces = list(traces)
-    k, T = len(margins), len(traces)
-    ms = [check_shed_margin(_margin_value(m)) for m in margins]
-    base = engine_policy(policy, shed_margin=0.0, t_ref_ms=t_ref_ms)
-    pol = dataclasses.replace(base, name=f"{policy}+shed[k]",
-                              shed_margin=np.repeat(np.array([np.inf if m is None else m for m in ms]), T))
-    return goodput_matrix(traces, k, profile, pol, config=config, estimates=estimates,
-                          residual_life=residual_life)
+    call (``evaluate.evaluate_param_vectors`` for a policy without parameters)."""
+    from .evaluate import evaluate_param_vectors
+    return evaluate_param_vectors(traces, profile, policy, None, shed_margins=[_margin_value(m) for m in margins],
+                                  estimates=estimates, residual_life=residual_life, t_ref_ms=t_ref_ms,
+                                  config=config)
 
 
 # ------------------------------------------------------------------------------------ studies
@@ -529,14 +619,17 @@ def open_studies(cfg: TuneConfig, storage=None, *, write_attrs: bool = True, wor
         st = optuna.create_study(study_name=cfg.study_name_of(row), storage=storage, direction="maximize",
                                  sampler=make_sampler(cfg, i, worker), pruner=make_pruner(cfg), load_if_exists=True)
         old = st.user_attrs.get("objective")
-        if old is not None and old != cfg.objective_dict():
+        if old is not None and old != cfg.objective_dict(row):
             raise ConfigError(f"study {st.study_name!r} in {cfg.storage_url} was created for another "
                               f"objective ({old}); use another --study-name or --storage")
         if write_attrs:
-            if cfg.warm_start and not st.get_trials(deepcopy=False):
-                for ws in warm_starts(row):
+            trials = st.get_trials(deepcopy=False)
+            # a new study (or one holding only warm starts, resumed with a larger cap) gets the warm
+            # starts that fit in its cap, so a small budget grown later runs them all, in order
+            if cfg.warm_start and all(t.user_attrs.get("warm_start") for t in trials):
+                for ws in warm_starts(row)[len(trials):cfg.trials_of(row)]:
                     st.enqueue_trial(ws, user_attrs={"warm_start": True})
-            st.set_user_attr("objective", cfg.objective_dict())
+            st.set_user_attr("objective", cfg.objective_dict(row))
             st.set_user_attr("row", row)
             st.set_user_attr("config", cfg.to_dict())
         out[row] = st
@@ -552,21 +645,23 @@ class _Batch:
 def _ask_batch(study, row: str, cfg: TuneConfig, me: dict, objective: TrainObjective) -> Optional[_Batch]:
     """Ask up to k trials within the global cap (exact under races: see module docstring)."""
     from optuna.trial import TrialState
-    if counted_trials(study) >= cfg.trials:
+    cap = cfg.trials_of(row)
+    left = cap - counted_trials(study)
+    if left <= 0:
         return None
     trials, configs = [], []
-    for _ in range(cfg.k):
+    for _ in range(min(cfg.k, left)):   # other workers may take some of ``left`` meanwhile: see below
         t = study.ask()
         for key, v in me.items():
             t.set_user_attr(key, v)
         # rank of this trial among the counted ones (by number): beyond the cap -> never evaluated
         rank = sum(1 for ft in study.get_trials(deepcopy=False)
                    if _counts(ft) and ft.number <= t.number)
-        if rank > cfg.trials:
+        if rank > cap:
             t.set_user_attr("fail_reason", OVER_CAP)
             study.tell(t, state=TrialState.FAIL)
             break
-        c = suggest_index(t) if row == INDEX_ROW else suggest_margin(t)
+        c = suggest_config(row, t)
         t.set_user_attr("config", c)
         t.set_user_attr("evidence_id", objective.evidence_id(row, c))
         trials.append(t)
@@ -606,6 +701,13 @@ def _run_batch(study, row: str, batch: _Batch, objective: TrainObjective, cfg: T
             study.tell(t, float(vals[j]))
 
 
+def _postfix(studies: dict) -> str:
+    """Best values so far, short enough for one terminal line (index@rho1.2 -> @1.2, no +shed)."""
+    def short(r):
+        return "@" + r[len(BUCKET_PREFIX):] if r.startswith(BUCKET_PREFIX) else r.replace("+shed", "")
+    return " ".join(f"{short(r)}={_best(s):.4f}" for r, s in studies.items() if _best(s) is not None)
+
+
 def _best(study) -> Optional[float]:
     try:
         return study.best_value
@@ -634,8 +736,7 @@ def optimize(cfg: TuneConfig, *, bar=None, deadline: Optional[float] = None, sto
             _run_batch(st, row, b, objective, cfg)
             if bar is not None:
                 bar.update(len(b.trials))
-                bar.set_postfix_str(" ".join(f"{r}={_best(s):.4f}" for r, s in studies.items()
-                                             if _best(s) is not None))
+                bar.set_postfix_str(_postfix(studies))
 
 
 def _worker_main(cfg: TuneConfig, deadline: Optional[float], worker: int) -> None:  # a spawned process
@@ -658,8 +759,8 @@ def run_search(cfg: TuneConfig, objective: Optional["TrainObjective"] = None) ->
             print(f"{row}: {len(nums)} stale RUNNING trial(s) of dead processes marked FAIL and "
                   f"re-enqueued: {nums}", file=sys.stderr)
     deadline = None if cfg.timeout is None else t0 + cfg.timeout
-    total = cfg.trials * len(cfg.rows)
-    already = sum(min(cfg.trials, counted_trials(st)) for st in studies.values())
+    total = sum(cfg.trials_of(row) for row in cfg.rows)
+    already = sum(min(cfg.trials_of(row), counted_trials(st)) for row, st in studies.items())
     bar = tqdm(total=total, initial=already, desc="tuning trials", unit="trial", disable=not cfg.progress,
                file=sys.stderr, dynamic_ncols=True)
     try:
@@ -674,11 +775,11 @@ def run_search(cfg: TuneConfig, objective: Optional["TrainObjective"] = None) ->
                 p.start()
             while any(p.is_alive() for p in procs):
                 time.sleep(0.5)
-                n = sum(min(cfg.trials, sum(1 for t in st.get_trials(deepcopy=False) if t.state.is_finished()
-                                            and _counts(t))) for st in studies.values())
+                n = sum(min(cfg.trials_of(row), sum(1 for t in st.get_trials(deepcopy=False)
+                                                    if t.state.is_finished() and _counts(t)))
+                        for row, st in studies.items())
                 bar.update(max(0, n - bar.n))
-                bar.set_postfix_str(" ".join(f"{r}={_best(s):.4f}" for r, s in studies.items()
-                                             if _best(s) is not None))
+                bar.set_postfix_str(_postfix(studies))
             bad = [p.exitcode for p in procs if p.exitcode != 0]
             if bad:
                 raise TokenBatchError(f"{len(bad)} of {cfg.workers} worker processes failed (exit codes {bad})")
@@ -708,24 +809,48 @@ def study_summary(study, row: str) -> dict:
 
 
 def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str) -> dict:
-    """The best parameters in the ``--params`` format that ``evaluate.load_params_file`` reads."""
+    """The best parameters in the ``--params`` format that ``evaluate.load_params_file`` reads
+    (with comparators also ``"weights": {"w": {feature: w}, "shed_margin": m}``, read by
+    ``evaluate.load_weights``, and ``"index-scheduled": IndexSchedule.to_dict()``, read by
+    ``evaluate.load_schedule``)."""
+    from .evaluate import SCHEDULE_KEY
+    from .policies import IndexParams, IndexSchedule, LinearWeights
     idx = summaries[INDEX_ROW]["best"]
     if idx is None:
         raise TokenBatchError(f"study {summaries[INDEX_ROW]['study']!r} has no completed trial: nothing to "
                               "write (see the FAIL reasons in the study's user attributes)")
     doc = {"index": dict(idx["config"]["index"]), "shed_margin": idx["config"]["shed_margin"]}
     notes = {}
-    for row in cfg.rows[1:]:
-        b = summaries[row]["best"]
-        pol = row[:-len("+shed")]
-        if b is None:
-            notes[pol] = "no completed trial: shed margin left at the default 0.0"
+    for b in cfg.baselines:
+        best = summaries[f"{b}+shed"]["best"]
+        if best is None:
+            notes[b] = "no completed trial: shed margin left at the default 0.0"
             continue
-        doc[pol] = {"shed_margin": b["config"]["shed_margin"]}
+        doc[b] = {"shed_margin": best["config"]["shed_margin"]}
+    if cfg.comparators:
+        best = summaries[WEIGHTS_ROW]["best"]
+        if best is None:
+            notes["weights"] = "no completed trial: weights left at the default (SJF's direction), margin 0.0"
+        else:
+            doc["weights"] = {**LinearWeights(best["config"]["weights"]).to_dict(),
+                              "shed_margin": best["config"]["shed_margin"]}
+        params, margins = [], []
+        for row in cfg.bucket_rows:
+            best = summaries[row]["best"]
+            if best is None:
+                notes[row] = "no completed trial: this bucket uses the index+shed study's best"
+                best = idx
+            params.append(IndexParams.from_dict(best["config"]["index"]))
+            margins.append(_margin_value(best["config"]["shed_margin"]))
+        doc[SCHEDULE_KEY] = IndexSchedule.from_loads(list(cfg.bucket_rows.values()), params, margins).to_dict()
     doc["tuned"] = {
         "by": "tuning/optuna_search.py", "suite": cfg.suite, "split": cfg.train_split,
         "profile": cfg.profile, "loads": list(cfg.loads), "max_train_traces": cfg.max_train_traces,
         "trials_per_study": cfg.trials, "k": cfg.k, "sampler": cfg.sampler, "seed": cfg.seed,
+        **({"comparators": {"weights+shed": {"trials": cfg.trials},
+                            "index-scheduled": {"bucket_loads": list(cfg.bucket_rows.values()),
+                                                "trials_per_bucket_study": cfg.bucket_trials}}}
+           if cfg.comparators else {}),
         "study": cfg.name, "objective_evidence_id": objective_eid,
         "train_goodput": {row: (s["best"] or {}).get("train_goodput") for row, s in summaries.items()},
         "best_trial": {row: (s["best"] or {}).get("number") for row, s in summaries.items()},
@@ -747,9 +872,10 @@ def plot_history(summaries: dict, path) -> None:
         x = [e["number"] for e in h]
         y = [e["value"] for e in h]
         (ln,) = ax.plot(x, y, ".", ms=3, alpha=0.5)
-        ax.plot(x, np.maximum.accumulate(y), "-", color=ln.get_color(), label=f"{row} (best so far)")
+        ax.plot(x, np.maximum.accumulate(y), "--" if row.startswith(BUCKET_PREFIX) else "-",
+                color=ln.get_color(), label=f"{row} (best so far)")
     ax.set_xlabel("trial number")
-    ax.set_ylabel("mean goodput on the train split")
+    ax.set_ylabel("mean goodput on the train split (index@rho<x>: at load x)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     ax.set_title("optimisation history")
@@ -771,6 +897,7 @@ def tuning_markdown(data: dict, bench_md: str) -> str:
           f"- budget: {cfg['trials']} trials per study, k = {cfg['k']} trials per engine run, sampler "
           f"{cfg['sampler']} (seed {cfg['seed']}), pruner {cfg['pruner']}",
           f"- the baselines' shed margins get the same budget; aging is not implemented (no aging baseline)",
+          *comparator_lines(cfg, data.get("index_scheduled_in_test", False)),
           f"- objective evidence id `{data['objective_evidence_id']}`", ""]
     L += ["| row | study | trials (by state) | best trial | train goodput | best config |", "|---|---|---|---|---|---|"]
     for row, s in data["studies"].items():
@@ -788,6 +915,22 @@ def tuning_markdown(data: dict, bench_md: str) -> str:
     return "\n".join(L)
 
 
+def comparator_lines(cfg: dict, in_test: bool) -> list:
+    """The report's lines on the DESIGN.md section 8 comparators (``cfg``: ``TuneConfig.to_dict()``;
+    ``in_test``: the test report has the index-scheduled row)."""
+    if not cfg.get("comparators"):
+        return ["- comparators (weights+shed, index-scheduled): not tuned (--no-comparators)"]
+    loads, n = cfg["eval_loads"], cfg["trials"]
+    per = -(-n // len(loads))
+    return [f"- weights-static (row weights+shed): 8 weights in [-1, 1] and the shed margin, {n} trials "
+            "(warm starts: the directions of SJF, EDF and LLF at margin 0)",
+            f"- index-scheduled: one index+shed study per load bucket, tuned at the test loads "
+            f"{', '.join(f'{x:g}' for x in loads)} on the same train traces, ceil({n} / {len(loads)}) = {per} "
+            f"trials each ({per * len(loads)} in all: the index study's budget of {n}); "
+            + ("its test row picks the bucket at each decision epoch from the observed arrival rate"
+               if in_test else "written to best_params.json; this evaluator has no index-scheduled row yet")]
+
+
 def run_tuning(cfg: TuneConfig) -> dict:
     """Search, then evaluate the best parameters on the held-out test split and write everything
     into ``cfg.out``. Returns {"paths": [...], "data": report dict, "meta": {...}, "summary": text}."""
@@ -796,7 +939,8 @@ def run_tuning(cfg: TuneConfig) -> dict:
 
     from . import __version__
     from ._io import write_text_atomic, write_with
-    from .evaluate import BenchConfig, canonical_json, load_params_file, run_benchmark
+    from .evaluate import (BenchConfig, canonical_json, load_params_file, load_schedule, load_weights,
+                           run_benchmark)
     from .report import report_json
 
     t0 = time.time()
@@ -822,11 +966,17 @@ def run_tuning(cfg: TuneConfig) -> dict:
     t1 = time.time()
     pols = ("fcfs", "sjf", "edf", "llf", "index")
     pols += tuple(b for b in cfg.baselines if b not in pols)
+    extra = {}
+    if cfg.comparators:
+        pols += ("weights",)
+        extra["weights"] = load_weights(str(params_path))
+        if "schedule" in {f.name for f in dataclasses.fields(BenchConfig)}:
+            extra["schedule"] = load_schedule(str(params_path))
     bench = run_benchmark(BenchConfig(
         suite=cfg.suite, split=cfg.test_split, profile=cfg.profile, policies=pols, shed=True,
         loads=cfg.eval_loads, index_params=params, shed_margins=margins, params_source=str(params_path),
         max_traces=cfg.max_test_traces, bootstrap_seed=cfg.seed, bootstrap_b=cfg.bootstrap_b,
-        progress=cfg.progress, threads=cfg.engine_threads()))
+        progress=cfg.progress, threads=cfg.engine_threads(), **extra))
     test_wall = time.time() - t1
     bench_paths = bench.write(out / "test")
 
@@ -842,6 +992,7 @@ def run_tuning(cfg: TuneConfig) -> dict:
         "studies": summaries,
         "best_params": doc,
         "aging": "not implemented in the engine: no aging baseline to tune",
+        "index_scheduled_in_test": extra.get("schedule") is not None,
         "test_evidence_id": bench.evidence_id,
         "test": bench.data,
     }
@@ -872,9 +1023,13 @@ def console_text(data: dict, bench) -> str:
     lines = [bench.summary_text().rstrip(), "", "tuned (train split):"]
     for row, s in data["studies"].items():
         b = s["best"]
-        lines.append(f"  {row:<12} best train goodput "
+        lines.append(f"  {row:<14} best train goodput "
                      f"{'-' if b is None else format(b['train_goodput'], '.4f')}  "
                      f"(trial {'-' if b is None else b['number']}; {s['trials']} trials: "
                      + ", ".join(f"{k} {v}" for k, v in s["states"].items()) + ")")
+    if data["config"].get("comparators"):
+        c = data["config"]
+        lines.append(f"  (index@rho<x>: index-scheduled's bucket studies, at load x, "
+                     f"ceil({c['trials']}/{len(c['eval_loads'])}) trials each; weights+shed: {c['trials']} trials)")
     lines.append("  aging: not implemented (no aging baseline)")
     return "\n".join(lines) + "\n"

@@ -1,11 +1,19 @@
 #!/usr/bin/env python
-"""Tune the Gittins-barrier index (and, with the same budget, the baselines' shed margins) on a
-suite's TRAIN split with Optuna, then evaluate the best parameters on the held-out TEST split.
+"""Tune the index, the baselines' shed margins and the comparators on a suite's TRAIN split (Optuna).
 
-    python tuning/optuna_search.py                       # the newcomer's run (~2 min on 2 cores)
+The Gittins-barrier index and, with the same budget, the baselines' shed margins and the comparators
+weights+shed and index-scheduled; then the best parameters are evaluated once on the held-out TEST
+split.
+
+    python tuning/optuna_search.py                       # the newcomer's run (~2-3 min on 2 cores)
     python tuning/optuna_search.py --trials 200 --max-train-traces all --timeout 1800
     python tuning/optuna_search.py --workers 2 --storage runs/study.journal
     python tuning/optuna_search.py --storage postgresql://user@db:5432/optuna --study-name big
+    python tuning/optuna_search.py --no-comparators      # skip weights+shed and index-scheduled
+
+Comparators (DESIGN.md section 8, on by default): weights+shed (8 linear weights in [-1, 1] + shed
+margin, --trials trials) and index-scheduled (one index study per --eval-loads bucket,
+ceil(trials / buckets) trials each: the index study's total budget).
 
 Writes into --out: best_params.json (the evaluator's --params format: `tokenbatch bench --params`,
 the env's residual base, the drop-in and the vLLM plug-in read it), report.json / report.md /
@@ -42,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--eval-loads", default="1.0,1.2,1.5", help="test-split loads for the leaderboard and goodput vs load "
       "(default 1.0,1.2,1.5)")
     a("--trials", "--n-trials", dest="trials", default="48",
-      help="trials per study, a global cap across workers; the index and each baseline get this many "
-           "(default 48)")
+      help="trials per study, a global cap across workers; the index, each baseline and weights+shed "
+           "get this many, each index-scheduled bucket study ceil(trials / buckets) (default 48)")
     a("--k", default="8", help="trials evaluated per engine run (default 8)")
     a("--max-train-traces", default="40", help="use the first N train traces, or 'all' (default 40 of 120)")
     a("--max-test-traces", default="all", help="use the first N test traces, or 'all' (default all: the "
@@ -58,14 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
       "(*.journal, several processes on one machine) or RDB URL (postgresql://..., mysql://...); "
       "default <out>/study.db (<out>/study.journal with --workers > 1)")
     a("--study-name", default=None, help="study name prefix (default <suite>-<profile>-rho<loads>); one "
-      "study per tuned row: <name>.index+shed, <name>.edf+shed, ...")
+      "study per tuned row: <name>.index+shed, <name>.edf+shed, ..., <name>.weights+shed, "
+      "<name>.index@rho1.2, ...")
     a("--workers", default="1", help="local worker processes on one study (needs a journal or RDB "
       "storage; default 1)")
     a("--threads", default=None, help="engine threads per process (default: cores / workers)")
     a("--out", default="runs/tune", help="output directory (default runs/tune)")
     a("--bootstrap-b", default="10000", help="bootstrap resamples of the test report (default 10000)")
     a("--no-warm-start", action="store_true", help="do not enqueue the index's SJF/EDF/default members "
-      "(and margins 0, 0.5 for the baselines) as the first trials of a new study")
+      "(margins 0, 0.5 for the baselines; SJF/EDF/LLF directions for weights+shed) as the first trials "
+      "of a new study")
+    a("--no-comparators", action="store_true", help="do not tune the DESIGN.md section 8 comparators: "
+      "weights+shed (study <name>.weights+shed, --trials trials) and index-scheduled (one index study "
+      "per --eval-loads bucket, <name>.index@rho<x>, ceil(trials / buckets) trials each); on by default")
     a("--quiet", action="store_true", help="no progress bars, no summary")
     return p
 
@@ -115,7 +128,7 @@ def config_from_args(args):
         storage=args.storage, study_name=args.study_name, out=args.out,
         workers=_int(args.workers, "workers", 1), threads=_int(args.threads, "threads", 1),
         bootstrap_b=_int(args.bootstrap_b, "bootstrap-b", 100), warm_start=not args.no_warm_start,
-        progress=not args.quiet)
+        progress=not args.quiet, comparators=not args.no_comparators)
 
 
 def main(argv=None) -> int:
