@@ -134,3 +134,21 @@ def test_scripts_run_from_the_command_line(trained):
     out = subprocess.run([sys.executable, str(ROOT / "agents" / "evaluate_agent.py"), "--help"],
                          capture_output=True, text=True, check=True)
     assert "--model" in out.stdout
+
+
+def test_tuning_report_includes_an_agent(trained, tmp_path):
+    out = tmp_path / "tune"
+    r = subprocess.run([sys.executable, str(ROOT / "tuning" / "optuna_search.py"), "--trials", "2", "--k", "2",
+                        "--max-train-traces", "2", "--max-test-traces", "2", "--eval-loads", "1.2",
+                        "--bootstrap-b", "100", "--no-comparators", "--baselines", "edf", "--quiet",
+                        "--agent", str(trained / "best"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    test = json.loads((out / "test" / "report.json").read_text())
+    row = {x["label"]: x for x in test["loads"][0]["rows"]}["ppo:best"]
+    assert "index+shed" in row["vs"] and 0 <= row["goodput"]["mean"] <= 1
+    assert "ppo:best" in (out / "report.md").read_text()
+    bad = subprocess.run([sys.executable, str(ROOT / "tuning" / "optuna_search.py"), "--agent",
+                          str(tmp_path / "nope"), "--out", str(tmp_path / "x"), "--quiet"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "agents" in bad.stderr

@@ -115,6 +115,7 @@ class TuneConfig:
     warm_start: bool = True              # enqueue the baselines' members of the family first
     progress: bool = True
     comparators: bool = True             # also tune weights+shed and index-scheduled (DESIGN.md section 8)
+    agents: tuple = ()                   # trained agents (agents/train_ppo.py dirs) added to the test report
 
     def __post_init__(self):
         from .policies import BASELINES
@@ -146,6 +147,11 @@ class TuneConfig:
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
                 raise ConfigError(f"timeout: must be a positive number of seconds, got {t!r}")
             set_("timeout", float(t))
+        ag = tuple(str(a) for a in self.agents)
+        for a in ag:
+            if not Path(a).exists():
+                raise ConfigError(f"agents: {a!r} not found (an agents/train_ppo.py output directory)")
+        set_("agents", ag)
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"sampler: unknown {self.sampler!r}; valid: {', '.join(SAMPLERS)}")
         if self.pruner not in PRUNERS:
@@ -970,8 +976,10 @@ def run_tuning(cfg: TuneConfig) -> dict:
     if cfg.comparators:
         pols += ("weights",)
         extra["weights"] = load_weights(str(params_path))
-        if "schedule" in {f.name for f in dataclasses.fields(BenchConfig)}:
-            extra["schedule"] = load_schedule(str(params_path))
+        extra["schedule"] = load_schedule(str(params_path))
+    if cfg.agents:
+        from .control import agent_spec
+        extra["controllers"] = tuple(agent_spec(a, label=f"ppo:{Path(a).resolve().name}") for a in cfg.agents)
     bench = run_benchmark(BenchConfig(
         suite=cfg.suite, split=cfg.test_split, profile=cfg.profile, policies=pols, shed=True,
         loads=cfg.eval_loads, index_params=params, shed_margins=margins, params_source=str(params_path),

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-comparators", action="store_true", help="do not tune the DESIGN.md section 8 comparators: "
       "weights+shed (study <name>.weights+shed, --trials trials) and index-scheduled (one index study "
       "per --eval-loads bucket, <name>.index@rho<x>, ceil(trials / buckets) trials each); on by default")
+    a("--agent", action="append", default=[], metavar="PATH",
+      help="a trained agent (agents/train_ppo.py output directory, e.g. runs/ppo/best) judged in the test "
+           "report beside the tuned rows; repeatable (needs the rl extra)")
     a("--quiet", action="store_true", help="no progress bars, no summary")
     return p
 
@@ -128,7 +131,7 @@ def config_from_args(args):
         storage=args.storage, study_name=args.study_name, out=args.out,
         workers=_int(args.workers, "workers", 1), threads=_int(args.threads, "threads", 1),
         bootstrap_b=_int(args.bootstrap_b, "bootstrap-b", 100), warm_start=not args.no_warm_start,
-        progress=not args.quiet, comparators=not args.no_comparators)
+        progress=not args.quiet, comparators=not args.no_comparators, agents=tuple(args.agent))
 
 
 def main(argv=None) -> int:
