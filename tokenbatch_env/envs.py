@@ -1028,7 +1028,10 @@ class TokenBatchEnv(gym.Env):
     Over an episode the rewards sum to -(window - met). ``met``: +1 per scored request completed
     within both SLOs. Both have the same optimal policy; ``certain_miss`` signals earlier. One step
     spans at least ``decision_interval_ms`` of simulated time; a discount gamma per step of 0.99
-    is a ~10 s horizon at the default 100 ms epochs (0.999 for ~100 s).
+    is a ~10 s horizon at the default 100 ms epochs (0.999 for ~100 s). Caution: the number of steps
+    depends on the policy (skipped epochs), so a small gamma favours policies that keep more
+    requests waiting (more, shorter steps discount the same misses more); agents/train_ppo.py uses
+    0.999 (measured in its docstring).
 
     ## Starting State
     ``reset`` draws (trace, window start, rho) from the copy's generator and returns the
