@@ -152,3 +152,14 @@ def test_tuning_report_includes_an_agent(trained, tmp_path):
                           str(tmp_path / "nope"), "--out", str(tmp_path / "x"), "--quiet"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "agents" in bad.stderr
+
+
+def test_training_is_deterministic_for_a_seed(tmp_path):
+    from stable_baselines3 import PPO
+    params = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        assert train_ppo.main(TINY + ["--timesteps", "256", "--eval-every", "0", "--out", str(out)]) == 0
+        params.append(PPO.load(str(out / "final" / "model.zip"), device="cpu").policy.state_dict())
+    assert params[0].keys() == params[1].keys()
+    assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
