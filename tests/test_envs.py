@@ -420,20 +420,73 @@ def test_single_env_step_after_end_errors():
         env.step(np.zeros(8))
 
 
-def test_compiled_driver_matches_reference_path():
-    """The compiled epoch driver and the EngineRun.advance reference path give the same MDP."""
-    envs = [TokenBatchVectorEnv(3, rho=(0.8, 2.0), **SMALL) for _ in range(2)]
-    assert envs[0].core.fast
-    envs[1].core.fast = False
+def _advance_epoch_by_epoch(core, live):
+    """DESIGN.md section 5's epochs outside the engine: ``EngineRun.advance`` to each epoch in turn,
+    stopping at the episode's end, the iteration cap, or a needed decision, read off the
+    observation (>= 2 waiting, or shedding on and a waiting request with its TTFT lost)."""
+    from tokenbatch_env.engine import kernel as K
+    run, A, cfg = core.run, core.run.arrays, core.config
+    t0, dt = A.epoch[:, K.EP_T0], core.dt_ns
+    lost = obs_layout(cfg.k).index("queue_lost_frac")
+    stop = np.full(core.n, K.STOP_NONE)
+    pending = live.copy()
+    while pending.any():
+        run.advance(np.where(pending, t0 + ((A.now - t0) // dt + 1) * dt, A.now), active=pending)
+        ended = (A.end_state[:, core.s0:core.s1] != K.E_NONE).all(axis=1)
+        capped = ~ended & (A.it >= cfg.max_iterations)
+        core.observe(pending)
+        need = (A.n_wait >= 2) | ((core.base_margin is not None) & (core.obs[:, lost] > 0))
+        stop[pending & ended] = K.STOP_ENDED
+        stop[pending & capped] = K.STOP_CAP
+        stop[pending & ~ended & ~capped & need] = K.STOP_DECIDE
+        pending &= stop == K.STOP_NONE
+    return stop
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(decision_interval_ms=20.0, shed_margin=None),
+                                dict(rho=(1.5, 3.0), max_iterations=400)])
+def test_engine_epochs_match_epoch_by_epoch_reference(kw):
+    """The engine's own decision epochs (``EngineRun.advance_to_decision``: epochs that need no
+    decision skipped inside the kernel, jumps across them) give the MDP of stepping epoch by epoch."""
+    kw = {"rho": (0.8, 2.0), **SMALL, **kw}
+    envs = [TokenBatchVectorEnv(3, **kw) for _ in range(2)]
+    ref = envs[1].core
+    ref.run.advance_to_decision = lambda live: _advance_epoch_by_epoch(ref, live)
     outs = [e.reset(seed=9)[0] for e in envs]
     assert np.array_equal(*outs)
     rng = np.random.default_rng(4)
+    ended = 0
     for _ in range(300):
         a = rng.uniform(-1, 1, (3, len(ACTION_NAMES)))
         r0, r1 = envs[0].step(a), envs[1].step(a)
         for x, y in zip(r0[:4], r1[:4]):
             assert np.array_equal(x, y)
         assert _same_info(_unbatch(r0[4], 0), _unbatch(r1[4], 0))
+        ended += int((r0[2] | r0[3]).sum())
+    assert ended >= 3
+    assert np.array_equal(envs[0].core.run.arrays.it, envs[1].core.run.arrays.it)
+
+
+def test_advance_to_decision_needs_epochs():
+    from engine_helpers import tiny_trace
+
+    from tokenbatch_env.engine import kernel as K
+    from tokenbatch_env.engine.simulate import EngineRun
+    from tokenbatch_env.engine.state import EngineConfig
+    run = EngineRun([tiny_trace([0, 0, 0, 50], [300, 300, 300, 40], [20, 20, 20, 5])] * 2, "linear",
+                    config=EngineConfig(max_num_batched_tokens=256))
+    with pytest.raises(ConfigError, match="start_epochs"):
+        run.advance_to_decision()
+    with pytest.raises(ConfigError, match="scored"):
+        run.start_epochs(interval_ns=10**6, scored=(2, 9), shed_on=False)
+    run.start_epochs(interval_ns=10**6, scored=(0, 1), shed_on=False)
+    stop = run.advance_to_decision(np.array([True, False]))
+    assert stop.tolist() == [K.STOP_DECIDE, K.STOP_NONE]      # 3 arrivals at t=0: >= 2 wait
+    A = run.arrays
+    assert A.it[1] == 0 and A.n_wait[0] >= 2 and A.now[0] >= 10**6
+    while stop[0] == K.STOP_DECIDE:
+        stop = run.advance_to_decision(np.array([True, False]))
+    assert stop[0] == K.STOP_ENDED and A.end_state[0, 0] != K.E_NONE
 
 
 # ---------------------------------------------------------------------------- weights action mode

@@ -3,8 +3,9 @@
 A controller sees the env's observation (``envs.TokenBatchEnv``) at each decision epoch and
 returns the engine's parameter vectors. ``run_controlled`` replays traces under a controller with
 the env's epoch rules, so the evaluator judges an agent or ``index-scheduled`` on exactly the
-traces, loads and random streams of the static baselines. One engine, one observation code path
-(``envs.observe``), one action map (``envs.map_actions``).
+traces, loads and random streams of the static baselines. One engine, one epoch driver
+(``EngineRun.advance_to_decision``), one observation code path (``envs.observe``), one action map
+(``envs.map_actions``).
 """
 
 from __future__ import annotations
@@ -46,35 +47,32 @@ def run_controlled(traces, profile, config, spec: ControlSpec, *, estimates=None
     decision is needed (>= 2 waiting, or a sheddable request); parameters are held in between.
     Returns the ``SimResult`` of the whole replay."""
     from .engine.simulate import EngineRun
-    from .envs import N_ENGINE, NQ, F, obs_constants, observe
+    from .envs import N_ENGINE, NQ, F, obs_scales, observe
     from .policies import engine_policy
 
     ctrl = spec.make(t_ref_ms)
     kw = {"params": spec.base} if spec.action_mode == "index" else {"weights": spec.base}
     pol = engine_policy(spec.action_mode, shed_margin=spec.base_margin, t_ref_ms=t_ref_ms, **kw)
     run = EngineRun(traces, profile, pol, config, estimates=estimates, residual_life=residual_life)
-    A, N = run.arrays, run.n_copies
-    icfg, fcfg, ps = obs_constants(run.profile, run.config, t_ref_ms, lambda_sat, spec.base_margin is not None)
+    N = run.n_copies
+    run.start_epochs(interval_ns=max(1, int(round(spec.decision_interval_ms * 1e6))),
+                     shed_on=spec.base_margin is not None)
+    ocfg = obs_scales(t_ref_ms, lambda_sat)
     obs = np.zeros((N, N_ENGINE + 2 * NQ + 2 + spec.k * (F + 1)), np.float32)
-    need = np.zeros(N, np.bool_)
-    t0 = A.now.copy()
-    dt = max(1, int(round(spec.decision_interval_ms * 1e6)))
     theta, margin = run.theta.copy(), run.shed_margin.copy()
     ask = np.ones(N, bool)
-    observe(ask, obs, need, t0, spec.k, run, icfg, fcfg, ps)
+    observe(run, ask, obs, spec.k, ocfg)
     while True:
-        done = run.done
-        ask &= ~done
+        ask &= ~run.done
         if ask.any():
             th, m = ctrl(obs[ask].copy())
             theta[ask], margin[ask] = th, m
             run.set_policy_params(theta, margin)
-        if done.all():
+        ask = ~run.done
+        if not ask.any():
             return run.result()
-        live = ~done
-        run.advance(t0 + ((A.now - t0) // dt + 1) * dt, active=live)
-        observe(live, obs, need, t0, spec.k, run, icfg, fcfg, ps)
-        ask = need & live
+        run.advance_to_decision(ask)   # every request is scored: a copy stops at a decision or its end
+        observe(run, ask, obs, spec.k, ocfg)
 
 
 # ------------------------------------------------------------------------------ index-scheduled

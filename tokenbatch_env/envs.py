@@ -3,10 +3,12 @@
 docstring of ``TokenBatchEnv`` states it in Gymnasium's sections.
 
 There is one implementation of the dynamics: ``_Core`` drives one ``engine.simulate.EngineRun``
-over all copies; a copy that starts a new episode gets its window laid out by the engine's own
-``build_arrays`` and spliced into the batch. Workload preparation (suite traces, lambda_sat, the
-residual-life table, T_ref, the predictor and its estimates, time scaling to rho) is the
-evaluator's ``prepare_workload`` / ``Workload``, so agents and baselines see the same windows.
+over all copies, and the engine itself runs each copy to its next decision epoch
+(``EngineRun.advance_to_decision``); a copy that starts a new episode gets its window laid out by
+the engine's own ``build_arrays`` and spliced into the batch. Workload preparation (suite traces,
+lambda_sat, the residual-life table, T_ref, the predictor and its estimates, time scaling to rho)
+is the evaluator's ``prepare_workload`` / ``Workload``, so agents and baselines see the same
+windows.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from gymnasium.vector import AutoresetMode
 from .engine import kernel as K
 from .engine import scoring as S
 from .engine._jit import njit
-from .engine.kernel import _prefix_hits  # the engine's prefix-cache lookup (same rule as the scores)
-# ``_drive`` calls the engine's compiled ``kernel._run_copies`` directly (see its docstring)
 from .errors import ConfigError, TokenBatchError
 
 __all__ = ["TokenBatchConfig", "TokenBatchEnv", "TokenBatchVectorEnv", "ActionError", "OBS_LAYOUT",
@@ -181,273 +181,144 @@ class TokenBatchConfig:
 
 # ------------------------------------------------------------------ observation kernel
 @njit
-def _observe_one(c, kq, now, t0, n_wait, n_run, n_free, next_arr, wait_ids, run_ids, prompt, gen,
-                 computed, arrival, t1, est, hash_head, chain_off, chain_val, uniq_base, mrl, icfg, ps,
-                 fcfg, out, need):
-    """Copy c's observation row (and whether a decision is needed).
-
-    icfg = [block_size, budget, usable_blocks, max_num_seqs, prefix_caching, shed_on];
-    fcfg = [u_p, u_d, t_ref_ms, lambda_sat, rate_window_ns]."""
-    bs = icfg[0]
-    budget = icfg[1]
-    usable = float(icfg[2])
-    max_seqs = float(icfg[3])
-    prefix_on = icfg[4] != 0
-    shed_on = icfg[5] != 0
-    u_p = fcfg[0]
-    u_d = fcfg[1]
-    t_ref = fcfg[2]
-    lam = fcfg[3]
-    win_ns = fcfg[4]
+def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, next_arr, wait_ids, run_ids,
+             prompt, gen, computed, arrival, t1, est, hash_head, chain_off, chain_val, uniq_base, epoch):
+    """Observation rows of the ``active`` copies (see ``TokenBatchEnv``). The per-request entries are
+    the engine's own index inputs (``kernel.request_inputs``); ``cfg``/``fcfg`` are the engine's,
+    ``ocfg`` = [t_ref_ms, lambda_sat, rate_window_ns]; the episode start is ``epoch[c, EP_T0]``."""
+    bs = cfg[K.C_BS]
+    budget = cfg[K.C_BUDGET]
+    usable = float(cfg[K.C_USABLE])
+    max_seqs = float(cfg[K.C_MAX_SEQS])
+    prefix_on = cfg[K.C_PREFIX] != 0
+    ps = cfg[K.C_PS0:K.C_PS0 + 4]
+    u_p = fcfg[K.F_U_P]
+    u_d = fcfg[K.F_U_D]
+    t_ref = ocfg[0]
+    lam = ocfg[1]
+    win_ns = ocfg[2]
     nq = 5
     qs = (0.0, 0.25, 0.5, 0.75, 1.0)
     nfeat = 10
     base_req = 6 + 2 * nq + 2
-    nmrl = mrl.shape[0]
-    t_now = now[c]
-    nw = n_wait[c]
-    row = out[c]
-    row[:] = 0.0
-    zs = np.empty(nw)
-    ls = np.empty(nw)
-    feats = np.zeros((nw, nfeat))
-    queued = 0.0
-    lost = 0
-    sheddable = False
-    for i in range(nw):
-        r = wait_ids[c, i]
-        num_tokens = prompt[c, r] + gen[c, r]
-        hits = 0
-        if prefix_on:
-            hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs)
-        done = hits * bs
-        p_left = num_tokens - done
-        blocks = (num_tokens + bs - 1) // bs - hits
-        first_out = gen[c, r] > 0
-        t1_ms = t1[c, r] / 1e6
-        to_deadline = (arrival[c, r] + t1[c, r] - t_now) / 1e6
-        slack = to_deadline
-        if not first_out:
-            slack -= S.idle_prefill_ns(p_left, done, budget, ps) / 1e6
-        e = est[c, r]
-        if e != e:
-            g = gen[c, r] if gen[c, r] < nmrl else nmrl - 1
-            d_left = mrl[g]
-        else:
-            d_left = e - gen[c, r]
-            if d_left < 1.0:
-                d_left = 1.0
-        s_ms = S.service_ms(float(p_left), d_left, u_p, u_d)
-        z = slack / t1_ms
-        if z > S.Z_CLIP:
-            z = S.Z_CLIP
-        elif z < -S.Z_CLIP:
-            z = -S.Z_CLIP
-        if not first_out and slack < 0.0:
-            lost += 1
-            sheddable = True
-        zs[i] = z
-        ls[i] = math.log(s_ms / t_ref)
-        queued += p_left
-        feats[i, 0] = z / 10.0
-        feats[i, 1] = ls[i] / 4.0
-        feats[i, 2] = math.log1p(p_left) / math.log1p(1e5)
-        feats[i, 3] = math.log1p(d_left) / math.log1p(1e5)
-        feats[i, 4] = hits * bs / prompt[c, r]
-        feats[i, 5] = blocks / usable
-        feats[i, 6] = (t_now - arrival[c, r]) / 1e6 / t1_ms
-        feats[i, 7] = to_deadline / t_ref
-        feats[i, 8] = math.log(t1_ms / t_ref)
-        feats[i, 9] = 1.0 if first_out else 0.0
-    # engine state
-    row[0] = n_free[c] / usable
-    row[1] = n_run[c] / max_seqs
-    row[2] = math.log1p(nw) / math.log1p(1024.0)
-    row[3] = math.log1p(queued) / math.log1p(1e6)
-    cnt = 0
-    r = next_arr[c] - 1
-    while r >= 0 and arrival[c, r] > t_now - win_ns:
-        cnt += 1
-        r -= 1
-    span = t_now - t0[c]
-    if span > win_ns:
-        span = win_ns
-    if span < 1e8:
-        span = 1e8
-    row[4] = cnt / (span / 1e9) / lam
-    demand = 0.0
-    for j in range(n_run[c]):
-        q = run_ids[c, j]
-        left = prompt[c, q] + gen[c, q] - computed[c, q]
-        if gen[c, q] > 0 and left <= 1:
-            demand += 1.0
-        else:
-            demand += left
-    demand /= budget
-    row[5] = demand if demand < 1.0 else 1.0
-    # queue summary
-    if nw == 0:
-        row[6 + 2 * nq] = 1.0
-    else:
-        zsort = np.sort(zs)
-        lsort = np.sort(ls)
-        for qi in range(nq):
-            pos = int(qs[qi] * (nw - 1) + 0.5)
-            row[6 + qi] = zsort[pos] / 10.0
-            row[6 + nq + qi] = lsort[pos] / 4.0
-        row[6 + 2 * nq + 1] = lost / nw
-    # the K waiting requests with the lowest z (ties: earlier arrival, lower id)
-    order = np.argsort(zs, kind="mergesort")
-    m = nw if nw < kq else kq
-    for j in range(m):
-        i = order[j]
-        for f in range(nfeat):
-            row[base_req + j * nfeat + f] = feats[i, f]
-        row[base_req + kq * nfeat + j] = 1.0
-    for f in range(row.shape[0]):
-        v = row[f]
-        if v != v:
-            row[f] = 0.0
-        elif v > 10.0:
-            row[f] = 10.0
-        elif v < -10.0:
-            row[f] = -10.0
-    need[c] = nw >= 2 or (shed_on and sheddable)
-
-
-_FI = {name: i for i, name in enumerate(K.EngineArrays._fields)}
-(_I_NOW, _I_IT, _I_N_WAIT, _I_N_RUN, _I_N_FREE, _I_NEXT_ARR, _I_WAIT_IDS, _I_RUN_IDS, _I_PROMPT, _I_GEN,
- _I_COMPUTED, _I_ARRIVAL, _I_T1, _I_EST, _I_HASH_HEAD, _I_CHAIN_OFF, _I_CHAIN_VAL, _I_UNIQ_BASE,
- _I_END_STATE) = (_FI[n] for n in (
-    "now", "it", "n_wait", "n_run", "n_free", "next_arr", "wait_ids", "run_ids", "prompt", "gen",
-    "computed", "arrival", "t1", "est", "hash_head", "chain_off", "chain_val", "uniq_base", "end_state"))
-_BIG_STEPS = 1 << 62
-
-
-@njit
-def _observe_tuple(c, kq, t0, mrl, icfg, ps, fcfg, out, need, At):
-    _observe_one(c, kq, At[_I_NOW], t0, At[_I_N_WAIT], At[_I_N_RUN], At[_I_N_FREE], At[_I_NEXT_ARR],
-                 At[_I_WAIT_IDS], At[_I_RUN_IDS], At[_I_PROMPT], At[_I_GEN], At[_I_COMPUTED],
-                 At[_I_ARRIVAL], At[_I_T1], At[_I_EST], At[_I_HASH_HEAD], At[_I_CHAIN_OFF],
-                 At[_I_CHAIN_VAL], At[_I_UNIQ_BASE], mrl, icfg, ps, fcfg, out, need)
-
-
-@njit
-def _observe(active, kq, t0, mrl, icfg, ps, fcfg, out, need, At):
+    R = wait_ids.shape[1]
+    zs_buf = np.empty(R)
+    ls_buf = np.empty(R)
+    feats = np.empty((R, nfeat))
     for c in range(active.shape[0]):
-        if active[c]:
-            _observe_tuple(c, kq, t0, mrl, icfg, ps, fcfg, out, need, At)
-
-
-@njit
-def _need_decision(c, icfg, ps, At):
-    """``need`` of ``_observe_one`` without the observation: >= 2 waiting, or (shedding on) a lone
-    waiting request without a first token whose slack is negative."""
-    n_wait = At[_I_N_WAIT]
-    nw = n_wait[c]
-    if nw >= 2:
-        return True
-    if nw == 0 or icfg[5] == 0:
-        return False
-    r = At[_I_WAIT_IDS][c, 0]
-    gen = At[_I_GEN]
-    if gen[c, r] > 0:
-        return False
-    bs = icfg[0]
-    num_tokens = At[_I_PROMPT][c, r] + gen[c, r]
-    hits = 0
-    if icfg[4] != 0:
-        hits = _prefix_hits(At[_I_HASH_HEAD], At[_I_CHAIN_OFF], At[_I_CHAIN_VAL], At[_I_UNIQ_BASE], c, r,
-                            num_tokens, bs)
-    done = hits * bs
-    slack = (At[_I_ARRIVAL][c, r] + At[_I_T1][c, r] - At[_I_NOW][c]) / 1e6
-    slack -= S.idle_prefill_ns(num_tokens - done, done, icfg[1], ps) / 1e6
-    return slack < 0.0
-
-
-def _drive_py(pending, t0, dt, s0, s1, max_iters, kq, mrl, icfg, ps, ofcfg, out, need, term, capped,
-              active, until, At, kargs):
-    """Advance each pending copy to its next decision epoch: run the engine (``kernel._run_copies``
-    with ``kargs``, the very call ``kernel.run_copies`` makes) to the first iteration boundary at or
-    after the next epoch; stop if the episode ended or a decision is needed, else go on to the
-    following epoch. Returns 0, -1 on a NaN score (copy in nan_score), or -2 - c if copy c made no
-    progress. ``active`` and ``until`` are the arrays inside ``kargs``."""
-    now = At[_I_NOW]
-    it = At[_I_IT]
-    end_state = At[_I_END_STATE]
-    for c in range(pending.shape[0]):
-        if not pending[c]:
+        if not active[c]:
             continue
-        while True:
-            t_before = now[c]
-            it_before = it[c]
-            until[c] = t0[c] + ((now[c] - t0[c]) // dt + 1) * dt
-            if it[c] < max_iters:
-                active[c] = True
-                n = K._run_copies(*kargs)
-                active[c] = False
-                if n < 0:
-                    return -1
-            ended = True
-            for r in range(s0, s1):
-                if end_state[c, r] == 0:
-                    ended = False
-                    break
-            if ended:
-                term[c] = True
-            elif it[c] >= max_iters:
-                capped[c] = True
-            need[c] = _need_decision(c, icfg, ps, At)
-            if term[c] or capped[c] or need[c]:
-                _observe_tuple(c, kq, t0, mrl, icfg, ps, ofcfg, out, need, At)
-                break
-            if now[c] == t_before and it[c] == it_before:
-                return -2 - c
-    return 0
-
-
-_drive = njit(_drive_py)
+        t_now = now[c]
+        nw = n_wait[c]
+        row = out[c]
+        row[:] = 0.0
+        zs = zs_buf[:nw]
+        ls = ls_buf[:nw]
+        queued = 0.0
+        lost = 0
+        for i in range(nw):
+            r = wait_ids[c, i]
+            hits = 0
+            if prefix_on:  # the engine's prefix-cache lookup
+                hits = K._prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, prompt[c, r] + gen[c, r], bs)
+            cached, p_left, blocks, first_out, to_deadline, slack, d_left, s_ms = K.request_inputs(
+                True, hits, prompt[c, r], gen[c, r], 0, 0, arrival[c, r] + t1[c, r] - t_now, est[c, r], mrl, bs,
+                budget, ps, u_p, u_d)
+            t1_ms = t1[c, r] / 1e6
+            z = S.clip_z(slack, t1_ms)
+            if not first_out and slack < 0.0:
+                lost += 1
+            zs[i] = z
+            ls[i] = math.log(s_ms / t_ref)
+            queued += p_left
+            feats[i, 0] = z / 10.0
+            feats[i, 1] = ls[i] / 4.0
+            feats[i, 2] = math.log1p(p_left) / math.log1p(1e5)
+            feats[i, 3] = math.log1p(d_left) / math.log1p(1e5)
+            feats[i, 4] = cached / prompt[c, r]
+            feats[i, 5] = blocks / usable
+            feats[i, 6] = (t_now - arrival[c, r]) / 1e6 / t1_ms
+            feats[i, 7] = to_deadline / t_ref
+            feats[i, 8] = math.log(t1_ms / t_ref)
+            feats[i, 9] = 1.0 if first_out else 0.0
+        # engine state
+        row[0] = n_free[c] / usable
+        row[1] = n_run[c] / max_seqs
+        row[2] = math.log1p(nw) / math.log1p(1024.0)
+        row[3] = math.log1p(queued) / math.log1p(1e6)
+        cnt = 0
+        r = next_arr[c] - 1
+        while r >= 0 and arrival[c, r] > t_now - win_ns:
+            cnt += 1
+            r -= 1
+        span = t_now - epoch[c, K.EP_T0]
+        if span > win_ns:
+            span = win_ns
+        if span < 1e8:
+            span = 1e8
+        row[4] = cnt / (span / 1e9) / lam
+        demand = 0.0
+        for j in range(n_run[c]):
+            q = run_ids[c, j]
+            left = prompt[c, q] + gen[c, q] - computed[c, q]
+            if gen[c, q] > 0 and left <= 1:
+                demand += 1.0
+            else:
+                demand += left
+        demand /= budget
+        row[5] = demand if demand < 1.0 else 1.0
+        # queue summary
+        if nw == 0:
+            row[6 + 2 * nq] = 1.0
+        else:
+            zsort = np.sort(zs)
+            lsort = np.sort(ls)
+            for qi in range(nq):
+                pos = int(qs[qi] * (nw - 1) + 0.5)
+                row[6 + qi] = zsort[pos] / 10.0
+                row[6 + nq + qi] = lsort[pos] / 4.0
+            row[6 + 2 * nq + 1] = lost / nw
+        # the K waiting requests with the lowest z (ties: earlier arrival, lower id)
+        order = np.argsort(zs, kind="mergesort")
+        m = nw if nw < kq else kq
+        for j in range(m):
+            i = order[j]
+            for f in range(nfeat):
+                row[base_req + j * nfeat + f] = feats[i, f]
+            row[base_req + kq * nfeat + j] = 1.0
+        for f in range(row.shape[0]):
+            v = row[f]
+            if v != v:
+                row[f] = 0.0
+            elif v > 10.0:
+                row[f] = 10.0
+            elif v < -10.0:
+                row[f] = -10.0
 
 
 def _guard_stale_cache() -> None:
-    """``_observe_one`` and ``_drive`` link engine code (the kernel, the score formulas): flush their
-    cached machine code when any engine source changes (the engine's own guard, one implementation)."""
+    """``_observe`` links engine code (``request_inputs``): flush its cached machine code when any
+    engine source changes (the engine's own guard, one implementation)."""
     from .engine._jit import guard_stale_cache
 
-    guard_stale_cache([_observe_one, _observe_tuple, _observe, _need_decision, _drive], tag="envs")
+    guard_stale_cache([_observe], tag="envs")
 
 
 _guard_stale_cache()
 
 
-def _kernel_param_names() -> Optional[list]:
-    """The engine kernel's positional parameters, if ``_Core`` knows how to supply each of them."""
-    import inspect
-    fn = getattr(K._run_copies, "py_func", K._run_copies)
-    names = []
-    for name, p in inspect.signature(fn).parameters.items():
-        if name in _KERNEL_KNOWN or name in K.EngineArrays._fields:
-            names.append(name)
-        elif p.default is inspect.Parameter.empty:
-            return None
-        else:
-            break
-    return names
-
-
-_KERNEL_KNOWN = ("cfg", "fcfg", "theta", "shed_margin", "mrl", "nan_score", "tier", "score", "shed",
-                 "active", "max_steps", "until_ns", "gtab")
-
-
-
 # ------------------------------------------------------------------ shared with the evaluator
-def obs_constants(profile, engine_config, t_ref_ms: float, lambda_sat: float, shed_on: bool):
-    """(icfg, fcfg, ps) of ``_observe``: the observation's engine constants."""
-    ps = np.ascontiguousarray(np.asarray(profile.cost.ps[:4], np.int64))
-    icfg = np.array([profile.block_size, profile.max_num_batched_tokens, profile.usable_blocks,
-                     profile.max_num_seqs, int(engine_config.prefix_caching), int(shed_on)], np.int64)
-    u_p, u_d = profile.cost.per_token_ms(profile.max_num_batched_tokens)
-    return icfg, np.array([u_p, u_d, t_ref_ms, lambda_sat, RATE_WINDOW_S * 1e9]), ps
+def obs_scales(t_ref_ms: float, lambda_sat: float) -> np.ndarray:
+    """The observation's normalisation constants beyond the engine's (``observe``'s ``ocfg``)."""
+    return np.array([t_ref_ms, lambda_sat, RATE_WINDOW_S * 1e9])
+
+
+def observe(run, mask, obs, k: int, ocfg) -> None:
+    """Observation rows of the ``mask`` copies of an ``EngineRun`` (episode start: ``start_epochs``)."""
+    A = run.arrays
+    _observe(mask, k, run.mrl, run.cfg, run.fcfg, ocfg, obs, A.now, A.n_wait, A.n_run, A.n_free, A.next_arr,
+             A.wait_ids, A.run_ids, A.prompt, A.gen, A.computed, A.arrival, A.t1, A.est, A.hash_head,
+             A.chain_off, A.chain_val, A.uniq_base, A.epoch)
 
 
 def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: Optional[float]):
@@ -476,10 +347,6 @@ def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: O
     lo, hi = SHED_RANGE
     return theta, np.where(x == 0.0, base_margin, np.clip(base_margin + x * (hi - lo), lo, hi))
 
-
-def observe(mask, obs, need, t0, k, run, icfg, fcfg, ps) -> None:
-    """Observation rows (and decision-needed flags) of the ``mask`` copies of an ``EngineRun``."""
-    _observe(mask, k, t0, run.mrl, icfg, ps, fcfg, obs, need, tuple(run.arrays))
 
 
 # ------------------------------------------------------------------ the batched core
@@ -588,16 +455,13 @@ class _Core:
         ps = profile.cost.ps
         # the shortest iteration that can emit a token: one decode, or a 1-token (re)compute chunk
         self.t_min_ns = int((int(ps[0]) + min(int(ps[4]), int(ps[1]) + int(ps[2])) + 999) // 1000)
-        self.icfg, self.fcfg, self.ps = obs_constants(profile, self.engine_config, wl.t_ref_ms, wl.lambda_sat,
-                                                      margin is not None)
+        self.ocfg = obs_scales(wl.t_ref_ms, wl.lambda_sat)
         self.dt_ns = max(1, int(round(cfg.decision_interval_ms * 1e6)))
         R = cfg.n_req
         self.s0, self.s1 = cfg.warmup, cfg.warmup + cfg.window
         # per-copy episode state
         self.rngs = [np.random.default_rng(None if cfg.seed is None else cfg.seed + i) for i in range(N)]
         self.obs = np.zeros((N, self.obs_dim), np.float32)
-        self.need = np.zeros(N, np.bool_)
-        self.t0 = np.zeros(N, np.int64)
         self.t2 = np.zeros((N, R), np.int64)
         self.h_best = np.zeros((N, R), np.int64)   # best-case prefix hits (bounds.best_case_hits)
         self.certain = np.zeros((N, cfg.window), bool)
@@ -611,12 +475,6 @@ class _Core:
         self.last_records: list = [None] * N
         self.params_theta = np.tile(self.theta_star, (N, 1))
         self.params_margin = np.full(N, -1.0 if margin is None else margin)
-        self._no_shed = np.zeros((N, R), np.bool_)
-        self._active = np.zeros(N, np.bool_)
-        self._until = np.zeros(N, np.int64)
-        self._kparams = _kernel_param_names()
-        #: compiled epoch driver (True) or the EngineRun.advance reference path (False)
-        self.fast = self._kparams is not None
 
     # -------------------------------------------------------------- actions
     @property
@@ -659,10 +517,10 @@ class _Core:
             self.h_best[c] = best_case_hits(w.trace, self.run.profile.block_size, self.engine_config.prefix_caching)
         B = self._build_arrays(traces, self.run.profile, self.engine_config, ests)
         self.run.arrays = _splice(self.run.arrays, B, rows)
-        A = self.run.arrays
         self.run.tier[rows] = 0
         self.run.score[rows] = 0.0
-        self.t0[rows] = A.now[rows]
+        self.run.start_epochs(rows, interval_ns=self.dt_ns, scored=(self.s0, self.s1),
+                              shed_on=self.base_margin is not None)
         self.certain[rows] = False
         self.met_seen[rows] = False
         self.steps[rows] = 0
@@ -672,7 +530,7 @@ class _Core:
         self.observe(mask)
 
     def observe(self, mask: np.ndarray) -> None:
-        observe(mask, self.obs, self.need, self.t0, self.k, self.run, self.icfg, self.fcfg, self.ps)
+        observe(self.run, mask, self.obs, self.k, self.ocfg)
 
     def step(self, live: np.ndarray, theta: np.ndarray, margin: np.ndarray):
         """Apply the (held) parameters of the ``live`` copies and advance each to its next decision
@@ -681,51 +539,15 @@ class _Core:
         self.params_theta[live] = theta
         self.params_margin[live] = margin
         run.set_policy_params(self.params_theta, self.params_margin)
-        term = np.zeros(self.n, bool)
-        capped = np.zeros(self.n, bool)
-        if self.fast:
-            self._step_fast(live, term, capped)
-        else:
-            self._step_reference(live, term, capped)
+        stop = run.advance_to_decision(live)
+        term = live & (stop == K.STOP_ENDED)
+        capped = live & (stop == K.STOP_CAP)
+        self.observe(live)
         self.steps[live] += 1
         trunc = live & ~term & (capped | (self.steps >= self.config.max_steps))
         reward = self._rewards(live, trunc)
         self.ep_return[live] += reward[live]
         return reward, term, trunc
-
-    def _step_fast(self, live, term, capped) -> None:
-        """The compiled driver (one call per step; the engine kernel is called from compiled code)."""
-        run, A = self.run, self.run.arrays
-        nan_score = np.full(2, -1, np.int64)
-        known = {"cfg": run.cfg, "fcfg": run.fcfg, "theta": run.theta, "shed_margin": run.shed_margin,
-                 "mrl": run.mrl, "nan_score": nan_score, "tier": run.tier, "score": run.score,
-                 "shed": self._no_shed, "active": self._active, "max_steps": int(_BIG_STEPS),
-                 "until_ns": self._until, "gtab": getattr(K, "_NO_GTAB", None)}
-        kargs = tuple(getattr(A, n) if n in K.EngineArrays._fields else known[n] for n in self._kparams)
-        rc = _drive(np.ascontiguousarray(live), self.t0, self.dt_ns, self.s0, self.s1,
-                    self.config.max_iterations, self.k, run.mrl, self.icfg, self.ps, self.fcfg, self.obs,
-                    self.need, term, capped, self._active, self._until, tuple(A), kargs)
-        if rc == -1:
-            from .errors import PolicyError
-            c = int(nan_score[0])
-            raise PolicyError(f"the index produced a NaN score for copy {c}, request {int(nan_score[1])} "
-                              f"(parameters {self.params_theta[c].tolist()})")
-        if rc < -1:
-            raise RuntimeError(f"engine made no progress on copy {-2 - rc}; please report this trace")
-
-    def _step_reference(self, live, term, capped) -> None:
-        """The same advance through ``EngineRun.advance`` (public API; one batched call per epoch)."""
-        run = self.run
-        pending = live.copy()
-        while pending.any():
-            A = run.arrays
-            k = (A.now - self.t0) // self.dt_ns + 1
-            run.advance(np.where(pending, self.t0 + k * self.dt_ns, A.now), active=pending)
-            ended = (A.end_state[:, self.s0:self.s1] != K.E_NONE).all(axis=1)
-            term |= pending & ended
-            capped |= pending & ~ended & (A.it >= self.config.max_iterations)
-            self.observe(pending)
-            pending &= ~(term | capped | self.need)
 
     def _rewards(self, live: np.ndarray, trunc: np.ndarray) -> np.ndarray:
         A, s = self.run.arrays, slice(self.s0, self.s1)
@@ -794,7 +616,7 @@ class _Core:
             "episode_tpot_p99_ms": pct(o["tpot_ms"], 99),
             "episode_return": float(self.ep_return[c]), "episode_length": int(self.steps[c]),
             "episode_rho": float(self.rho[c]), "episode_truncated": bool(truncated),
-            "episode_sim_s": float(self.run.arrays.now[c] - self.t0[c]) / 1e9,
+            "episode_sim_s": float(self.run.arrays.now[c] - self.run.arrays.epoch[c, K.EP_T0]) / 1e9,
         }
 
     def reset_info(self, c: int) -> dict:

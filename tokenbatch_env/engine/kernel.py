@@ -30,9 +30,17 @@ MODE_FCFS, MODE_PRIORITY, MODE_SCORE = 0, 1, 2
 (C_BUDGET, C_MAX_SEQS, C_BS, C_USABLE, C_WATERMARK, C_MAX_LEN, C_PREFIX, C_ASYNC, C_MODE, C_JUMPS,
  C_MAX_WAIT, C_TIMEOUT_RUNNING, C_SKIP_HOL, C_MAX_ITERS,
  C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, C_WAIT_PREEMPT, C_ADMISSION,
- C_SWAP, C_HOST_BLOCKS, C_SWAP_PS_PER_BLOCK, C_REC_STREAM, N_CFG) = range(29)
+ C_SWAP, C_HOST_BLOCKS, C_SWAP_PS_PER_BLOCK, C_REC_STREAM, C_DECIDE, N_CFG) = range(30)
 # float cfg vector indices: ms per prefill / decode token at a full batch (DESIGN.md section 4)
 (F_U_P, F_U_D, N_FCFG) = range(3)
+
+# decision epochs (DESIGN.md section 5), ``EngineArrays.epoch`` columns: the episode start, the epoch
+# length (ns), the scored requests [s0, s1), the first scored request not yet seen ended (end states
+# never revert, so this cursor only moves forward), shedding on (the decision rule's), and why the
+# copy last stopped (written with ``cfg[C_DECIDE]``)
+(EP_T0, EP_DT, EP_S0, EP_S1, EP_OPEN, EP_SHED, EP_STOP, N_EP) = range(8)
+STOP_NONE, STOP_DECIDE, STOP_ENDED, STOP_CAP = 0, 1, 2, 3
+_FOREVER = np.iinfo(np.int64).max // 2  # a time no run reaches
 
 # per-iteration record columns (DESIGN.md section 3, "per-iteration records")
 ITER_COLUMNS = ("iteration", "start_ns", "end_ns", "prefill_tokens", "decodes", "scheduled_reqs",
@@ -110,6 +118,7 @@ class EngineArrays(NamedTuple):
     swap_ids: np.ndarray         # [C, R] the swapped queue, FIFO (beyond vLLM: V0 swap preemption)
     n_swap: np.ndarray           # [C]
     host_free: np.ndarray        # [C] free host blocks for swapping
+    epoch: np.ndarray            # [C, N_EP] decision-epoch state (EP_* columns)
 
 
 # Performance note. Every ``A.field`` read of the NamedTuple inside a numba function is a new
@@ -255,6 +264,88 @@ def _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, b
     return k
 
 
+# ---------------------------------------------------------------------------------- request inputs
+@helper
+def request_inputs(waiting, hits, prompt, gen, computed, held, to_deadline_ns, est, mrl, bs, budget, ps, u_p,
+                   u_d):
+    """The index inputs of one request (DESIGN.md section 4): one definition for the in-engine scores,
+    the shed rule, the decision rule and the env's observation. The request's state comes as scalars
+    (prompt, generated and computed tokens, held blocks, ns to its TTFT deadline, output estimate
+    (NaN: the residual-life table ``mrl``), and, if waiting, its cached prefix blocks ``hits`` from
+    ``_prefix_hits``): inlined, array arguments would cost a reference-count round trip per request.
+    Returns (cached tokens: hits if waiting, else computed prompt; prefill left P; blocks needed;
+    first token out; ms to the deadline; slack ms; estimated decode left d; S ms)."""
+    num_tokens = prompt + gen
+    if waiting:
+        done = hits * bs
+        cached = done
+        p_left = num_tokens - done
+        blocks_needed = (num_tokens + bs - 1) // bs - hits
+    else:
+        done = computed
+        cached = done if done < prompt else prompt
+        p_left = num_tokens - done
+        if gen > 0 and p_left == 1:
+            p_left = 0  # decoding
+        blocks_needed = held
+    first_out = gen > 0
+    to_deadline_ms = to_deadline_ns / 1e6
+    # both arrays are read on every path, so the inlined references cost no per-call refcounting
+    idle_ms = idle_prefill_ns(p_left, done, budget, ps) / 1e6
+    mrl_g = mrl[gen if gen < mrl.shape[0] else mrl.shape[0] - 1]
+    slack_ms = to_deadline_ms
+    if not first_out:
+        slack_ms -= idle_ms
+    if est != est:  # NaN: the family's mean residual life
+        d_left = mrl_g
+    else:
+        d_left = est - gen
+        if d_left < 1.0:
+            d_left = 1.0
+    s_ms = service_ms(float(p_left), d_left, u_p, u_d)
+    return cached, p_left, blocks_needed, first_out, to_deadline_ms, slack_ms, d_left, s_ms
+
+
+# ---------------------------------------------------------------------------------- decision epochs
+@helper
+def _next_epoch(epoch, c, t):
+    """The first decision epoch strictly after t."""
+    t0 = epoch[c, EP_T0]
+    dt = epoch[c, EP_DT]
+    return t0 + ((t - t0) // dt + 1) * dt
+
+
+@helper
+def _scored_ended(epoch, end_state, c):
+    """Every scored request has ended (amortised O(1): the cursor only moves forward)."""
+    j = epoch[c, EP_OPEN]
+    s1 = epoch[c, EP_S1]
+    while j < s1 and end_state[c, j] != E_NONE:
+        j += 1
+    epoch[c, EP_OPEN] = j
+    return j >= s1
+
+
+@njit  # once per epoch, not per iteration: kept out of the kernel's hot loop
+def _decision_needed(c, shed_on, t_now, n_wait, wait_ids, prompt, gen, arrival, t1, est, mrl, hash_head,
+                     chain_off, chain_val, uniq_base, prefix_on, bs, budget, ps, u_p, u_d):
+    """DESIGN.md section 5: a decision is needed at an epoch unless fewer than 2 requests wait and
+    nothing is sheddable (shedding on and a waiting request without a first token has slack < 0)."""
+    nw = n_wait[c]
+    if nw >= 2:
+        return True
+    if nw == 0 or not shed_on:
+        return False
+    r = wait_ids[c, 0]
+    hits = 0
+    if prefix_on:
+        hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, prompt[c, r] + gen[c, r], bs)
+    _, _, _, first_out, _, slack_ms, _, _ = request_inputs(
+        True, hits, prompt[c, r], gen[c, r], 0, 0, arrival[c, r] + t1[c, r] - t_now, est[c, r], mrl, bs, budget,
+        ps, u_p, u_d)
+    return not first_out and slack_ms < 0.0
+
+
 # ---------------------------------------------------------------------------------- ordering
 @helper
 def _better(qkey, prio, arrival, c, r1, r2, mode, tier, score):
@@ -398,7 +489,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 finish, finish_it, n_preempt, recomputed, resumed, run_ids, wait_ids, slot_free,
                 pend_ids, table, ref, bhash, hnext, fq_prev, fq_next, hash_head,
                 sched_r, sched_new, sched_cb, iter_rec, jump_ids, jump_off, emit_it, swapped, swap_ids,
-                n_swap, host_free, gtab=None):
+                n_swap, host_free, epoch, gtab=None):
     """``run_copies`` with the struct of arrays unpacked. One iteration of copy c is the body of the
     inner loop (written inline: a call with more than 30 arguments cannot be inlined by numba).
     ``gtab``: the empirical-Gittins table (``scoring.gittins_table(mrl)``), last and optional so
@@ -421,6 +512,12 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     waiting_preempts = cfg[C_WAIT_PREEMPT] != 0 and mode != MODE_FCFS
     acc = np.zeros(3, np.int64)
     swap_on = cfg[C_SWAP]
+    decide = cfg[C_DECIDE] != 0
+    budget_cfg = cfg[C_BUDGET]
+    u_p = fcfg[F_U_P]
+    u_d = fcfg[F_U_D]
+    # the caller's shed marks exist only with an external scorer
+    external = mode == MODE_SCORE and pid == P_EXTERNAL
     # argument groups for _preempt (a call with more than 30 arguments cannot be compiled)
     req_t = (recomputed, computed, n_preempt, resumed, qkey, status, held, n_cached)
     pool_t = (ref, bhash, fq_prev, fq_next, n_free, hash_head, hnext)
@@ -437,18 +534,41 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
         fbest = -1
         # the shed/time-out pass over the waiting list is a no-op without shed marks or max_wait
         scan_wait = max_wait >= 0
-        if not scan_wait:
+        if not scan_wait and external:
             for r in range(n):
                 if shed[c, r]:
                     scan_wait = True
                     break
-        for _ in range(max_steps):
-            if now[c] >= until_ns[c] or it[c] >= cfg[C_MAX_ITERS]:
+        # Stop at until_ns[c] or, deciding (DESIGN.md section 5), at the first iteration boundary at or
+        # after an epoch where a decision is needed or every scored request has ended; epochs that
+        # need none are skipped here, so the copy runs on with the same parameters.
+        until = _next_epoch(epoch, c, now[c]) if decide else until_ns[c]
+        stop = STOP_NONE
+        steps = 0
+        while True:
+            if it[c] >= cfg[C_MAX_ITERS]:
+                stop = STOP_CAP
                 break
+            if now[c] >= until:
+                if not decide:
+                    break
+                if _scored_ended(epoch, end_state, c):
+                    stop = STOP_ENDED
+                    break
+                if _decision_needed(c, epoch[c, EP_SHED] != 0, now[c], n_wait, wait_ids, prompt, gen, arrival, t1,
+                                    est, mrl, hash_head, chain_off, chain_val, uniq_base, prefix_on, bs,
+                                    budget_cfg, ps, u_p, u_d):
+                    stop = STOP_DECIDE
+                    break
+                until = _next_epoch(epoch, c, now[c])
+            if steps >= max_steps:
+                break
+            steps += 1
             if cfg[C_REC_STREAM] != 0 and n_iter_rec[c] >= iter_rec.shape[1]:
                 break  # record buffer full: the driver flushes it to disk and calls again
             # ------------------------------------------------------------ one iteration of copy c
             if n_ended[c] >= n:
+                stop = STOP_ENDED
                 break  # copy done
 
             # Idle engine: jump the clock to the next arrival.
@@ -495,26 +615,14 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 while i < n_wait[c] + n_run[c]:
                     waiting = i < n_wait[c]
                     r = wait_ids[c, i] if waiting else run_ids[c, i - n_wait[c]]
-                    num_tokens = prompt[c, r] + gen[c, r]
-                    if waiting:
-                        hits = 0
-                        if prefix_on:
-                            hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r,
-                                                num_tokens, bs)
-                        done = hits * bs
-                        p_left = num_tokens - done
-                        blocks_needed = (num_tokens + bs - 1) // bs - hits
-                    else:
-                        done = computed[c, r]
-                        p_left = num_tokens - done
-                        if gen[c, r] > 0 and p_left == 1:
-                            p_left = 0  # decoding
-                        blocks_needed = held[c, r]
-                    first_out = gen[c, r] > 0
-                    to_deadline_ms = (arrival[c, r] + t1[c, r] - t_now) / 1e6
-                    slack_ms = to_deadline_ms
-                    if not first_out:
-                        slack_ms -= idle_prefill_ns(p_left, done, cfg[C_BUDGET], ps) / 1e6
+                    hits = 0
+                    if waiting and prefix_on:
+                        hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r,
+                                            prompt[c, r] + gen[c, r], bs)
+                    cached, p_left, blocks_needed, first_out, to_deadline_ms, slack_ms, d_left, s_ms = \
+                        request_inputs(waiting, hits, prompt[c, r], gen[c, r], computed[c, r], held[c, r],
+                                       arrival[c, r] + t1[c, r] - t_now, est[c, r], mrl, bs, budget_cfg, ps,
+                                       u_p, u_d)
                     if waiting and not first_out and sm >= 0.0 and slack_ms < -sm * (t1[c, r] / 1e6):
                         _end(status, end_state, finish, n_ended, c, r, E_SHED, t_now)
                         if fbest == i:
@@ -524,22 +632,10 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         _wait_remove_at(wait_ids, n_wait, c, i)
                         continue
                     if score_inkernel:
-                        e = est[c, r]
-                        if e != e:  # NaN: the family's mean residual life
-                            g = gen[c, r] if gen[c, r] < mrl.shape[0] else mrl.shape[0] - 1
-                            d_left = mrl[g]
-                        else:
-                            d_left = e - gen[c, r]
-                            if d_left < 1.0:
-                                d_left = 1.0
-                        s_ms = service_ms(float(p_left), d_left, fcfg[F_U_P], fcfg[F_U_D])
-                        if waiting:
-                            ratio = hits * bs / prompt[c, r]
-                        else:
-                            ratio = (computed[c, r] if computed[c, r] < prompt[c, r] else prompt[c, r]) / prompt[c, r]
+                        ratio = cached / prompt[c, r]
                         tier[c, r] = -1 if (not first_out and slack_ms < 0.0) else 0
                         if pid == P_GITTINS:  # known prefill cost + the family's decode cost
-                            sc = gittins_score(gtab, mrl, gen[c, r], p_left * fcfg[F_U_P], fcfg[F_U_D])
+                            sc = gittins_score(gtab, mrl, gen[c, r], p_left * u_p, u_d)
                         else:
                             kh = key_hi[c] if key_hi[c] > 1 else 1
                             sc = policy_score(pid, theta[c], ratio, s_ms, d_left, slack_ms, t1[c, r] / 1e6,
@@ -585,6 +681,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         i += 1
 
             if n_ended[c] >= n:
+                stop = STOP_ENDED
                 break  # copy done
             if n_run[c] == 0 and n_wait[c] == 0 and n_pend[c] == 0 and n_swap[c] == 0:
                 total += 1  # everything visible ended; the next call jumps to the next arrival
@@ -592,7 +689,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
 
             # Jump (DESIGN.md section 3, "Jumps"): while every running request is decoding, nothing
             # waits or is pending, and no arrival, completion, unservable block claim, decision
-            # epoch or iteration cap falls inside, iterations only add one token per request. They
+            # (``until``) or iteration cap falls inside, iterations only add one token per request. They
             # are advanced here without the scheduling passes, with the same block claims in the
             # same order, so the state afterwards is the one k single steps would give.
             if (cfg[C_JUMPS] != 0 and n_wait[c] == 0 and n_pend[c] == 0 and n_swap[c] == 0 and n_run[c] > 0
@@ -630,9 +727,14 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     for ph in range(bs, 0, -1):
                         jump_off[c, ph] = jump_off[c, ph - 1]
                     jump_off[c, 0] = 0
-                    next_t = arrival[c, next_arr[c]] if next_arr[c] < n else until_ns[c]
-                    if until_ns[c] < next_t:
-                        next_t = until_ns[c]
+                    # deciding, an epoch inside a jump needs no decision (nothing waits, nothing ends)
+                    # and is skipped, unless every scored request has ended (it then terminates)
+                    lim = until
+                    if decide and not _scored_ended(epoch, end_state, c):
+                        lim = _FOREVER
+                    next_t = arrival[c, next_arr[c]] if next_arr[c] < n else lim
+                    if lim < next_t:
+                        next_t = lim
                     a_ps = cfg[C_PS0] + cfg[C_PS_DECODE] * D + cfg[C_PS_KV] * kv0
                     b_ps = cfg[C_PS_KV] * D
                     t = now[c]
@@ -1040,13 +1142,19 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
             now[c] = end
             it[c] = itc + 1
             total += 1
+        if decide:
+            if stop == STOP_CAP and _scored_ended(epoch, end_state, c):
+                stop = STOP_ENDED
+            epoch[c, EP_STOP] = stop
     return total
 
 
 def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns,
                gtab=None):
     """Advance every active copy by up to ``max_steps`` iterations, stopping a copy once its clock
-    reaches ``until_ns[c]`` (a decision epoch) or its iteration cap. Returns iterations run.
+    reaches ``until_ns[c]`` or its iteration cap. Returns iterations run. With ``cfg[C_DECIDE]``
+    (``EngineRun.advance_to_decision``) ``until_ns`` is unused: each copy runs to its next decision
+    epoch (``A.epoch``; DESIGN.md section 5) and ``A.epoch[c, EP_STOP]`` says why it stopped.
 
     ``theta[c]`` is copy c's policy parameter vector and ``shed_margin[c]`` its shed margin (< 0:
     no shedding). With an in-engine policy (``cfg[C_PID]``) the kernel writes ``tier``/``score``

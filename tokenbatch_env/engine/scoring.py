@@ -43,6 +43,17 @@ def expit(x):
 
 
 @njit
+def clip_z(slack_ms, t1_ms):
+    """z_i = clip(slack_i / T1_i, -50, 50)."""
+    z = slack_ms / t1_ms
+    if z > Z_CLIP:
+        return Z_CLIP
+    if z < -Z_CLIP:
+        return -Z_CLIP
+    return z
+
+
+@njit
 def service_ms(p_left, d_left, u_p, u_d):
     """S_i = max(P_i*u_p + d_i*u_d, u_d)."""
     s = p_left * u_p + d_left * u_d
@@ -96,11 +107,7 @@ def policy_score(pid, theta, prefix_ratio, s_ms, d_left, slack_ms, t1_ms, first_
         return -deadline_ms
     if pid == P_LLF:
         return -slack_ms
-    z = slack_ms / t1_ms
-    if z > Z_CLIP:
-        z = Z_CLIP
-    elif z < -Z_CLIP:
-        z = -Z_CLIP
+    z = clip_z(slack_ms, t1_ms)
     if pid == P_LINEAR:
         return linear_score(theta, prefix_ratio, s_ms, z, first_token_out, blocks_needed, usable_blocks,
                             to_deadline_ms, slack_ms, queue_pos)

@@ -126,8 +126,9 @@ def _per_copy(value, C: int, what: str, width: Optional[int] = None) -> np.ndarr
 
 class EngineRun:
     """N engine copies (one trace each) advanced in pieces: the one driver behind ``simulate``, the
-    Gymnasium envs (decision epochs) and tuning. ``advance`` stops each copy at the first iteration
-    boundary at or after ``until_ns``; ``set_policy_params`` changes per-copy parameters between."""
+    Gymnasium envs and controlled replays (decision epochs) and tuning. ``advance`` stops each copy
+    at the first iteration boundary at or after ``until_ns``; ``advance_to_decision`` at its next
+    decision epoch (``start_epochs``); ``set_policy_params`` changes per-copy parameters between."""
 
     def __init__(self, traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile] = "stress-512",
                  policy: Union[str, EnginePolicy, Scorer] = "fcfs", config: Optional[EngineConfig] = None,
@@ -155,6 +156,8 @@ class EngineRun:
         self.record_sink, self.record_chunk = record_sink, int(record_chunk)
         self.cfg = make_cfg(self.profile, self.config, self.policy.mode, self.policy.pid,
                             stream_records=iteration_sink is not None)
+        self._cfg_decide = self.cfg.copy()
+        self._cfg_decide[K.C_DECIDE] = 1
         self.fcfg = make_fcfg(self.profile)
         C, R = A.arrival.shape
         self.theta = np.zeros((C, N_THETA))
@@ -199,25 +202,71 @@ class EngineRun:
             act = base & ~self.done & (A.now < until)
             if not act.any():
                 return total
-            tier, score, shed, steps = self.tier, self.score, self._no_shed, chunk_steps
-            if self.scorer is not None:
-                tier, score, shed = self.scorer.fn(A, A.now)
-                steps = 1 if self.scorer.time_dependent else chunk_steps
-            before = int(A.n_ended.sum())
-            snap = (A.now.copy(), A.it.copy(), A.n_ended.copy(), A.n_wait.copy(), A.n_run.copy())
-            total += K.run_copies(A, self.cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, tier,
-                                  score, shed, act, steps, until)
-            if self.iteration_sink is not None:
-                self.flush_iterations()
-            if self.record_sink is not None:
-                self.flush_records()
-            stuck = act & (A.now == snap[0]) & (A.it == snap[1]) & (A.n_ended == snap[2]) \
-                & (A.n_wait == snap[3]) & (A.n_run == snap[4])
-            if stuck.any():  # a safety net: the engine must never spin without progress
-                raise RuntimeError(f"engine made no progress on copies {np.flatnonzero(stuck)[:10].tolist()} "
-                                   f"at t={A.now[stuck][:3].tolist()} ns; please report this trace")
-            if bar is not None:
-                bar.update(int(A.n_ended.sum()) - before)
+            total += self._run(self.cfg, act, until, chunk_steps, bar)
+
+    def start_epochs(self, rows=None, *, interval_ns: int, scored=None, shed_on: bool) -> None:
+        """Start decision epochs (DESIGN.md section 5) for copies ``rows`` (default all) at their
+        current clock: one every ``interval_ns``. ``scored`` = (lo, hi), scalars or one per row
+        (default: every request), the requests whose end terminates the episode; ``shed_on``: the
+        decision rule counts sheddable requests (the episode has a shed margin)."""
+        A = self.arrays
+        rows = np.arange(self.n_copies) if rows is None else np.asarray(rows, np.int64)
+        if int(interval_ns) < 1:
+            raise ConfigError(f"interval_ns must be >= 1, got {interval_ns}")
+        lo, hi = (0, A.n_req[rows]) if scored is None else scored
+        lo = np.broadcast_to(np.asarray(lo, np.int64), rows.shape)
+        hi = np.broadcast_to(np.asarray(hi, np.int64), rows.shape)
+        if ((lo < 0) | (lo > hi) | (hi > A.n_req[rows])).any():
+            raise ConfigError(f"scored range must satisfy 0 <= lo <= hi <= requests, got {scored}")
+        ep = A.epoch
+        ep[rows, K.EP_T0] = A.now[rows]
+        ep[rows, K.EP_DT] = int(interval_ns)
+        ep[rows, K.EP_S0] = lo
+        ep[rows, K.EP_S1] = hi
+        ep[rows, K.EP_OPEN] = lo
+        ep[rows, K.EP_SHED] = int(bool(shed_on))
+        ep[rows, K.EP_STOP] = K.STOP_NONE
+
+    def advance_to_decision(self, active=None, *, chunk_steps: int = 20_000) -> np.ndarray:
+        """Run each ``active`` copy (default all) to its next decision: the first iteration boundary
+        at or after a decision epoch where a decision is needed or every scored request has ended,
+        or the end of all its requests, or its iteration cap; epochs in between are skipped with the
+        parameters held. Returns each copy's stop reason (``K.STOP_*``; STOP_NONE if not active)."""
+        A, C = self.arrays, self.n_copies
+        act = np.ones(C, bool) if active is None else np.array(active, bool)
+        if (A.epoch[act, K.EP_DT] < 1).any():
+            raise ConfigError("advance_to_decision: call start_epochs for these copies first")
+        A.epoch[:, K.EP_STOP] = K.STOP_NONE
+        while act.any():
+            self._run(self._cfg_decide, act, A.now, chunk_steps, None)  # (until_ns unused when deciding)
+            act &= A.epoch[:, K.EP_STOP] == K.STOP_NONE
+        return A.epoch[:, K.EP_STOP].copy()
+
+    def _run(self, cfg, act, until, chunk_steps, bar) -> int:
+        """One kernel call over the ``act`` copies, then the sinks and the no-progress check."""
+        A = self.arrays
+        tier, score, shed, steps = self.tier, self.score, self._no_shed, chunk_steps
+        if self.scorer is not None:
+            tier, score, shed = self.scorer.fn(A, A.now)
+            steps = 1 if self.scorer.time_dependent else chunk_steps
+        before = int(A.n_ended.sum())
+        snap = (A.now.copy(), A.it.copy(), A.n_ended.copy(), A.n_wait.copy(), A.n_run.copy())
+        total = K.run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, tier, score, shed, act,
+                             steps, until)
+        if self.iteration_sink is not None:
+            self.flush_iterations()
+        if self.record_sink is not None:
+            self.flush_records()
+        stuck = act & (A.now == snap[0]) & (A.it == snap[1]) & (A.n_ended == snap[2]) \
+            & (A.n_wait == snap[3]) & (A.n_run == snap[4])
+        if cfg[K.C_DECIDE]:
+            stuck &= A.epoch[:, K.EP_STOP] == K.STOP_NONE
+        if stuck.any():  # a safety net: the engine must never spin without progress
+            raise RuntimeError(f"engine made no progress on copies {np.flatnonzero(stuck)[:10].tolist()} "
+                               f"at t={A.now[stuck][:3].tolist()} ns; please report this trace")
+        if bar is not None:
+            bar.update(int(A.n_ended.sum()) - before)
+        return total
 
     def flush_iterations(self) -> None:
         """Hand buffered per-iteration records to the sink and empty the buffers."""

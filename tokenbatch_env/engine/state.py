@@ -216,4 +216,5 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
         swapped=z(C, R), swap_ids=z(C, R), n_swap=z(C),
         host_free=z(C, fill=int(config.swap_space_gib * 2**30
                                 // (profile.block_size * profile.kv_bytes_per_token))),
+        epoch=z(C, K.N_EP),
     )
