@@ -155,33 +155,51 @@ def best_case_hits(trace: Trace, block_size: int, prefix_caching: bool = True) -
     return block_size * np.minimum(blocks, np.maximum(N - 1, 0) // block_size)
 
 
-def min_prefill_ps2(N, h, ps: np.ndarray, B: int) -> np.ndarray:
+@nb.njit(cache=True)
+def min_prefill_ps2_one(N, h, c0, cp, cc2, cat, B):
     """Twice the minimum, over all chunkings (chunks <= B), of the ps cost of prefilling tokens
-    [h, N) in one pass (module doc, (a)). Integer, vectorised. Exact for alpha >= 0."""
-    N = np.asarray(N, np.int64)
-    h = np.asarray(h, np.int64)
-    c0, cp, cc2, cat = (int(x) for x in ps[:4])
+    [h, N) in one pass (module doc, (a)), for one request. Integer; exact for alpha >= 0."""
     P = N - h
     alpha2 = 2 * cc2 - cat                                       # 2 * alpha
     base = 2 * cp * P + cat * (N * N - h * h)                    # 2 c_p P + c_attn (N^2 - h^2)
-    m_lo = np.maximum((P + B - 1) // B, 1)
+    m_lo = (P + B - 1) // B
+    if m_lo < 1:
+        m_lo = 1
     if alpha2 < 0:
         # sum k^2 <= P * min(P, B) <= N * min(N, B) for any P in [P_i, N] (valid, loose)
-        sk = N * np.minimum(N, B)
-        return base + 2 * c0 * m_lo + alpha2 * sk
-    best = None
-    if alpha2 == 0:
-        cands = [m_lo]
-    else:
-        m_star = np.floor(P * math.sqrt(alpha2 / (2.0 * c0))).astype(np.int64)
-        cands = [m_lo] + [m_star + d for d in range(-2, 4)]
-    for m in cands:
-        m = np.clip(m, m_lo, np.maximum(P, 1))
+        return base + 2 * c0 * m_lo + alpha2 * N * min(N, B)
+    hi = P if P > 1 else 1
+    best = -1
+    m_star = 0
+    if alpha2 > 0:
+        # no per-iteration cost: more chunks are always cheaper
+        m_star = hi if c0 == 0 else int(math.floor(P * math.sqrt(alpha2 / (2.0 * c0))))
+    for d in range(-3, 4):
+        if alpha2 == 0 and d > -3:
+            break
+        m = m_lo if d == -3 else m_star + d
+        m = min(max(m, m_lo), hi)
         q, r = P // m, P % m
-        sk = r * (q + 1) ** 2 + (m - r) * q * q
-        v = 2 * c0 * m + alpha2 * sk
-        best = v if best is None else np.minimum(best, v)
+        v = 2 * c0 * m + alpha2 * (r * (q + 1) ** 2 + (m - r) * q * q)
+        if best < 0 or v < best:
+            best = v
     return base + best
+
+
+@nb.njit(cache=True)
+def _min_prefill_ps2_all(N, h, c0, cp, cc2, cat, B, out):
+    for i in range(N.shape[0]):
+        out[i] = min_prefill_ps2_one(N[i], h[i], c0, cp, cc2, cat, B)
+
+
+def min_prefill_ps2(N, h, ps: np.ndarray, B: int) -> np.ndarray:
+    """``min_prefill_ps2_one`` over arrays (broadcast)."""
+    N, h = np.broadcast_arrays(np.asarray(N, np.int64), np.asarray(h, np.int64))
+    out = np.empty(N.size, np.int64)
+    c0, cp, cc2, cat = (int(x) for x in ps[:4])
+    _min_prefill_ps2_all(np.ascontiguousarray(N.ravel()), np.ascontiguousarray(h.ravel()), c0, cp, cc2, cat,
+                         int(B), out)
+    return out.reshape(N.shape)
 
 
 def _ceil_div(a, b):

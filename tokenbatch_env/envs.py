@@ -24,6 +24,7 @@ from gymnasium.vector import AutoresetMode
 
 from .engine import kernel as K
 from .engine import scoring as S
+from .bounds import min_prefill_ps2_one
 from .engine._jit import njit
 from .errors import ConfigError, TokenBatchError
 
@@ -296,12 +297,61 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
                 row[f] = -10.0
 
 
+@njit
+def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token, finish, arrival, t1, t2,
+             out_len, gen, capped, certain, met_seen, out, prompt, computed, n_preempt, h_best, ps, budget):
+    """Step rewards of the ``live`` copies (see ``TokenBatchEnv``, "Rewards"): scored requests [s0, s1)
+    whose miss became certain (or, ``count_met``, that were met) since the last step; ``certain`` and
+    ``met_seen`` ([N, s1 - s0]) remember what was counted."""
+    for c in range(live.shape[0]):
+        if not live[c]:
+            continue
+        t = now[c]
+        n = 0
+        for j in range(s0, s1):
+            es = end_state[c, j]
+            ft = first_token[c, j]
+            arr = arrival[c, j]
+            o = out_len[c, j]
+            ended = es != K.E_NONE
+            met = (es == K.E_COMPLETED and ft - arr <= t1[c, j]
+                   and (o <= 1 or finish[c, j] - ft <= t2[c, j] * (o - 1 if o > 1 else 1)))
+            ttft_lost = ft < 0 and arr <= t and t > arr + t1[c, j]
+            k = j - s0
+            if ft < 0 and arr <= t and not ended and not ttft_lost and not certain[c, k]:
+                # TTFT unreachable: even an idle engine, with every cacheable prefix block cached,
+                # could not emit the first token by arrival + T1 (the analogue of tpot_lost)
+                n_tok = prompt[c, j]
+                h = h_best[c, j] if h_best[c, j] > computed[c, j] else computed[c, j]
+                if n_preempt[c, j] > 0:   # it may re-hit its own cached blocks: all but one token
+                    h = n_tok - 1
+                if h > n_tok - 1:
+                    h = n_tok - 1
+                if h < 0:
+                    h = 0
+                ps2 = min_prefill_ps2_one(n_tok, h, ps[0], ps[1], ps[2], ps[3], budget)
+                ttft_lost = t + (ps2 + 1999) // 2000 > arr + t1[c, j]
+            tpot_lost = (ft >= 0 and not ended and o > 1
+                         and t + (o - gen[c, j]) * t_min - ft > t2[c, j] * (o - 1))
+            lost = ((ended and not met) or ttft_lost or tpot_lost or (capped[c, j] and arr <= t)
+                    or (trunc[c] and not ended))
+            if count_met:
+                if met and not met_seen[c, k]:
+                    n += 1
+            elif lost and not certain[c, k]:
+                n -= 1
+            certain[c, k] |= lost
+            met_seen[c, k] |= met
+        out[c] = n
+
+
 def _guard_stale_cache() -> None:
     """``_observe`` links engine code (``request_inputs``): flush its cached machine code when any
     engine source changes (the engine's own guard, one implementation)."""
     from .engine._jit import guard_stale_cache
 
-    guard_stale_cache([_observe], tag="envs")
+    from . import bounds
+    guard_stale_cache([_observe, _rewards], tag="envs", extra_sources=[bounds.__file__])
 
 
 _guard_stale_cache()
@@ -455,6 +505,7 @@ class _Core:
         ps = profile.cost.ps
         # the shortest iteration that can emit a token: one decode, or a 1-token (re)compute chunk
         self.t_min_ns = int((int(ps[0]) + min(int(ps[4]), int(ps[1]) + int(ps[2])) + 999) // 1000)
+        self.ps_cost = np.ascontiguousarray(np.asarray(ps[:4], np.int64))
         self.ocfg = obs_scales(wl.t_ref_ms, wl.lambda_sat)
         self.dt_ns = max(1, int(round(cfg.decision_interval_ms * 1e6)))
         R = cfg.n_req
@@ -550,48 +601,12 @@ class _Core:
         return reward, term, trunc
 
     def _rewards(self, live: np.ndarray, trunc: np.ndarray) -> np.ndarray:
-        A, s = self.run.arrays, slice(self.s0, self.s1)
-        rows = np.flatnonzero(live)
-        es = A.end_state[rows, s]
-        ft = A.first_token[rows, s]
-        fin = A.finish[rows, s]
-        arr = A.arrival[rows, s]
-        t1 = A.t1[rows, s]
-        t2 = self.t2[rows, s]
-        o = A.out_len[rows, s]
-        now = A.now[rows][:, None]
-        ended = es != K.E_NONE
-        met = (es == K.E_COMPLETED) & (ft - arr <= t1) & ((o <= 1) | (fin - ft <= t2 * np.maximum(o - 1, 1)))
-        ttft_lost = (ft < 0) & (arr <= now) & (now > arr + t1)
-        # TTFT unreachable: even an idle engine, with every cacheable prefix block cached, could
-        # not emit the first token by arrival + T1 (the TTFT analogue of tpot_lost below)
-        open_ = (ft < 0) & (arr <= now) & ~ended & ~ttft_lost & ~self.certain[rows]
-        if open_.any():
-            from .bounds import min_prefill_ps2
-            ri, ci = np.nonzero(open_)
-            c_abs = rows[ri]
-            r_abs = ci + self.s0
-            n_tok = A.prompt[c_abs, r_abs]
-            comp = A.computed[c_abs, r_abs]
-            h = np.maximum(self.h_best[c_abs, r_abs], comp)
-            # a preempted request may re-hit its own cached blocks: assume all but the last token
-            h = np.where(A.n_preempt[c_abs, r_abs] > 0, np.maximum(n_tok - 1, 0), h)
-            h = np.minimum(h, np.maximum(n_tok - 1, 0))
-            t_min = -((-min_prefill_ps2(n_tok, h, self.run.profile.cost.ps, self.run.profile.max_num_batched_tokens))
-                      // 2000)
-            ttft_lost[ri, ci] = now[ri, 0] + t_min > arr[ri, ci] + t1[ri, ci]
-        tpot_lost = (ft >= 0) & ~ended & (o > 1) & (now + (o - A.gen[rows, s]) * self.t_min_ns - ft > t2 * (o - 1))
-        capped = A.capped[rows, s] & (arr <= now)
-        certain = (ended & ~met) | ttft_lost | tpot_lost | capped | (trunc[rows][:, None] & ~ended)
-        new_miss = certain & ~self.certain[rows]
-        new_met = met & ~self.met_seen[rows]
-        self.certain[rows] |= certain
-        self.met_seen[rows] |= met
+        A = self.run.arrays
         out = np.zeros(self.n)
-        if self.config.reward_mode == "certain_miss":
-            out[rows] = -new_miss.sum(axis=1)
-        else:
-            out[rows] = new_met.sum(axis=1)
+        _rewards(live, trunc, self.s0, self.s1, self.t_min_ns, self.config.reward_mode == "met", A.now,
+                 A.end_state, A.first_token, A.finish, A.arrival, A.t1, self.t2, A.out_len, A.gen, A.capped,
+                 self.certain, self.met_seen, out, A.prompt, A.computed, A.n_preempt, self.h_best,
+                 self.ps_cost, self.run.profile.max_num_batched_tokens)
         return out
 
     def episode_info(self, c: int, truncated: bool) -> dict:

@@ -35,23 +35,24 @@ except ImportError:  # pragma: no cover
     helper = njit
 
 
-def engine_digest() -> str:
-    """SHA-256 of every engine source file (what compiled engine code depends on)."""
+def engine_digest(extra_sources=()) -> str:
+    """SHA-256 of every engine source file (what compiled engine code depends on), plus ``extra_sources``."""
     h = hashlib.sha256()
-    for f in sorted(Path(__file__).parent.glob("*.py")):
+    for f in [*sorted(Path(__file__).parent.glob("*.py")), *map(Path, extra_sources)]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 
-def guard_stale_cache(dispatchers=None, tag: str = "engine") -> None:
+def guard_stale_cache(dispatchers=None, tag: str = "engine", extra_sources=()) -> None:
     """Flush the on-disk compiled code of ``dispatchers`` (default: every engine function) when the
-    engine sources changed since it was written; numba then recompiles on first use."""
+    engine sources (or ``extra_sources``, other files they link) changed since it was written;
+    numba then recompiles on first use."""
     disp = [d for d in (_REGISTRY if dispatchers is None else dispatchers) if hasattr(d, "_cache")]
     if not disp:
         return
     try:
         stamp = Path(disp[0]._cache.cache_path) / f"tokenbatch.{tag}.sha256"
-        digest = engine_digest()
+        digest = engine_digest(extra_sources)
         if stamp.exists() and stamp.read_text() == digest:
             return
         for d in disp:
