@@ -47,7 +47,7 @@ def run_controlled(traces, profile, config, spec: ControlSpec, *, estimates=None
     decision is needed (>= 2 waiting, or a sheddable request); parameters are held in between.
     Returns the ``SimResult`` of the whole replay."""
     from .engine.simulate import EngineRun
-    from .envs import N_ENGINE, NQ, F, obs_scales, observe
+    from .envs import obs_dim, obs_scales, observe
     from .policies import engine_policy
 
     ctrl = spec.make(t_ref_ms)
@@ -58,7 +58,7 @@ def run_controlled(traces, profile, config, spec: ControlSpec, *, estimates=None
     run.start_epochs(interval_ns=max(1, int(round(spec.decision_interval_ms * 1e6))),
                      shed_on=spec.base_margin is not None)
     ocfg = obs_scales(t_ref_ms, lambda_sat)
-    obs = np.zeros((N, N_ENGINE + 2 * NQ + 2 + spec.k * (F + 1)), np.float32)
+    obs = np.zeros((N, obs_dim(spec.k)), np.float32)
     theta, margin = run.theta.copy(), run.shed_margin.copy()
     ask = np.ones(N, bool)
     observe(run, ask, obs, spec.k, ocfg)

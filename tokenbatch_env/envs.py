@@ -74,6 +74,13 @@ def obs_layout(k: int) -> list:
 
 
 OBS_LAYOUT = obs_layout(8)
+#: entries before the K request rows: engine state and queue summary
+N_GLOBAL = N_ENGINE + 2 * NQ + 2
+
+
+def obs_dim(k: int) -> int:
+    """Length of the observation with K observed requests (``len(obs_layout(k))``)."""
+    return N_GLOBAL + k * (F + 1)
 
 
 # ------------------------------------------------------------------ config
@@ -501,7 +508,7 @@ class _Core:
         self.pol = pol
         # constants for observations and certain-miss detection
         self.k = cfg.k
-        self.obs_dim = N_ENGINE + 2 * NQ + 2 + cfg.k * (F + 1)
+        self.obs_dim = obs_dim(cfg.k)
         ps = profile.cost.ps
         # the shortest iteration that can emit a token: one decode, or a 1-token (re)compute chunk
         self.t_min_ns = int((int(ps[0]) + min(int(ps[4]), int(ps[1]) + int(ps[2])) + 999) // 1000)

@@ -160,15 +160,15 @@ def request_set_extractor_class():
     from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
     from torch import nn
 
-    from .envs import F, N_ENGINE, NQ
+    from .envs import F, N_GLOBAL, obs_dim
 
     class RequestSetExtractor(BaseFeaturesExtractor):
         def __init__(self, observation_space, k: int = 8, embed: int = 32, features_dim: int = 128):
             super().__init__(observation_space, features_dim)
-            self.k, self.g = int(k), N_ENGINE + 2 * NQ + 2
-            if observation_space.shape[0] != self.g + self.k * (F + 1):
+            self.k, self.g = int(k), N_GLOBAL
+            if observation_space.shape[0] != obs_dim(self.k):
                 raise ValueError(f"RequestSetExtractor(k={k}) does not fit observations of size "
-                                 f"{observation_space.shape[0]} (expected {self.g + self.k * (F + 1)})")
+                                 f"{observation_space.shape[0]} (expected {obs_dim(self.k)})")
             self.encoder = nn.Sequential(nn.Linear(F, embed), nn.Tanh(), nn.Linear(embed, embed), nn.Tanh())
             self.head = nn.Sequential(nn.Linear(self.g + 2 * embed, features_dim), nn.Tanh())
 
