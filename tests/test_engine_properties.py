@@ -1,6 +1,7 @@
 """Engine invariants over random traces and configurations (hypothesis)."""
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tokenbatch_env.engine import kernel as K
@@ -40,6 +41,7 @@ configs = st.fixed_dictionaries({
     "admission_control": st.booleans(),
     "swap": st.booleans(),
     "swap_space_gib": st.sampled_from([0.0, 0.01, 4.0]),
+    "max_wait_ms": st.sampled_from([None, None, 150.0, 400.0]),
 })
 policies = st.sampled_from(["fcfs", "priority", "edf", "llf", "sjf", "index", "edf+shed", "fcfs+shed"])
 
@@ -131,3 +133,119 @@ def test_jumps_equal_single_steps(trace, policy, cfg):
         assert np.array_equal(ia[k], ib[k]), k
     for f in ("now", "it", "n_free", "ref", "bhash", "fq_next", "hash_head", "table"):
         assert np.array_equal(getattr(jumped.arrays, f), getattr(stepped.arrays, f)), f
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), policies, configs, st.sampled_from([5.0, 30.0, 100.0]), st.booleans())
+def test_jumps_equal_single_steps_at_decision_epochs(trace, policy, cfg, interval_ms, shed_on):
+    """Run to decision epochs (DESIGN.md section 5) with and without jumps: the same stops, at the
+    same clocks, with the same state at each."""
+    from tokenbatch_env.engine.simulate import EngineRun
+    est = [trace.output_tokens * 1.3]
+    runs = [EngineRun([trace], "linear", _policy(policy),
+                      EngineConfig(max_iterations=200_000, jumps=j, **cfg), estimates=est) for j in (True, False)]
+    if len(trace) == 0:
+        return
+    for run in runs:
+        run.start_epochs(interval_ns=int(interval_ms * 1e6), scored=(0, len(trace)), shed_on=shed_on)
+    for _ in range(10_000):
+        stops = [int(run.advance_to_decision()[0]) for run in runs]
+        assert stops[0] == stops[1]
+        A, B = runs[0].arrays, runs[1].arrays
+        for f in ("now", "it", "n_wait", "n_run", "n_free", "end_state", "computed", "gen", "n_preempt"):
+            assert np.array_equal(getattr(A, f), getattr(B, f)), f
+        if stops[0] != K.STOP_DECIDE:
+            break
+
+
+# ------------------------------------------------------------- jumps past a blocked waiting queue
+def _build(arr, prompt, out, chains, t1_ms):
+    order = np.argsort(arr, kind="stable")
+    chains = [chains[i] for i in order]
+    offsets = np.concatenate([[0], np.cumsum([len(c) for c in chains])]).astype(np.int64)
+    n = len(arr)
+    return Trace.build(arrival_ns=np.asarray(arr, np.int64)[order], prompt_tokens=np.asarray(prompt)[order],
+                       output_tokens=np.asarray(out)[order], ttft_slo_ns=np.full(n, int(t1_ms * 1e6)),
+                       tpot_slo_ns=np.full(n, 30_000_000),
+                       prefix_offsets=offsets, prefix_hashes=np.array([h for c in chains for h in c], np.int64))
+
+
+def _blocked_trace(t1_ms=100.0, extra_waiting=False):
+    """Request 0 decodes for ~750 ms holding most of a 21-block pool (num_blocks 22); request 1
+    (250-token prompt) arrives at 1 ms and cannot fit until 0 ends. ``extra_waiting``: a second
+    blocked request."""
+    arr, prompt, out = [0, 1_000_000], [160, 250], [150, 3]
+    if extra_waiting:
+        arr.append(2_000_000), prompt.append(240), out.append(2)
+    return _build(arr, prompt, out, [[]] * len(arr), t1_ms)
+
+
+def _evicted_hits_trace():
+    """num_blocks 64: six decoders claim a block every ~2.7 iterations; a donor (320 tokens, chain
+    of 20 blocks) ends at once, leaving its cached blocks at the free queue's tail; request 7
+    (900 tokens, same chain: 20 hits) waits, blocked, while the decoders' claims evict its hits one
+    by one, each raising its prefill time, so its shed instant moves earlier."""
+    arr = [0] * 7 + [30_000_000]
+    prompt = [64] * 6 + [320, 900]
+    out = [200] * 6 + [1, 3]
+    chain = list(range(1, 21))
+    return _build(arr, prompt, out, [[]] * 6 + [chain, chain], 290.0)
+
+
+def _counted(trace, policy, cfg, jumps, decide=None):
+    """Records, stops and the number of kernel passes (chunk_steps=1: one pass per call; a jump is
+    one pass) of a run with or without jumps."""
+    from tokenbatch_env.engine.simulate import EngineRun
+    run = EngineRun([trace], "linear", _policy(policy),
+                    EngineConfig(max_iterations=100_000, jumps=jumps, **cfg),
+                    estimates=[trace.output_tokens * 1.0])
+    calls, stops = [0], []
+    real = K.run_copies
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+    K.run_copies = counting
+    try:
+        if decide is None:
+            run.advance(chunk_steps=1)
+        else:
+            run.start_epochs(interval_ns=int(decide * 1e6), shed_on=True)
+            while not run.done.all():
+                st = int(run.advance_to_decision(chunk_steps=1)[0])
+                stops.append((st, int(run.arrays.now[0]), int(run.arrays.n_wait[0])))
+                if st != K.STOP_DECIDE:
+                    break
+    finally:
+        K.run_copies = real
+    return run.result().records(0), stops, calls[0]
+
+
+@pytest.mark.parametrize("case", ["decide-one-waiting", "decide-two-waiting", "shed", "time-out",
+                                  "evicted-hits"])
+def test_jumps_past_a_blocked_waiting_queue_equal_single_steps(case):
+    policy, cfg, decide, trace = "index", {"num_blocks": 22}, None, _blocked_trace()
+    if case == "decide-one-waiting":
+        decide = 20.0
+    elif case == "decide-two-waiting":
+        decide, trace = 20.0, _blocked_trace(extra_waiting=True)
+    elif case == "shed":
+        policy = "edf+shed"
+    elif case == "time-out":
+        policy, cfg = "fcfs", {"num_blocks": 22, "max_wait_ms": 300.0}
+    else:
+        policy, cfg, trace = "edf+shed", {"num_blocks": 64}, _evicted_hits_trace()
+    (ra, sa, na), (rb, sb, nb) = (_counted(trace, policy, cfg, j, decide) for j in (True, False))
+    for k in ra:
+        assert np.array_equal(ra[k], rb[k]), (case, k)
+    assert sa == sb
+    assert na * 2 < nb, (case, na, nb)  # the jumps did happen despite the waiting request
+    w = int(np.argmax(trace.prompt_tokens))
+    if case == "decide-one-waiting":   # the decision comes at the first epoch after its slack < 0
+        assert any(s == K.STOP_DECIDE and n == 1 for s, _, n in sa)
+    elif case == "decide-two-waiting":
+        assert sum(s == K.STOP_DECIDE for s, _, _ in sa) > 20
+    elif case in ("shed", "evicted-hits"):
+        assert ra["end_state"][w] == K.E_SHED
+    else:
+        assert ra["end_state"][w] == K.E_TIMED_OUT

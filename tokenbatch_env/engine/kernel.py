@@ -306,6 +306,31 @@ def request_inputs(waiting, hits, prompt, gen, computed, held, to_deadline_ns, e
     return cached, p_left, blocks_needed, first_out, to_deadline_ms, slack_ms, d_left, s_ms
 
 
+@helper
+def _first_slack_below(base, idle_ms, thr):
+    """The first time t (ns) at which a waiting request's slack, computed as ``request_inputs`` does
+    ((base - t)/1e6 - idle_ms, base = arrival + T1), is below ``thr``: the predicate is monotone in
+    t, so a bracket then bisection on the exact float expression."""
+    g = base - np.int64((idle_ms + thr) * 1e6)
+    lo = g - 2
+    hi = g + 2
+    step = 2
+    while (base - lo) / 1e6 - idle_ms < thr:
+        lo -= step
+        step *= 2
+    step = 2
+    while not ((base - hi) / 1e6 - idle_ms < thr):
+        hi += step
+        step *= 2
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        if (base - mid) / 1e6 - idle_ms < thr:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 # ---------------------------------------------------------------------------------- decision epochs
 @helper
 def _next_epoch(epoch, c, t):
@@ -511,6 +536,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     skip_hol = cfg[C_SKIP_HOL] != 0
     waiting_preempts = cfg[C_WAIT_PREEMPT] != 0 and mode != MODE_FCFS
     acc = np.zeros(3, np.int64)
+    ev_blocks = np.empty(nb, np.int64)  # jump scratch: the waiting requests' evictable hit blocks
     swap_on = cfg[C_SWAP]
     decide = cfg[C_DECIDE] != 0
     budget_cfg = cfg[C_BUDGET]
@@ -608,11 +634,31 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
 
             # In-engine scores (DESIGN.md section 4) and the common shed rule, from the state at
             # the iteration's start: slack = arrival + T1 - now - prefill_time.
+            # Running requests' scores are read only to choose a preemption victim (or by a waiting
+            # request that may preempt): they are computed only when a claim of this iteration could
+            # fail, i.e. when the running requests' block needs at the full budget exceed the free
+            # blocks (an upper bound: the running pass's claims can only be smaller).
             sm = shed_margin[c]
-            if score_inkernel or sm >= 0.0:
+            n_scored = n_wait[c]
+            if score_inkernel:
+                if waiting_preempts:
+                    n_scored += n_run[c]
+                else:
+                    bound = 0
+                    for q in range(n_run[c]):
+                        r = run_ids[c, q]
+                        left = prompt[c, r] + gen[c, r] - computed[c, r]
+                        if status[c, r] == ENDED or left <= 0:
+                            continue
+                        if left > budget_cfg:
+                            left = budget_cfg
+                        bound += (computed[c, r] + left + bs - 1) // bs - held[c, r]
+                    if bound > n_free[c]:
+                        n_scored += n_run[c]
+            if n_scored > 0 and (score_inkernel or sm >= 0.0):
                 kvf = n_free[c] / usable
                 i = 0
-                while i < n_wait[c] + n_run[c]:
+                while i < n_scored:
                     waiting = i < n_wait[c]
                     r = wait_ids[c, i] if waiting else run_ids[c, i - n_wait[c]]
                     hits = 0
@@ -630,6 +676,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         elif fbest == n_wait[c] - 1:
                             fbest = i
                         _wait_remove_at(wait_ids, n_wait, c, i)
+                        n_scored -= 1
                         continue
                     if score_inkernel:
                         ratio = cached / prompt[c, r]
@@ -688,12 +735,14 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 continue
 
             # Jump (DESIGN.md section 3, "Jumps"): while every running request is decoding, nothing
-            # waits or is pending, and no arrival, completion, unservable block claim, decision
-            # (``until``) or iteration cap falls inside, iterations only add one token per request. They
-            # are advanced here without the scheduling passes, with the same block claims in the
-            # same order, so the state afterwards is the one k single steps would give.
-            if (cfg[C_JUMPS] != 0 and n_wait[c] == 0 and n_pend[c] == 0 and n_swap[c] == 0 and n_run[c] > 0
-                    and n_run[c] <= cfg[C_BUDGET] and not (mode == MODE_SCORE and pid == P_EXTERNAL)):
+            # is pending, no waiting request can be admitted, and no arrival, completion, unservable
+            # block claim, shed, time-out, needed decision (``until``) or iteration cap falls inside,
+            # iterations only add one token per request. They are advanced here without the
+            # scheduling passes, with the same block claims in the same order, so the state
+            # afterwards is the one k single steps would give.
+            if (cfg[C_JUMPS] != 0 and n_pend[c] == 0 and n_swap[c] == 0 and n_run[c] > 0
+                    and n_run[c] <= cfg[C_BUDGET] and not (mode == MODE_SCORE and pid == P_EXTERNAL)
+                    and (n_wait[c] == 0 or not waiting_preempts)):
                 D = n_run[c]
                 k_done = cfg[C_MAX_ITERS] - it[c]
                 if cfg[C_REC_STREAM] != 0 and iter_rec.shape[1] - n_iter_rec[c] < k_done:
@@ -709,6 +758,61 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     if left < k_done:
                         k_done = left
                     kv0 += computed[c, r]
+                # Waiting requests stay blocked for the whole jump if each fails the admission gate
+                # now: the free blocks only fall, and the jump stops before a claim would evict one
+                # of their cached hit blocks (decodes cache only their own unique blocks), so their
+                # hits, gate needs and slacks stay as computed here. Their shed and time-out
+                # instants (the first iteration start at which each would fire) bound the jump.
+                nw = n_wait[c]
+                lim_w = _FOREVER
+                n_ev = 0  # evictable hit blocks of the waiting requests (in the free queue)
+                dec_on = False  # deciding with one waiting request: a decision is needed once its slack < 0
+                dec_base = 0
+                dec_idle = 0.0
+                if all_decoding and k_done >= 2 and nw > 0:
+                    can_admit = cfg[C_BUDGET] - D > 0 and D < cfg[C_MAX_SEQS]
+                    for q in range(nw):
+                        r = wait_ids[c, q]
+                        num_tokens = prompt[c, r] + gen[c, r]
+                        hits = 0
+                        evictable = 0
+                        if prefix_on:
+                            hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs)
+                            for j in range(hits):
+                                if ref[c, hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]] == 0:
+                                    evictable += 1
+                            n_ev += evictable
+                        if can_admit and ((num_tokens + bs - 1) // bs - hits + evictable + cfg[C_WATERMARK]
+                                          <= n_free[c]):
+                            all_decoding = False  # it may be admitted: step normally
+                            break
+                        if gen[c, r] > 0:
+                            continue  # has its first token: never shed, never timed out
+                        if max_wait >= 0 and arrival[c, r] + max_wait < lim_w:
+                            lim_w = arrival[c, r] + max_wait
+                        base = arrival[c, r] + t1[c, r]
+                        idle_ms = idle_prefill_ns(num_tokens - hits * bs, hits * bs, budget_cfg, ps) / 1e6
+                        if sm >= 0.0:
+                            ts = _first_slack_below(base, idle_ms, -sm * (t1[c, r] / 1e6))
+                            if ts < lim_w:
+                                lim_w = ts
+                        if decide and nw == 1 and epoch[c, EP_SHED] != 0:
+                            dec_on = True
+                            dec_base = base
+                            dec_idle = idle_ms
+                if n_ev > nb:
+                    all_decoding = False  # (more than the scratch holds: step normally)
+                if all_decoding and k_done >= 2 and n_ev > 0:
+                    m = 0
+                    for q in range(nw):
+                        r = wait_ids[c, q]
+                        hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r,
+                                            prompt[c, r] + gen[c, r], bs)
+                        for j in range(hits):
+                            b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]
+                            if ref[c, b] == 0:
+                                ev_blocks[m] = b
+                                m += 1
                 if all_decoding and k_done >= 2:
                     # bucket the running requests by the iteration (mod bs) at which they claim a block
                     for ph in range(bs + 1):
@@ -727,11 +831,15 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     for ph in range(bs, 0, -1):
                         jump_off[c, ph] = jump_off[c, ph - 1]
                     jump_off[c, 0] = 0
-                    # deciding, an epoch inside a jump needs no decision (nothing waits, nothing ends)
-                    # and is skipped, unless every scored request has ended (it then terminates)
+                    # deciding, an epoch inside a jump is checked at the first iteration start at or
+                    # after it (nothing ends inside, so only the waiting requests can need a decision)
+                    # and skipped if none is needed, unless every scored request has ended (it then
+                    # terminates)
                     lim = until
                     if decide and not _scored_ended(epoch, end_state, c):
                         lim = _FOREVER
+                    if lim_w < lim:
+                        lim = lim_w
                     next_t = arrival[c, next_arr[c]] if next_arr[c] < n else lim
                     if lim < next_t:
                         next_t = lim
@@ -741,10 +849,27 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     free = n_free[c]
                     k = 0
                     while k < k_done and t < next_t:
+                        if decide and t >= until:
+                            if nw >= 2 or (dec_on and (dec_base - t) / 1e6 - dec_idle < 0.0):
+                                break  # a decision is needed here: the loop's epoch check stops
+                            until = _next_epoch(epoch, c, t)
                         ph = k % bs
                         claims = jump_off[c, ph + 1] - jump_off[c, ph]
                         if claims > free:
                             break  # an unservable claim: the normal step handles it
+                        if n_ev > 0:
+                            evicts = False
+                            b = fq_next[c, head]
+                            for _ in range(claims):
+                                if bhash[c, b] >= 0:
+                                    for j in range(n_ev):
+                                        if ev_blocks[j] == b:
+                                            evicts = True
+                                if evicts:
+                                    break
+                                b = fq_next[c, b]
+                            if evicts:
+                                break  # a waiting request's hits would change: step normally
                         for q in range(jump_off[c, ph], jump_off[c, ph + 1]):
                             _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of,
                                    held, c, jump_ids[c, q], 1, head)
@@ -761,7 +886,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             iter_rec[c, m, 6] = 0
                             iter_rec[c, m, 7] = cfg[C_USABLE] - n_free[c]
                             iter_rec[c, m, 8] = D
-                            iter_rec[c, m, 9] = 0
+                            iter_rec[c, m, 9] = nw
                             n_iter_rec[c] = m + 1
                         t = end
                         k += 1
