@@ -260,3 +260,29 @@ def test_index_params_batch_equals_separate_runs():
                        estimates=est)
         assert G[j].tolist() == [res.records(c)["met"].mean() for c in range(3)]
     assert len({tuple(r) for r in G.tolist()}) > 1   # the parameter sets do differ
+
+
+def test_pct_equals_numpy_inverted_cdf():
+    """``pct``/``pcts`` select the element np.percentile(method="inverted_cdf") selects, to the bit."""
+    rng = np.random.default_rng(0)
+    for t in range(3000):
+        n = int(rng.integers(1, 300))
+        x = rng.normal(size=n)
+        if t % 3 == 0:
+            x[rng.random(n) < 0.2] = np.inf
+        if t % 5 == 0:
+            x = np.round(x, 1)
+        if t % 11 == 0:
+            x[rng.integers(n)] = np.nan
+        if t % 13 == 0:
+            x[rng.random(n) < 0.5] = 0.0
+            x[rng.random(n) < 0.3] = -0.0
+        qs = [0, 1, 25, 50, 75, 99, 100, float(rng.uniform(0, 100))]
+        got = ev.pcts(x, qs)
+        for q, g in zip(qs, got):
+            want = float(np.percentile(x, q, method="inverted_cdf"))
+            assert np.float64(g).tobytes() == np.float64(want).tobytes(), (n, q)
+            assert np.float64(ev.pct(x, q)).tobytes() == np.float64(want).tobytes()
+    assert math.isnan(ev.pct([], 50)) and ev.pct([3.0], np.float32(50)) == 3.0
+    with pytest.raises(ValueError):
+        ev.pct([1.0, 2.0], 101)

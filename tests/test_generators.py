@@ -278,6 +278,72 @@ def test_scale_to_rate():
     assert empirical_rate_rps(s) == pytest.approx(2.5 * r, rel=1e-4)
 
 
+def _scale_ints_exact(values, factor):
+    """The definition: floor(v * f + 1/2) with Python integers."""
+    f = Fraction(factor)
+    return [(2 * v * f.numerator + f.denominator) // (2 * f.denominator) for v in values]
+
+
+@settings(max_examples=300, deadline=None)
+@given(vals=st.lists(st.integers(0, 2**45), min_size=1, max_size=40),
+       factor=st.one_of(st.floats(1e-6, 1e6), st.fractions(Fraction(1, 10**9), Fraction(10**9)).filter(bool)))
+def test_scale_ints_equals_the_integer_definition(vals, factor):
+    """The vectorised path (float estimate + exact residual modulo 2**64) is exact, ties included."""
+    want = _scale_ints_exact(vals, factor)
+    if max(want) >= 2**63:
+        return
+    got = scale_ints(np.array(vals, np.int64), factor)
+    assert got.dtype == np.int64 and got.tolist() == want
+
+
+def test_scale_ints_half_up_ties_and_large_denominators():
+    v = np.arange(0, 20_000, dtype=np.int64)
+    for f in [Fraction(1, 2), Fraction(3, 2), Fraction(5, 6), Fraction(7, 10), Fraction(1) / Fraction(2.52679 * 1.1),
+              Fraction(0.1), Fraction(2**60 - 1, 2**60), Fraction(10**30 + 1, 10**30)]:
+        assert scale_ints(v, f).tolist() == _scale_ints_exact(v.tolist(), f), f
+    big = np.array([2**50, 2**55, 2**61], np.int64)   # beyond the float bound: Python integers
+    assert scale_ints(big, Fraction(1, 3)).tolist() == _scale_ints_exact(big.tolist(), Fraction(1, 3))
+    with pytest.raises(ConfigError, match="beyond int64"):
+        scale_ints(np.array([2**62]), 4)
+
+
+def test_workload_window_equals_window_of_the_scaled_unit():
+    """``Workload.window_at`` (cut, then scale the window) is ``window_at(unit_at(...))``, digests and
+    cached prefix ids included."""
+    from tokenbatch_env.evaluate import Workload
+    t = generate_trace(spec(), 6)
+    wl = Workload("x", "suite", [t, t.subset(slice(0, 300))], [None, None], None, None, 1.7, 2.3, "",
+                  np.ones(1), 1.0, None, [], [])
+    for i, rho, start in [(0, 0.8, 40), (0, 1.37, 10), (1, 2.9, 250), (1, 0.31, 0)]:
+        a = wl.window_at(i, rho, start, 64, 16, 16)
+        b = window_at(wl.unit_at(i, rho), start, 64, 16, 16)
+        assert a.trace.digest == b.trace.digest and a.trace.name == b.trace.name
+        assert (a.scored_start, a.scored_stop, a.parent_start) == (b.scored_start, b.scored_stop, b.parent_start)
+        n, ids = a.trace.prefix_ids()
+        u, inv = np.unique(b.trace.prefix_hashes, return_inverse=True)
+        assert n == len(u) and np.array_equal(ids, inv)
+
+
+def test_subset_rows_share_validation_and_prefix_ids():
+    t = generate_trace(spec(), 3)
+    t.prefix_ids()
+    for sl in [slice(10, 200), slice(None, 5), slice(390, None), slice(7, 7), slice(-50, -10), slice(0, 400, 3)]:
+        a = t.subset(sl)
+        b = Trace.build(**{f: (getattr(t, f)[sl] if f in ("arrival_ns", "prompt_tokens", "output_tokens",
+                                                           "ttft_slo_ns", "tpot_slo_ns", "priority", "class_id")
+                               else getattr(t, f)) for f in ("arrival_ns", "prompt_tokens", "output_tokens",
+                                                             "ttft_slo_ns", "tpot_slo_ns", "priority", "class_id",
+                                                             "block_size", "name", "source")},
+                        prefix_offsets=np.concatenate([[0], np.cumsum(t.prefix_lengths[sl])]),
+                        prefix_hashes=np.concatenate([t.prefix_chain(i) for i in np.arange(len(t))[sl]] or [[]]))
+        assert a.digest == b.digest and not a.arrival_ns.flags.writeable
+        n, ids = a.prefix_ids()
+        u, inv = np.unique(a.prefix_hashes, return_inverse=True)
+        assert n == len(u) and np.array_equal(ids, inv)
+    with pytest.raises(Exception, match="decrease"):   # time scaling still validates its result
+        t.subset(slice(0, 5))._with_arrivals(np.array([5, 4, 3, 2, 1]))
+
+
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "x", True])
 def test_bad_scale_factor(bad):
     t = generate_trace(spec(num_requests=5), 0)

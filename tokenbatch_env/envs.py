@@ -496,9 +496,7 @@ class _Core:
         self.action_names = cfg.action_names
         # engine
         self._build_arrays = build_arrays
-        t0 = wl.unit_at(usable[0], cfg.rho[0])
-        from .traces.windows import window_at
-        w0 = window_at(t0, cfg.warmup, cfg.window, cfg.warmup, cfg.cooldown)
+        w0 = wl.window_at(usable[0], cfg.rho[0], cfg.warmup, cfg.window, cfg.warmup, cfg.cooldown)
         from .policies import engine_policy
         pol = engine_policy(cfg.action_mode, params=params, weights=weights, shed_margin=margin,
                             t_ref_ms=wl.t_ref_ms)
@@ -553,7 +551,6 @@ class _Core:
     def reset_copies(self, rows: np.ndarray) -> None:
         """Draw a new episode (trace, window, rho) for each copy in ``rows`` and lay it out."""
         from .bounds import best_case_hits
-        from .traces.windows import window_at
         cfg, wl = self.config, self.workload
         rows = np.asarray(rows, np.int64)
         if rows.size == 0:
@@ -566,7 +563,7 @@ class _Core:
             start = int(rng.integers(cfg.warmup, n - cfg.cooldown - cfg.window + 1))
             lo, hi = cfg.rho
             rho = float(lo if lo == hi else rng.uniform(lo, hi))
-            w = window_at(wl.unit_at(u, rho), start, cfg.window, cfg.warmup, cfg.cooldown)
+            w = wl.window_at(u, rho, start, cfg.window, cfg.warmup, cfg.cooldown)
             traces.append(w.trace)
             ests.append(self.estimates[u][w.parent_start:w.parent_start + len(w.trace)])
             self.rho[c], self.trace_index[c], self.window_start[c] = rho, u, start
@@ -619,7 +616,7 @@ class _Core:
     def episode_info(self, c: int, truncated: bool) -> dict:
         """Episode metrics of copy c (its scored requests), computed with the evaluator's helpers."""
         from .engine.simulate import SimResult
-        from .evaluate import pct, request_outcomes, unit_metrics
+        from .evaluate import pct, pcts, request_outcomes, unit_metrics
         res = SimResult(self.traces, self.run.profile, self.engine_config, self.pol.name, self.run.arrays)
         rec = res.records(c)
         open_ = rec["end_state"] == K.E_NONE
@@ -629,12 +626,13 @@ class _Core:
         self.last_records[c] = {k: v[mask].copy() for k, v in rec.items()}
         o = request_outcomes(rec, self.traces[c], mask)
         m = unit_metrics(o)
+        ttft50, ttft99 = pcts(o["ttft_ms"], (50, 99))
         return {
             "episode_goodput": float(m["goodput"]), "episode_met": int(m["met"]),
             "episode_completed": int(m["completed"]), "episode_shed": int(m["shed"]),
             "episode_timed_out": int(m["timed_out"]), "episode_rejected": int(m["rejected"]),
             "episode_unfinished": int(m["unfinished"]), "episode_preemptions": int(m["preemptions"]),
-            "episode_ttft_p50_ms": pct(o["ttft_ms"], 50), "episode_ttft_p99_ms": pct(o["ttft_ms"], 99),
+            "episode_ttft_p50_ms": ttft50, "episode_ttft_p99_ms": ttft99,
             "episode_tpot_p99_ms": pct(o["tpot_ms"], 99),
             "episode_return": float(self.ep_return[c]), "episode_length": int(self.steps[c]),
             "episode_rho": float(self.rho[c]), "episode_truncated": bool(truncated),

@@ -354,6 +354,29 @@ class Workload:
         lo, hi, _, _ = self.windows[i]
         return scale_to_rate(self.parent, rate).subset(slice(lo, hi))
 
+    def window_at(self, i: int, rho: float, start: int, size: int, warmup: int = 0, cooldown: int = 0):
+        """``traces.windows.window_at(self.unit_at(i, rho), start, size, warmup, cooldown)``, the same
+        Window, computed by cutting the window first and scaling only its rows (scaling about t = 0
+        commutes exactly with ``Trace.subset``): the envs draw one per episode."""
+        from .traces.trace import MAX_ARRIVAL_NS
+        from .traces.windows import Window, as_fraction, empirical_rate_rps, scale_ints, time_scale, window_at
+        target = as_fraction(rho * self.lambda_sat, "rate_rps")
+        unit = self.units[i]
+        nominal = self.__dict__.get("_nominal")
+        if nominal is None:   # the units' stored rate: a constant of the workload
+            nominal = as_fraction(self.nominal_rps if self.kind == "suite" else empirical_rate_rps(self.parent),
+                                  "nominal_rps")
+            self.__dict__["_nominal"] = nominal
+        factor = nominal / target   # scale_to_rate's factor
+        # the whole unit's last arrival must stay in range (else unit_at raises: let it, as before)
+        last = (unit if self.kind == "suite" else self.parent).arrival_ns[-1:]
+        if last.size and not int(last[0]) * float(factor) < MAX_ARRIVAL_NS / 2 \
+                and int(scale_ints(last, factor)[0]) > MAX_ARRIVAL_NS:
+            return window_at(self.unit_at(i, rho), start, size, warmup, cooldown)
+        unit.prefix_ids()   # cached on the unit: its windows derive theirs without sorting
+        w = window_at(unit, start, size, warmup, cooldown)
+        return Window(time_scale(w.trace, factor), w.scored_start, w.scored_stop, w.parent_start)
+
     def at(self, rho: float) -> list:
         if self.kind == "suite":
             return [self.unit_at(i, rho) for i in range(len(self.units))]
@@ -508,8 +531,37 @@ def unit_metrics(o: dict) -> dict:
 
 def pct(x, q: float) -> float:
     """Inverted-CDF percentile (no interpolation, so +inf entries stay meaningful); NaN if empty."""
+    return pcts(x, (q,))[0]
+
+
+def pcts(x, qs) -> list:
+    """``[pct(x, q) for q in qs]`` with one sort: ``np.percentile(x, q, method="inverted_cdf")``
+    exactly (its index rule: ``i = n * (q / 100) - 1`` in float64, rounded up unless integral,
+    clipped at 0; NaN if any entry is NaN). Falls back to np.percentile for anything else (numpy
+    scalar or out-of-range q, a chosen zero that could be -0.0)."""
     x = np.asarray(x, np.float64)
-    return float(np.percentile(x, q, method="inverted_cdf")) if x.size else float("nan")
+    if not x.size:
+        return [float("nan")] * len(qs)
+    if x.ndim != 1:
+        return [float(np.percentile(x, q, method="inverted_cdf")) for q in qs]
+    s = np.sort(x)   # NaN sorts last
+    n = s.size
+    out = []
+    for q in qs:
+        if type(q) not in (int, float) or not 0 <= q <= 100:
+            out.append(float(np.percentile(x, q, method="inverted_cdf")))
+            continue
+        if s[-1] != s[-1]:
+            out.append(float("nan"))
+            continue
+        idx = n * (q / 100) - 1
+        prev = math.floor(idx)
+        k = max(0, prev if idx - prev == 0 else prev + 1)
+        v = float(s[k])
+        if v == 0.0 and np.signbit(x[x == 0.0]).any():   # +0.0 and -0.0: partition order decides
+            v = float(np.percentile(x, q, method="inverted_cdf"))
+        out.append(v)
+    return out
 
 
 def prompt_quintile_edges(prompts) -> list:

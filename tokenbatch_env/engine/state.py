@@ -175,13 +175,13 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
         n = len(t)
         chain_off[c, :n + 1] = t.prefix_offsets
         chain_off[c, n + 1:] = t.prefix_offsets[-1]
-        uniq, inv = np.unique(t.prefix_hashes, return_inverse=True)
+        n_uniq, inv = t.prefix_ids()   # np.unique(t.prefix_hashes, return_inverse=True), cached
         chain_val[c, :len(inv)] = inv
         if config.prefix_caching and n:
             maxblocks = (prompt[c, :n] + out_len[c, :n] + bs - 1) // bs + 1
             room = maxblocks - t.prefix_lengths
-            uniq_base[c, :n] = len(uniq) + np.concatenate([[0], np.cumsum(room)[:-1]])
-            U = max(U, int(len(uniq) + room.sum()))
+            uniq_base[c, :n] = n_uniq + np.concatenate([[0], np.cumsum(room)[:-1]])
+            U = max(U, int(n_uniq + room.sum()))
     n_req = np.array([len(t) for t in traces], i64)
 
     z = lambda *shape, dtype=i64, fill=0: np.full(shape, fill, dtype)  # noqa: E731

@@ -20,6 +20,8 @@ from ..errors import TraceError
 DIGEST_VERSION = b"tokenbatch-trace-v1"
 #: Largest token count we accept in any single field (guards against absurd sizes).
 MAX_TOKENS = 10_000_000
+#: Largest arrival time we accept (ns).
+MAX_ARRIVAL_NS = np.iinfo(np.int64).max // 4
 #: Largest SLO we accept: one day.
 MAX_SLO_NS = 86_400 * 10**9
 
@@ -140,7 +142,7 @@ class Trace:
             n = arrival.shape[0]
             prompt = _as_int64("prompt_tokens", prompt_tokens, n)
             output = _as_int64("output_tokens", output_tokens, n)
-            _check_range("arrival_ns", arrival, 0, np.iinfo(np.int64).max // 4, "arrival time out of range")
+            _check_range("arrival_ns", arrival, 0, MAX_ARRIVAL_NS, "arrival time out of range")
             dec = np.flatnonzero(np.diff(arrival) < 0)
             if dec.size:
                 raise TraceError("timestamps decrease", row=int(dec[0]) + 1, column="arrival_ns")
@@ -184,6 +186,35 @@ class Trace:
         return cls(arrival, prompt, output, t1, t2, prio, cls_, offsets, hashes, int(block_size),
                    str(name), str(source))
 
+    @classmethod
+    def _derived(cls, parent: "Trace", **columns) -> "Trace":
+        """A trace made of ``parent``'s metadata and int64 columns derived from a validated trace
+        such that every ``build`` check holds by construction (e.g. rows of it in order): skips
+        the re-validation, freezes the columns. Internal: user input goes through ``build``."""
+        fields = {f.name: getattr(parent, f.name) for f in dataclasses.fields(parent)}
+        for name, arr in columns.items():
+            if arr is not None:
+                assert arr.dtype == np.int64 and arr.ndim == 1, name
+                arr.setflags(write=False)
+            fields[name] = arr
+        return cls(**fields)
+
+    def _with_arrivals(self, arrival_ns) -> "Trace":
+        """``replace(arrival_ns=...)`` validating only the new column (the others are unchanged)."""
+        arrival = _as_int64("arrival_ns", arrival_ns)
+        n = arrival.shape[0]
+        if n != len(self):
+            return self.replace(arrival_ns=arrival_ns)  # build names the mismatched columns
+        if n and (arrival[0] < 0 or arrival[-1] > MAX_ARRIVAL_NS or (arrival[1:] < arrival[:-1]).any()):
+            # build's checks, in its order, for its messages (sorted and in range otherwise)
+            _check_range("arrival_ns", arrival, 0, MAX_ARRIVAL_NS, "arrival time out of range")
+            dec = np.flatnonzero(np.diff(arrival) < 0)
+            raise TraceError("timestamps decrease", row=int(dec[0]) + 1, column="arrival_ns")
+        out = Trace._derived(self, arrival_ns=arrival)
+        if "_prefix_ids" in self.__dict__:   # same chains
+            object.__setattr__(out, "_prefix_ids", self.__dict__["_prefix_ids"])
+        return out
+
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:
         return int(self.arrival_ns.shape[0])
@@ -208,6 +239,18 @@ class Trace:
     def prefix_lengths(self) -> np.ndarray:
         return np.diff(self.prefix_offsets)
 
+    def prefix_ids(self) -> tuple:
+        """``(n, ids)``: the number of distinct prefix hashes and each hash's rank among them
+        (``np.unique(prefix_hashes, return_inverse=True)``: dense ids for the engine's tables).
+        Cached; a subset of a trace whose ids are cached derives its own without sorting."""
+        cached = self.__dict__.get("_prefix_ids")
+        if cached is None:
+            uniq, inv = np.unique(self.prefix_hashes, return_inverse=True)
+            inv.setflags(write=False)
+            cached = (int(len(uniq)), inv)
+            object.__setattr__(self, "_prefix_ids", cached)
+        return cached
+
     def prefix_chain(self, i: int) -> np.ndarray:
         return self.prefix_hashes[self.prefix_offsets[i]:self.prefix_offsets[i + 1]]
 
@@ -219,6 +262,10 @@ class Trace:
 
     def subset(self, index) -> "Trace":
         """Rows ``index`` (a slice or sorted int array), keeping their prefix chains."""
+        if isinstance(index, slice):
+            lo, hi, step = index.indices(len(self))
+            if step == 1:
+                return self._rows(lo, max(lo, hi))
         idx = np.arange(len(self))[index] if isinstance(index, slice) else np.asarray(index, np.int64)
         if idx.size and (np.diff(idx) < 0).any():
             raise TraceError("subset indices must be sorted (arrival order)")
@@ -236,6 +283,30 @@ class Trace:
                            tpot_slo_ns=take(self.tpot_slo_ns), priority=self.priority[idx],
                            class_id=self.class_id[idx], prefix_offsets=offsets, prefix_hashes=hashes,
                            block_size=self.block_size, name=self.name, source=self.source)
+
+    def _rows(self, lo: int, hi: int) -> "Trace":
+        """``subset(slice(lo, hi))`` for 0 <= lo <= hi <= len: rows of a validated trace in order
+        satisfy every check of ``build``, so they are copied without re-validation; the prefix ids
+        (``prefix_ids``) are derived from the parent's when it has them."""
+        take = lambda a: None if a is None else a[lo:hi].copy()  # noqa: E731
+        off = self.prefix_offsets
+        a, b = int(off[lo]), int(off[hi])
+        sub = Trace._derived(self, arrival_ns=take(self.arrival_ns), prompt_tokens=take(self.prompt_tokens),
+                             output_tokens=take(self.output_tokens), ttft_slo_ns=take(self.ttft_slo_ns),
+                             tpot_slo_ns=take(self.tpot_slo_ns), priority=take(self.priority),
+                             class_id=take(self.class_id), prefix_offsets=off[lo:hi + 1] - a,
+                             prefix_hashes=self.prefix_hashes[a:b].copy())
+        parent_ids = self.__dict__.get("_prefix_ids")
+        if parent_ids is not None:
+            # the parent's ranks keep the hashes' order: re-rank the ones present
+            ids = parent_ids[1][a:b]
+            present = np.zeros(parent_ids[0], np.int64)
+            present[ids] = 1
+            rank = np.cumsum(present)
+            inv = rank[ids] - 1
+            inv.setflags(write=False)
+            object.__setattr__(sub, "_prefix_ids", (int(rank[-1]) if rank.size else 0, inv))
+        return sub
 
     # ------------------------------------------------------------------ identity
     @property
