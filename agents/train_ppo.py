@@ -7,7 +7,8 @@
 
 The native vector env (one engine batch, no subprocesses) runs through the SB3 adapter
 (tokenbatch_env.sb3) with VecMonitor and, by default, VecNormalize (observations only; saved with
-the model). Every --eval-every timesteps the current policy (mean action) is replayed on the
+the model). torch uses one thread; the env's engine uses every core from 64 envs on (its default
+``threads``): rollouts and gradient epochs alternate, so they do not compete. Every --eval-every timesteps the current policy (mean action) is replayed on the
 VALIDATION split by the evaluator's controlled replay (tokenbatch_env.control.run_controlled: same
 windows-free whole traces, loads and predictor as the leaderboard); the best goodput is kept in
 <out>/best/ (model.zip, vecnormalize.pkl, config.json) and the final policy in <out>/final/.

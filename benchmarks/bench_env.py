@@ -4,6 +4,7 @@
     python benchmarks/bench_env.py --copies 256 --steps 50
     python benchmarks/bench_env.py --no-sync        # skip the (slow) SyncVectorEnv baseline
     python benchmarks/bench_env.py --rho 2 3 --interval-ms 20   # less simulation per step
+    python benchmarks/bench_env.py --threads 1 --no-sync --no-adapter   # native env, one engine thread
 
 Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
   (a) native ``TokenBatchVectorEnv`` env-steps/s (copies x steps / wall seconds);
@@ -21,6 +22,8 @@ import time
 import numpy as np
 
 CONFIG = dict(suite="seed-200", split="train", profile="stress-512", rho=(0.8, 1.5))
+#: keywords of the native env beyond the config (``--threads``)
+ENV_KW: dict = {}
 
 
 def _actions(n: int, steps: int, seed: int = 0) -> np.ndarray:
@@ -52,7 +55,7 @@ def _measure(make, n: int, steps: int, warm: int) -> dict:
 
 def bench_native(n: int, steps: int, warm: int, mode: str = "NEXT_STEP") -> dict:
     from tokenbatch_env.envs import TokenBatchVectorEnv
-    return _measure(lambda: TokenBatchVectorEnv(n, autoreset_mode=mode, **CONFIG), n, steps, warm)
+    return _measure(lambda: TokenBatchVectorEnv(n, autoreset_mode=mode, **CONFIG, **ENV_KW), n, steps, warm)
 
 
 def bench_sync(n: int, steps: int, warm: int) -> dict:
@@ -66,7 +69,7 @@ def bench_sync(n: int, steps: int, warm: int) -> dict:
 
 def bench_adapter(n: int, steps: int, warm: int) -> dict:
     from tokenbatch_env.sb3 import make_sb3_vec_env
-    venv = make_sb3_vec_env(n, **CONFIG)
+    venv = make_sb3_vec_env(n, **CONFIG, **ENV_KW)
     venv.seed(0)
     venv.reset()
 
@@ -89,12 +92,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rho", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                     help="load range (default 0.8 1.5)")
     ap.add_argument("--interval-ms", type=float, default=None, help="decision_interval_ms (default 100)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="engine threads of the native env, (a) and (c) (default: the env's, the available "
+                         "cores from 64 copies on); SyncVectorEnv's single envs use 1")
     a = ap.parse_args(argv)
+    if a.threads is not None:
+        ENV_KW["threads"] = a.threads
     if a.rho is not None:
         CONFIG["rho"] = tuple(a.rho)
     if a.interval_ms is not None:
         CONFIG["decision_interval_ms"] = a.interval_ms
-    print(f"config: {CONFIG}")
+    from tokenbatch_env.envs import default_threads
+    print(f"config: {CONFIG}; engine threads (native env): {ENV_KW.get('threads', default_threads(a.copies))}")
     n, T, W = a.copies, a.steps, a.warm
     # compile/load the kernels and prepare the workload once, outside the timings
     bench_native(2, 3, 1)

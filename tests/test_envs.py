@@ -519,3 +519,79 @@ def test_weights_mode_spaces_check_env_and_mapping(tmp_path):
     p.write_text(json.dumps({"weights": {"w": {"nope": 1.0}}}))
     with pytest.raises(Exception, match="nope"):
         TokenBatchVectorEnv(1, action_mode="weights", base_params=str(p), **SMALL)
+
+
+# ---------------------------------------------------------------------------- engine threads
+def _same_tree(a, b) -> bool:
+    """Equal to the bit: arrays by dtype, shape and bytes, floats by their bytes, dicts recursively."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        if a.dtype == object:
+            return a.shape == b.shape and all(_same_tree(x, y) for x, y in zip(a.ravel(), b.ravel()))
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, float):
+        return np.float64(a).tobytes() == np.float64(b).tobytes()
+    return a == b
+
+
+@pytest.mark.parametrize("threads, mode", [(2, "NEXT_STEP"), (3, "SAME_STEP"), (7, "NEXT_STEP")])
+def test_threads_do_not_change_results(threads, mode):
+    """Lockstep over a rollout with many episode ends: 1 thread vs ``threads`` (more threads than
+    copies too), observations, rewards, flags, infos (final observations included) and records."""
+    n = 6 if threads == 7 else 12
+    kw = dict(rho=(0.8, 2.0), autoreset_mode=mode, **SMALL)
+    one = TokenBatchVectorEnv(n, threads=1, **kw)
+    many = TokenBatchVectorEnv(n, threads=threads, **kw)
+    assert (one.threads, many.threads) == (1, threads)
+    assert _same_tree(one.reset(seed=3), many.reset(seed=3))
+    rng = np.random.default_rng(4)
+    ended = 0
+    for _ in range(250):
+        a = rng.uniform(-1, 1, (n, len(ACTION_NAMES)))
+        s1, s2 = one.step(a), many.step(a)
+        assert _same_tree(s1, s2)
+        ended += int((s1[2] | s1[3]).sum())
+    assert ended >= n
+    for c in range(n):
+        assert _same_tree(one.episode_records(c), many.episode_records(c))
+    many.close()
+    assert _same_tree(one.step(a), many.step(a))   # usable after close (threads restart)
+
+
+def test_engine_run_threads_identical_and_validated():
+    from tokenbatch_env.engine.simulate import EngineRun
+    from tokenbatch_env.traces.suites import load_suite
+    traces = load_suite("seed-200").traces("train")[:5]
+    runs = [EngineRun(traces, "stress-512", "fcfs", threads=t) for t in (1, 2, 4)]
+    for r in runs:
+        r.advance(until_ns=3_000_000_000, active=np.array([True, False, True, True, True]))
+        r.advance(chunk_steps=300)
+    for r in runs[1:]:
+        a, b = runs[0].result().arrays, r.result().arrays
+        assert all(getattr(a, f).tobytes() == getattr(b, f).tobytes() for f in a._fields)
+        r.close()
+    for bad in (0, -1, 1.5, "2", True, None):
+        with pytest.raises(ConfigError, match="threads"):
+            EngineRun(traces[:1], "stress-512", "fcfs", threads=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, "4", True])
+def test_bad_threads(bad):
+    with pytest.raises(ConfigError, match="threads"):
+        TokenBatchVectorEnv(2, threads=bad, **SMALL)
+
+
+def test_threads_default_and_entry_points(monkeypatch):
+    from tokenbatch_env import envs as E
+    monkeypatch.setattr("tokenbatch_env.tuning.available_cores", lambda: 3)
+    assert E.default_threads(1) == 1 and E.default_threads(63) == 1 and E.default_threads(64) == 3
+    assert TokenBatchVectorEnv(2, **SMALL).threads == 1
+    assert TokenBatchEnv(**SMALL).core.run.threads == 1
+    venv = gym.make_vec("TokenBatch-v0", num_envs=2, vectorization_mode="vector_entry_point", threads=2, **SMALL)
+    assert venv.threads == 2 and venv.core.run.threads == 2
+    assert "threads" not in {f.name for f in __import__("dataclasses").fields(TokenBatchConfig)}

@@ -70,6 +70,24 @@ def test_adapter_seeding_and_copies():
     assert not (v.venv.core.obs == 5.0).any()
 
 
+def test_adapter_passes_threads_through():
+    """``threads`` reaches the native env; the trajectories (and terminal observations) are the same."""
+    def run(threads):
+        v = make_sb3_vec_env(4, threads=threads, rho=2.0, **SMALL)
+        assert v.venv.threads == threads
+        v.seed(1)
+        out = [v.reset()]
+        rng = np.random.default_rng(2)
+        for _ in range(40):
+            o, r, d, infos = v.step(rng.uniform(-1, 1, (4, A)).astype(np.float32))
+            out += [o, r, d] + [i["terminal_observation"] for i in infos if "terminal_observation" in i]
+        v.close()
+        return out
+
+    a, b = run(1), run(2)
+    assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
 def test_adapter_attr_methods():
     v = make_sb3_vec_env(3, **SMALL)
     v.reset()

@@ -439,7 +439,7 @@ def _splice(A, B, rows):
 class _Core:
     """N copies of the MDP as one batch (all arrays [N, ...])."""
 
-    def __init__(self, config: TokenBatchConfig, num_envs: int):
+    def __init__(self, config: TokenBatchConfig, num_envs: int, threads: int = 1):
         from .engine.profiles import load_profile
         from .engine.simulate import EngineRun
         from .engine.state import EngineConfig, build_arrays
@@ -502,7 +502,7 @@ class _Core:
                             t_ref_ms=wl.t_ref_ms)
         est0 = self.estimates[usable[0]][w0.parent_start:w0.parent_start + len(w0.trace)]
         self.run = EngineRun([w0.trace] * N, profile, pol, self.engine_config,
-                             estimates=[est0] * N, residual_life=wl.residual_life)
+                             estimates=[est0] * N, residual_life=wl.residual_life, threads=threads)
         self.pol = pol
         # constants for observations and certain-miss detection
         self.k = cfg.k
@@ -658,16 +658,34 @@ def _add(infos: dict, info: dict, c: int, n: int) -> None:
         infos.setdefault(f"_{key}", np.zeros(n, bool))[c] = True
 
 
+#: copies from which the vector env uses every available core by default
+THREADS_MIN_COPIES = 64
+
+
+def default_threads(num_envs: int) -> int:
+    """The vector env's default engine threads: the available cores from ``THREADS_MIN_COPIES``
+    copies on, else 1 (smaller batches do not pay for the hand-off)."""
+    if num_envs < THREADS_MIN_COPIES:
+        return 1
+    from .tuning import available_cores
+    return max(1, available_cores())
+
+
 class TokenBatchVectorEnv(gym.vector.VectorEnv):
     """``num_envs`` copies of TokenBatch-v0 stepped as one engine batch (see ``TokenBatchEnv`` for
     the MDP). ``autoreset_mode`` (config) is NEXT_STEP, SAME_STEP or DISABLED and is recorded in
     ``self.metadata``; with DISABLED, reset finished copies with ``reset(options={"reset_mask": m})``.
-    Episode metrics appear in ``info`` (arrays over copies with ``_key`` masks) at episode end."""
+    Episode metrics appear in ``info`` (arrays over copies with ``_key`` masks) at episode end.
+
+    ``threads`` (keyword, not part of the MDP config): the engine advances the copies in this many
+    contiguous groups at once (the compiled kernel releases the GIL); results are identical for any
+    value. Default (None): the available cores from 64 copies on, else 1."""
 
     metadata = {"render_modes": [], "autoreset_mode": AutoresetMode.NEXT_STEP}
 
     def __init__(self, num_envs: int = 1, config: Optional[TokenBatchConfig] = None, *,
-                 max_episode_steps: Optional[int] = None, render_mode: Optional[str] = None, **kwargs):
+                 max_episode_steps: Optional[int] = None, render_mode: Optional[str] = None,
+                 threads: Optional[int] = None, **kwargs):
         if config is None:
             if max_episode_steps is not None:
                 kwargs.setdefault("max_steps", max_episode_steps)
@@ -682,8 +700,11 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
         if render_mode is not None:
             raise ConfigError(f"render_mode: TokenBatch has no renderer; got {render_mode!r}")
         self.render_mode = None
+        if threads is not None and (not _is_int(threads) or threads < 1):
+            raise ConfigError(f"threads: must be None (automatic) or an integer >= 1, got {threads!r}")
         self.config = config
-        self.core = _Core(config, num_envs)
+        self.threads = (default_threads(num_envs) if _is_int(num_envs) else 1) if threads is None else int(threads)
+        self.core = _Core(config, num_envs, self.threads)
         self.num_envs = self.core.n
         self.metadata = {**type(self).metadata, "autoreset_mode": config.autoreset_mode}
         self.autoreset_mode = config.autoreset_mode
@@ -802,11 +823,12 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
         return self.core.theta_star.copy()
 
     def close(self, **kwargs):
-        pass
+        self.core.run.close()   # the engine's worker threads, if any (restarted if stepped again)
 
 
 def make_vector_env(num_envs: int = 1, **kwargs) -> TokenBatchVectorEnv:
-    """The vector entry point of TokenBatch-v0 (accepts ``max_episode_steps`` and every config field)."""
+    """The vector entry point of TokenBatch-v0 (accepts ``max_episode_steps``, ``threads`` and every
+    config field)."""
     return TokenBatchVectorEnv(num_envs=num_envs, **kwargs)
 
 
@@ -898,7 +920,8 @@ class TokenBatchEnv(gym.Env):
     predictor (None = the suite's), reward_mode ("certain_miss"), autoreset_mode (NEXT_STEP; used
     by the vector env), seed (None), base_params (None), shed_margin (0.0), clip_actions (False),
     max_steps (20000), max_iterations (2000000). ``gym.make_vec("TokenBatch-v0", num_envs=N,
-    vectorization_mode="vector_entry_point", **config)`` gives ``TokenBatchVectorEnv``. Seeding:
+    vectorization_mode="vector_entry_point", **config)`` gives ``TokenBatchVectorEnv`` (which also
+    takes ``threads``, engine threads: same results for any value). Seeding:
     ``reset(seed=s)`` seeds copy i with s + i (like ``SyncVectorEnv``); ``seed`` in the config is
     used for copies never seeded by ``reset``.
 
@@ -914,6 +937,7 @@ class TokenBatchEnv(gym.Env):
             raise ConfigError(f"render_mode: TokenBatch has no renderer; got {render_mode!r}")
         self.render_mode = None
         kwargs = dict(kwargs)
+        kwargs.setdefault("threads", 1)   # one copy: nothing to split
         self._vec = TokenBatchVectorEnv(1, **kwargs)
         self.config = self._vec.config
         self._vec.autoreset_mode = AutoresetMode.DISABLED

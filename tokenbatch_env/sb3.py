@@ -134,8 +134,8 @@ def sb3_vec_env_class():
 
 
 def make_sb3_vec_env(num_envs: int = 1, **config):
-    """An SB3 ``VecEnv`` of ``num_envs`` TokenBatch-v0 copies (config: ``TokenBatchConfig`` fields;
-    ``autoreset_mode`` is forced to SAME_STEP)."""
+    """An SB3 ``VecEnv`` of ``num_envs`` TokenBatch-v0 copies (config: ``TokenBatchConfig`` fields
+    and ``threads``, the native env's engine threads; ``autoreset_mode`` is forced to SAME_STEP)."""
     from gymnasium.vector import AutoresetMode
 
     from .envs import TokenBatchVectorEnv

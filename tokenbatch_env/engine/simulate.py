@@ -135,12 +135,21 @@ class EngineRun:
                  *, estimates: Optional[Sequence[np.ndarray]] = None,
                  residual_life: Optional[np.ndarray] = None,
                  iteration_sink: Optional[Callable[[int, dict], None]] = None,
-                 record_sink: Optional[Callable[[int, dict], None]] = None, record_chunk: int = 65_536):
+                 record_sink: Optional[Callable[[int, dict], None]] = None, record_chunk: int = 65_536,
+                 threads: int = 1):
         """``iteration_sink(copy, columns)`` receives per-iteration records in chunks of at most
         ``config.record_iterations`` rows; ``record_sink(copy, columns)`` receives each copy's final
         request records in request order, at most ``record_chunk`` rows a call (the columns of
         ``SimResult.records``), the rest when ``result()`` marks them ``unfinished``: files of any
-        length are written with bounded buffers."""
+        length are written with bounded buffers.
+
+        ``threads``: each kernel call splits the active copies into this many contiguous groups,
+        run concurrently (the compiled kernel releases the GIL; copies are independent rows, so
+        results are identical for any value). With an iteration or record sink it runs one group."""
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or int(threads) < 1:
+            raise ConfigError(f"threads: must be an integer >= 1, got {threads!r}")
+        self.threads = int(threads)
+        self._pool = None
         if isinstance(traces, Trace):
             traces = [traces]
         self.traces = list(traces)
@@ -251,8 +260,25 @@ class EngineRun:
             steps = 1 if self.scorer.time_dependent else chunk_steps
         before = int(A.n_ended.sum())
         snap = (A.now.copy(), A.it.copy(), A.n_ended.copy(), A.n_wait.copy(), A.n_run.copy())
-        total = K.run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, tier, score, shed, act,
-                             steps, until)
+        groups = self._groups(act)
+        if len(groups) == 1:
+            total = K.run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, tier, score, shed, act,
+                                 steps, until)
+        else:
+            run = lambda g: K.run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl,  # noqa: E731
+                                         tier, score, shed, g, steps, until)
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="tokenbatch-engine")
+            futures = [self._pool.submit(run, g) for g in groups[1:]]
+            try:
+                total = run(groups[0])   # the calling thread runs the first group
+            finally:
+                errors = [f.exception() for f in futures]   # waits: no group outlives this call
+            for e in errors:   # the first failing group (in copy order) raises
+                if e is not None:
+                    raise e
+            total += sum(f.result() for f in futures)
         if self.iteration_sink is not None:
             self.flush_iterations()
         if self.record_sink is not None:
@@ -267,6 +293,32 @@ class EngineRun:
         if bar is not None:
             bar.update(int(A.n_ended.sum()) - before)
         return total
+
+    def _groups(self, act: np.ndarray) -> list:
+        """The active mask split into at most ``threads`` contiguous groups of about equal size (one
+        group, ``act`` itself, without threads, with a sink or with fewer than 2 active copies)."""
+        if self.threads == 1 or self.iteration_sink is not None or self.record_sink is not None:
+            return [act]
+        idx = np.flatnonzero(act)
+        if idx.size < 2:
+            return [act]
+        out = []
+        for part in np.array_split(idx, min(self.threads, idx.size)):
+            g = np.zeros_like(act)
+            g[part] = True
+            out.append(g)
+        return out
+
+    def close(self) -> None:
+        """Stop the worker threads (``threads > 1``); the run stays usable (they restart on demand)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __getstate__(self):   # the thread pool does not pickle (nor copy)
+        state = self.__dict__.copy()
+        state["_pool"] = None
+        return state
 
     def flush_iterations(self) -> None:
         """Hand buffered per-iteration records to the sink and empty the buffers."""
