@@ -540,9 +540,12 @@ def _same_tree(a, b) -> bool:
 
 
 @pytest.mark.parametrize("threads, mode", [(2, "NEXT_STEP"), (3, "SAME_STEP"), (7, "NEXT_STEP")])
-def test_threads_do_not_change_results(threads, mode):
+def test_threads_do_not_change_results(threads, mode, monkeypatch):
     """Lockstep over a rollout with many episode ends: 1 thread vs ``threads`` (more threads than
-    copies too), observations, rewards, flags, infos (final observations included) and records."""
+    copies too), observations, rewards, flags, infos (final observations included) and records.
+    Observations and rewards are split too (their minimum group size lowered to 1 copy)."""
+    from tokenbatch_env import envs as E
+    monkeypatch.setattr(E, "_MIN_GROUP", 1)
     n = 6 if threads == 7 else 12
     kw = dict(rho=(0.8, 2.0), autoreset_mode=mode, **SMALL)
     one = TokenBatchVectorEnv(n, threads=1, **kw)

@@ -436,6 +436,10 @@ def _splice(A, B, rows):
     return A._replace(**changes) if changes else A
 
 
+#: copies per thread below which observations and rewards (a few us per copy) are not split
+_MIN_GROUP = 128
+
+
 class _Core:
     """N copies of the MDP as one batch (all arrays [N, ...])."""
 
@@ -585,7 +589,8 @@ class _Core:
         self.observe(mask)
 
     def observe(self, mask: np.ndarray) -> None:
-        observe(self.run, mask, self.obs, self.k, self.ocfg)
+        self.run.map_groups(lambda g: observe(self.run, g, self.obs, self.k, self.ocfg), mask,
+                            min_group=_MIN_GROUP)
 
     def step(self, live: np.ndarray, theta: np.ndarray, margin: np.ndarray):
         """Apply the (held) parameters of the ``live`` copies and advance each to its next decision
@@ -607,10 +612,12 @@ class _Core:
     def _rewards(self, live: np.ndarray, trunc: np.ndarray) -> np.ndarray:
         A = self.run.arrays
         out = np.zeros(self.n)
-        _rewards(live, trunc, self.s0, self.s1, self.t_min_ns, self.config.reward_mode == "met", A.now,
-                 A.end_state, A.first_token, A.finish, A.arrival, A.t1, self.t2, A.out_len, A.gen, A.capped,
-                 self.certain, self.met_seen, out, A.prompt, A.computed, A.n_preempt, self.h_best,
-                 self.ps_cost, self.run.profile.max_num_batched_tokens)
+        self.run.map_groups(
+            lambda g: _rewards(g, trunc, self.s0, self.s1, self.t_min_ns, self.config.reward_mode == "met", A.now,
+                               A.end_state, A.first_token, A.finish, A.arrival, A.t1, self.t2, A.out_len, A.gen,
+                               A.capped, self.certain, self.met_seen, out, A.prompt, A.computed, A.n_preempt,
+                               self.h_best, self.ps_cost, self.run.profile.max_num_batched_tokens),
+            live, min_group=_MIN_GROUP)
         return out
 
     def episode_info(self, c: int, truncated: bool) -> dict:

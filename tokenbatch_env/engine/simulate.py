@@ -260,25 +260,12 @@ class EngineRun:
             steps = 1 if self.scorer.time_dependent else chunk_steps
         before = int(A.n_ended.sum())
         snap = (A.now.copy(), A.it.copy(), A.n_ended.copy(), A.n_wait.copy(), A.n_run.copy())
-        groups = self._groups(act)
-        if len(groups) == 1:
-            total = K.run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, tier, score, shed, act,
-                                 steps, until)
-        else:
-            run = lambda g: K.run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl,  # noqa: E731
-                                         tier, score, shed, g, steps, until)
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="tokenbatch-engine")
-            futures = [self._pool.submit(run, g) for g in groups[1:]]
-            try:
-                total = run(groups[0])   # the calling thread runs the first group
-            finally:
-                errors = [f.exception() for f in futures]   # waits: no group outlives this call
-            for e in errors:   # the first failing group (in copy order) raises
-                if e is not None:
-                    raise e
-            total += sum(f.result() for f in futures)
+        run = lambda g: K.run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl,  # noqa: E731
+                                     tier, score, shed, g, steps, until)
+        if self.iteration_sink is None and self.record_sink is None:
+            total = sum(self.map_groups(run, act))
+        else:   # the sinks see the buffers of one call
+            total = run(act)
         if self.iteration_sink is not None:
             self.flush_iterations()
         if self.record_sink is not None:
@@ -294,20 +281,37 @@ class EngineRun:
             bar.update(int(A.n_ended.sum()) - before)
         return total
 
-    def _groups(self, act: np.ndarray) -> list:
-        """The active mask split into at most ``threads`` contiguous groups of about equal size (one
-        group, ``act`` itself, without threads, with a sink or with fewer than 2 active copies)."""
-        if self.threads == 1 or self.iteration_sink is not None or self.record_sink is not None:
-            return [act]
-        idx = np.flatnonzero(act)
-        if idx.size < 2:
-            return [act]
-        out = []
-        for part in np.array_split(idx, min(self.threads, idx.size)):
+    def map_groups(self, fn: Callable[[np.ndarray], object], act: np.ndarray, min_group: int = 1) -> list:
+        """``[fn(g) for g in groups]`` run concurrently, where the groups split the copies of the mask
+        ``act`` into at most ``threads`` contiguous disjoint masks of about equal size, at least
+        ``min_group`` copies each (one group, ``act`` itself, when that leaves one). For functions
+        that touch only the rows of their group and release the GIL (the compiled kernels): the
+        calling thread runs the first group, a pool made on first use the others; all have
+        finished when this returns, and the first group (in copy order) that raised raises."""
+        act = np.asarray(act, bool)
+        n_groups = 1
+        if self.threads > 1:
+            n_active = int(np.count_nonzero(act))
+            n_groups = min(self.threads, n_active // max(1, int(min_group)))
+        if n_groups <= 1:
+            return [fn(act)]
+        groups = []
+        for part in np.array_split(np.flatnonzero(act), n_groups):
             g = np.zeros_like(act)
             g[part] = True
-            out.append(g)
-        return out
+            groups.append(g)
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="tokenbatch-engine")
+        futures = [self._pool.submit(fn, g) for g in groups[1:]]
+        try:
+            first = fn(groups[0])
+        finally:
+            errors = [f.exception() for f in futures]   # waits: no group outlives this call
+        for e in errors:
+            if e is not None:
+                raise e
+        return [first] + [f.result() for f in futures]
 
     def close(self) -> None:
         """Stop the worker threads (``threads > 1``); the run stays usable (they restart on demand)."""
