@@ -25,7 +25,7 @@ from gymnasium.vector import AutoresetMode
 from .engine import kernel as K
 from .engine import scoring as S
 from .bounds import min_prefill_ps2_one
-from .engine._jit import njit
+from .engine._jit import borrow, njit
 from .errors import ConfigError, TokenBatchError
 
 __all__ = ["TokenBatchConfig", "TokenBatchEnv", "TokenBatchVectorEnv", "ActionError", "OBS_LAYOUT",
@@ -194,6 +194,31 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
     """Observation rows of the ``active`` copies (see ``TokenBatchEnv``). The per-request entries are
     the engine's own index inputs (``kernel.request_inputs``); ``cfg``/``fcfg`` are the engine's,
     ``ocfg`` = [t_ref_ms, lambda_sat, rate_window_ns]; the episode start is ``epoch[c, EP_T0]``."""
+    # borrowed views (``engine._jit.borrow``): no reference counting per helper call
+    active = borrow(active)
+    mrl = borrow(mrl)
+    cfg = borrow(cfg)
+    fcfg = borrow(fcfg)
+    ocfg = borrow(ocfg)
+    out = borrow(out)
+    now = borrow(now)
+    n_wait = borrow(n_wait)
+    n_run = borrow(n_run)
+    n_free = borrow(n_free)
+    next_arr = borrow(next_arr)
+    wait_ids = borrow(wait_ids)
+    run_ids = borrow(run_ids)
+    prompt = borrow(prompt)
+    gen = borrow(gen)
+    computed = borrow(computed)
+    arrival = borrow(arrival)
+    t1 = borrow(t1)
+    est = borrow(est)
+    hash_head = borrow(hash_head)
+    chain_off = borrow(chain_off)
+    chain_val = borrow(chain_val)
+    uniq_base = borrow(uniq_base)
+    epoch = borrow(epoch)
     bs = cfg[K.C_BS]
     budget = cfg[K.C_BUDGET]
     usable = float(cfg[K.C_USABLE])
@@ -310,6 +335,27 @@ def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token,
     """Step rewards of the ``live`` copies (see ``TokenBatchEnv``, "Rewards"): scored requests [s0, s1)
     whose miss became certain (or, ``count_met``, that were met) since the last step; ``certain`` and
     ``met_seen`` ([N, s1 - s0]) remember what was counted."""
+    # borrowed views (``engine._jit.borrow``): no reference counting per helper call
+    live = borrow(live)
+    trunc = borrow(trunc)
+    now = borrow(now)
+    end_state = borrow(end_state)
+    first_token = borrow(first_token)
+    finish = borrow(finish)
+    arrival = borrow(arrival)
+    t1 = borrow(t1)
+    t2 = borrow(t2)
+    out_len = borrow(out_len)
+    gen = borrow(gen)
+    capped = borrow(capped)
+    certain = borrow(certain)
+    met_seen = borrow(met_seen)
+    out = borrow(out)
+    prompt = borrow(prompt)
+    computed = borrow(computed)
+    n_preempt = borrow(n_preempt)
+    h_best = borrow(h_best)
+    ps = borrow(ps)
     for c in range(live.shape[0]):
         if not live[c]:
             continue
