@@ -142,47 +142,52 @@ def test_config_seed_used_without_reset_seed():
 # ---------------------------------------------------------------------------- a = 0 == the evaluator's index
 @pytest.mark.parametrize("mode,shed", [("index", 0.0), ("index", None), ("weights", 0.0), ("weights", None)])
 def test_zero_action_reproduces_evaluator_policy(mode, shed, tmp_path):
-    """a = 0 replays the evaluator's policy with the base parameters (theta* / w*), request by request."""
+    """a = 0 replays the evaluator's policy with the base parameters (theta* / w*), request by request,
+    in each copy's first and later episodes (laid out into rows that held an earlier episode)."""
     from tokenbatch_env.engine.simulate import simulate
     from tokenbatch_env.policies import IndexParams, LinearWeights, engine_policy
     from tokenbatch_env.traces.windows import window_at
 
-    N = 4
+    N, EPISODES = 4, 3
     weights = LinearWeights({"log_s": -1.0, "slack": -0.5, "first_token_out": 0.2})
     base = tmp_path / "base.json"
     base.write_text(json.dumps({"weights": {"w": weights.to_dict()["w"]}}))
     env = TokenBatchVectorEnv(N, rho=(0.9, 1.8), window=64, warmup=16, cooldown=16, shed_margin=shed,
                               action_mode=mode, base_params=str(base) if mode == "weights" else None)
     _, info = env.reset(seed=3)
-    recs = {}
-    for _ in range(5000):
+    window = {c: (int(info["trace_index"][c]), float(info["rho"][c]), int(info["window_start"][c]))
+              for c in range(N)}
+    episodes = []   # (copy, window, records, goodput)
+    done = np.zeros(N, np.int64)
+    for _ in range(20000):
         _, _, te, tr, inf = env.step(np.zeros((N, env.core.action_dim)))
+        for c in np.flatnonzero(inf.get("_rho", np.zeros(N, bool))):   # NEXT_STEP: a new episode began
+            window[c] = (int(inf["trace_index"][c]), float(inf["rho"][c]), int(inf["window_start"][c]))
         for c in np.flatnonzero(te | tr):
-            if c not in recs:
-                assert te[c]
-                recs[c] = (env.episode_records(int(c)), inf["episode_goodput"][c])
-        if len(recs) == N:
+            assert te[c]
+            if done[c] < EPISODES:
+                episodes.append((c, window[c], env.episode_records(int(c)), inf["episode_goodput"][c]))
+            done[c] += 1
+        if (done >= EPISODES).all():
             break
-    assert len(recs) == N
+    assert (done >= EPISODES).all()
     core, cfg = env.core, env.config
     wl = core.workload
     pol = engine_policy(mode, params=IndexParams(), weights=weights, shed_margin=shed, t_ref_ms=wl.t_ref_ms)
     traces, ests, wins = [], [], []
-    for c in range(N):
-        w = window_at(wl.unit_at(int(info["trace_index"][c]), float(info["rho"][c])),
-                      int(info["window_start"][c]), cfg.window, cfg.warmup, cfg.cooldown)
+    for _, (u, rho, start), _, _ in episodes:
+        w = window_at(wl.unit_at(u, rho), start, cfg.window, cfg.warmup, cfg.cooldown)
         wins.append(w)
         traces.append(w.trace)
-        ests.append(core.estimates[int(info["trace_index"][c])][w.parent_start:w.parent_start + len(w.trace)])
+        ests.append(core.estimates[u][w.parent_start:w.parent_start + len(w.trace)])
     res = simulate(traces, cfg.profile, pol, core.engine_config, estimates=ests,
                    residual_life=wl.residual_life)
-    for c in range(N):
-        rec = res.records(c)
-        env_rec, goodput = recs[c]
-        assert np.array_equal(rec["met"][wins[c].scored], env_rec["met"])
-        assert np.array_equal(rec["first_token_ns"][wins[c].scored], env_rec["first_token_ns"])
-        assert np.array_equal(rec["finish_ns"][wins[c].scored], env_rec["finish_ns"])
-        assert goodput == rec["met"][wins[c].scored].mean()
+    for i, (c, _, env_rec, goodput) in enumerate(episodes):
+        rec = res.records(i)
+        assert np.array_equal(rec["met"][wins[i].scored], env_rec["met"]), (c, i)
+        assert np.array_equal(rec["first_token_ns"][wins[i].scored], env_rec["first_token_ns"])
+        assert np.array_equal(rec["finish_ns"][wins[i].scored], env_rec["finish_ns"])
+        assert goodput == rec["met"][wins[i].scored].mean()
 
 
 # ---------------------------------------------------------------------------- rewards

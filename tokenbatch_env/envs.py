@@ -461,9 +461,12 @@ _WORKLOADS: dict = {}
 
 def _splice(A, B, rows):
     """Write the copies of ``B`` (built for ``len(rows)`` traces) into rows ``rows`` of ``A``,
-    growing the per-copy hash dimensions when the new windows need more."""
+    growing the per-copy hash dimensions when the new windows need more. The block table is kept
+    (``build_arrays(block_table=False)``: a request's entries are written before they are read)."""
     changes = {}
     for name in A._fields:
+        if name == "table":
+            continue
         a, b = getattr(A, name), getattr(B, name)
         if a.shape[1:] != b.shape[1:]:
             if name not in _GROW_FILL or a.ndim != 2:
@@ -620,7 +623,7 @@ class _Core:
             self.traces[c] = w.trace
             self.t2[c] = w.trace.tpot_slo_ns
             self.h_best[c] = best_case_hits(w.trace, self.run.profile.block_size, self.engine_config.prefix_caching)
-        B = self._build_arrays(traces, self.run.profile, self.engine_config, ests)
+        B = self._build_arrays(traces, self.run.profile, self.engine_config, ests, block_table=False)
         self.run.arrays = _splice(self.run.arrays, B, rows)
         self.run.tier[rows] = 0
         self.run.score[rows] = 0.0

@@ -121,11 +121,14 @@ def capped_outputs(prompt: np.ndarray, output: np.ndarray, max_model_len: int):
 
 
 def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig,
-                 estimates: Optional[Sequence[np.ndarray]] = None) -> K.EngineArrays:
+                 estimates: Optional[Sequence[np.ndarray]] = None, *, block_table: bool = True) -> K.EngineArrays:
     """Lay N traces out as the struct of arrays, one copy each, padded to the longest.
 
     ``estimates[c]`` are copy c's output-length estimates (a predictor's, never the truth unless
-    labelled oracle); NaN or absent means "use the family's mean residual life"."""
+    labelled oracle); NaN or absent means "use the family's mean residual life".
+    ``block_table=False`` leaves ``table`` empty ([C, 0, 0]): for callers that write these copies
+    into rows of an existing batch, whose table rows need no reset (the kernel reads a request's
+    table entries only below its held blocks, all written when claimed)."""
     if len(traces) == 0:
         raise ConfigError("need at least one trace (one per copy)")
     bs = profile.block_size
@@ -207,7 +210,7 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
         finish=z(C, R, fill=-1), finish_it=z(C, R, fill=-1), n_preempt=z(C, R), recomputed=z(C, R),
         resumed=z(C, R, dtype=np.bool_),
         run_ids=z(C, S), wait_ids=z(C, R), slot_free=np.tile(np.arange(slots - 1, -1, -1, dtype=i64), (C, 1)),
-        pend_ids=z(C, S), table=z(C, slots, maxb, dtype=np.int32),  # one dtype, one compilation
+        pend_ids=z(C, S), table=z(*((C, slots, maxb) if block_table else (C, 0, 0)), dtype=np.int32),  # int32: one compilation
         ref=z(C, NB, dtype=np.int32), bhash=z(C, NB, fill=-1), hnext=z(C, NB, fill=-1, dtype=np.int32),
         fq_prev=fq_prev, fq_next=fq_next, hash_head=z(C, U, fill=-1, dtype=np.int32),
         sched_r=z(C, S), sched_new=z(C, S), sched_cb=z(C, S),
