@@ -115,3 +115,24 @@ def test_ppo_smoke():
     obs = venv.reset()
     act, _ = model.predict(obs, deterministic=True)
     assert act.shape == (4, A) and np.isfinite(act).all()
+
+
+def test_unbatch_all_equals_per_copy_unbatch():
+    """The adapter's one-pass info split gives each copy exactly ``_unbatch(infos, c)`` (same keys,
+    same order, same values), on steps with and without episode ends and resets."""
+    from tokenbatch_env.envs import TokenBatchVectorEnv
+    from tokenbatch_env.sb3 import _unbatch, _unbatch_all
+    n = 6
+    env = TokenBatchVectorEnv(n, autoreset_mode="SAME_STEP", rho=(1.5, 2.5), **SMALL)
+    _, infos = env.reset(seed=1)
+    rng = np.random.default_rng(0)
+    seen_end = 0
+    for _ in range(400):
+        for part in (infos, infos.get("final_info", {})):
+            fast = _unbatch_all(part, n)
+            for c in range(n):
+                slow = _unbatch(part, c)
+                assert list(fast[c]) == list(slow) and repr(fast[c]) == repr(slow)
+        _, _, te, tr, infos = env.step(rng.uniform(-1, 1, (n, len(ACTION_NAMES))))
+        seen_end += int((te | tr).sum())
+    assert seen_end > 5

@@ -48,6 +48,24 @@ def _unbatch(infos: dict, c: int) -> dict:
     return out
 
 
+def _unbatch_all(infos: dict, n: int) -> list:
+    """``[_unbatch(infos, c) for c in range(n)]``, one pass per key over the copies it is set for."""
+    out = [{} for _ in range(n)]
+    for k, v in infos.items():
+        if k.startswith("_") or k in ("final_obs", "final_info"):
+            continue
+        if isinstance(v, dict):
+            for c, sub in enumerate(_unbatch_all(v, n)):
+                if sub:
+                    out[c][k] = sub
+            continue
+        mask = infos.get(f"_{k}")
+        for c in (range(n) if mask is None else np.flatnonzero(mask).tolist()):
+            x = v[c]
+            out[c][k] = x.item() if isinstance(x, np.generic) else (x.copy() if isinstance(x, np.ndarray) else x)
+    return out
+
+
 def sb3_vec_env_class():
     """The adapter class (built on first use, so stable-baselines3 is imported only then)."""
     global _CLASS
@@ -77,7 +95,7 @@ def sb3_vec_env_class():
         def reset(self):
             seeds = list(self._seeds)
             obs, infos = self.venv.reset(seed=seeds if any(s is not None for s in seeds) else None)
-            self.reset_infos = [_unbatch(infos, c) for c in range(self.num_envs)]
+            self.reset_infos = _unbatch_all(infos, self.num_envs)
             self._reset_seeds()
             self._reset_options()
             return np.array(obs, copy=True)
@@ -92,16 +110,14 @@ def sb3_vec_env_class():
             obs, rew, term, trunc, infos = self.venv.step(self._actions)
             self._actions = None
             dones = term | trunc
-            out = []
+            out = _unbatch_all(infos, self.num_envs)
             final = infos.get("final_info", {})
             final_obs = infos.get("final_obs")
-            for c in range(self.num_envs):
-                d = _unbatch(infos, c)
-                if dones[c]:
-                    d.update(_unbatch(final, c))
-                    d["terminal_observation"] = np.array(final_obs[c], copy=True)
-                    d["TimeLimit.truncated"] = bool(trunc[c] and not term[c])
-                out.append(d)
+            for c in np.flatnonzero(dones).tolist():
+                d = out[c]
+                d.update(_unbatch(final, c))
+                d["terminal_observation"] = np.array(final_obs[c], copy=True)
+                d["TimeLimit.truncated"] = bool(trunc[c] and not term[c])
             return (np.array(obs, copy=True), np.asarray(rew, np.float32).copy(), dones.copy(), out)
 
         def close(self) -> None:
