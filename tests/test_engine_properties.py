@@ -42,6 +42,8 @@ configs = st.fixed_dictionaries({
     "swap": st.booleans(),
     "swap_space_gib": st.sampled_from([0.0, 0.01, 4.0]),
     "max_wait_ms": st.sampled_from([None, None, 150.0, 400.0]),
+    "timeout_running": st.booleans(),
+    "resume_first": st.booleans(),
 })
 policies = st.sampled_from(["fcfs", "priority", "edf", "llf", "sjf", "index", "edf+shed", "fcfs+shed"])
 
@@ -95,7 +97,11 @@ def test_invariants(trace, policy, cfg):
     work = int(it["prefill_tokens"].sum() + it["decodes"].sum())
     need = int((rec["prompt_tokens"][done] + rec["output_tokens"][done] - 1).sum())
     if cfg["prefix_caching"]:
-        assert work <= need + rec["recomputed_tokens"].sum()
+        assert work <= need + rec["recomputed_tokens"].sum() + (
+            int(rec["prompt_tokens"].sum()) if cfg["timeout_running"] else 0)
+    elif cfg["timeout_running"] and cfg["max_wait_ms"] is not None:
+        # a running request timed out mid-prefill: its computed tokens are thrown away uncounted
+        assert need + rec["recomputed_tokens"].sum() <= work
     else:
         assert work == need + rec["recomputed_tokens"].sum()
     # goodput in [0, 1]
@@ -152,8 +158,10 @@ def test_jumps_equal_single_steps_at_decision_epochs(trace, policy, cfg, interva
         stops = [int(run.advance_to_decision()[0]) for run in runs]
         assert stops[0] == stops[1]
         A, B = runs[0].arrays, runs[1].arrays
-        for f in ("now", "it", "n_wait", "n_run", "n_free", "end_state", "computed", "gen", "n_preempt"):
+        for f in ("now", "it", "n_wait", "n_run", "n_free", "end_state", "computed", "gen", "n_preempt",
+                  "first_token", "finish", "held", "ref"):
             assert np.array_equal(getattr(A, f), getattr(B, f)), f
+        assert set(A.wait_ids[0, :A.n_wait[0]].tolist()) == set(B.wait_ids[0, :B.n_wait[0]].tolist())
         if stops[0] != K.STOP_DECIDE:
             break
 
@@ -249,3 +257,18 @@ def test_jumps_past_a_blocked_waiting_queue_equal_single_steps(case):
         assert ra["end_state"][w] == K.E_SHED
     else:
         assert ra["end_state"][w] == K.E_TIMED_OUT
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(-10**15, 10**15), st.floats(0.0, 1e7), st.floats(-1e7, 0.0))
+def test_first_slack_below_is_the_first_instant(base, idle_ms, thr):
+    """The kernel's shed/decision instant: the first t at which its own float expression is below thr."""
+    t = int(K._first_slack_below(base, idle_ms, thr))
+    below = lambda x: (base - x) / 1e6 - idle_ms < thr  # noqa: E731
+    assert below(t) and not below(t - 1)
+
+
+def test_first_slack_below_beyond_the_clock_range():
+    # a trace without SLOs (T1 = NEVER // 4) and a large shed margin: the instant is past any clock
+    t1 = np.iinfo(np.int64).max // 8
+    assert K._first_slack_below(t1, 5.0, -20.0 * (t1 / 1e6)) == K._FOREVER

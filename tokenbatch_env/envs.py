@@ -311,7 +311,7 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
                 row[6 + qi] = zsort[pos] / 10.0
                 row[6 + nq + qi] = lsort[pos] / 4.0
             row[6 + 2 * nq + 1] = lost / nw
-        # the K waiting requests with the lowest z (ties: earlier arrival, lower id)
+        # the K waiting requests with the lowest z (ties: the engine's waiting-list order, deterministic)
         order = np.argsort(zs, kind="mergesort")
         m = nw if nw < kq else kq
         for j in range(m):

@@ -22,8 +22,8 @@ try:  # numba is a runtime dependency; without it the same functions run interpr
         return d
 
     def helper(fn):
-        """Small helpers are inlined at numba-IR level: passing the struct of arrays to a separate
-        function costs a reference-count round trip per array per call."""
+        """Small helpers, inlined at numba-IR level (no call). numba still increfs and decrefs each
+        array argument per call: the kernel passes ``borrow``-ed views, for which that is a no-op."""
         d = _numba_njit(cache=True, nogil=True, inline="always")(fn)
         _REGISTRY.append(d)
         return d
@@ -35,8 +35,9 @@ try:  # numba is a runtime dependency; without it the same functions run interpr
         NRT meminfo, so that the reference counting numba emits around every use (each inlined
         helper call increfs and decrefs each array argument: two atomic operations, which perf
         showed to be most of the kernel's time, on a cache line that two engine threads would fight
-        over) becomes a no-op. Only for arrays the caller keeps alive for the whole call and that
-        are not returned. Interpreted (``NUMBA_DISABLE_JIT``): ``arr`` itself."""
+        over) becomes a no-op. Only for arguments the Python caller keeps alive for the whole call,
+        never returned, and never for an array allocated in the same function (numba frees it after
+        its last use, leaving the view dangling). Interpreted (``NUMBA_DISABLE_JIT``): ``arr``."""
         return arr
 
     @_intrinsic

@@ -310,8 +310,11 @@ def request_inputs(waiting, hits, prompt, gen, computed, held, to_deadline_ns, e
 def _first_slack_below(base, idle_ms, thr):
     """The first time t (ns) at which a waiting request's slack, computed as ``request_inputs`` does
     ((base - t)/1e6 - idle_ms, base = arrival + T1), is below ``thr``: the predicate is monotone in
-    t, so a bracket then bisection on the exact float expression."""
-    g = base - np.int64((idle_ms + thr) * 1e6)
+    t, so a bracket then bisection on the exact float expression. ``_FOREVER`` if that is later."""
+    guess = float(base) - (idle_ms + thr) * 1e6
+    if not guess < float(_FOREVER):
+        return _FOREVER
+    g = np.int64(guess)
     lo = g - 2
     hi = g + 2
     step = 2
@@ -320,6 +323,8 @@ def _first_slack_below(base, idle_ms, thr):
         step *= 2
     step = 2
     while not ((base - hi) / 1e6 - idle_ms < thr):
+        if hi >= _FOREVER:
+            return _FOREVER
         hi += step
         step *= 2
     while hi - lo > 1:
@@ -595,7 +600,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     n_swap = borrow(n_swap)
     host_free = borrow(host_free)
     epoch = borrow(epoch)
-    gtab = borrow(gtab)
+    # (not ``gtab``: it may be allocated just above, and a borrowed view would outlive it)
     bs = cfg[C_BS]
     mode = cfg[C_MODE]
     max_wait = cfg[C_MAX_WAIT]
@@ -727,7 +732,9 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             continue
                         if left > budget_cfg:
                             left = budget_cfg
-                        bound += (computed[c, r] + left + bs - 1) // bs - held[c, r]
+                        need = (computed[c, r] + left + bs - 1) // bs - held[c, r]
+                        if need > 0:
+                            bound += need
                     if bound > n_free[c]:
                         n_scored += n_run[c]
             if n_scored > 0 and (score_inkernel or sm >= 0.0):
@@ -1358,7 +1365,9 @@ def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active,
 
     ``theta[c]`` is copy c's policy parameter vector and ``shed_margin[c]`` its shed margin (< 0:
     no shedding). With an in-engine policy (``cfg[C_PID]``) the kernel writes ``tier``/``score``
-    itself each iteration; with ``P_EXTERNAL`` they (and the ``shed`` mask) are the caller's.
+    itself, from each iteration's start: for every waiting request at each stepped iteration, for the
+    running ones only when a preemption is possible (the only time they are read), none inside a
+    jump; with ``P_EXTERNAL`` they (and the ``shed`` mask) are the caller's.
     ``mrl`` is the residual-life table; ``gtab`` the empirical-Gittins table built from it
     (``scoring.gittins_table``; None: built here, cached per table, when the policy needs it).
 
