@@ -272,8 +272,7 @@ def request_inputs(waiting, hits, prompt, gen, computed, held, to_deadline_ns, e
     the shed rule, the decision rule and the env's observation. The request's state comes as scalars
     (prompt, generated and computed tokens, held blocks, ns to its TTFT deadline, output estimate
     (NaN: the residual-life table ``mrl``), and, if waiting, its cached prefix blocks ``hits`` from
-    ``_prefix_hits``): inlined, array arguments would cost a reference-count round trip per request.
-    Returns (cached tokens: hits if waiting, else computed prompt; prefill left P; blocks needed;
+    ``_prefix_hits``), so that callers need not pass the [C, R] state arrays. Returns (cached tokens: hits if waiting, else computed prompt; prefill left P; blocks needed;
     first token out; ms to the deadline; slack ms; estimated decode left d; S ms)."""
     num_tokens = prompt + gen
     if waiting:
@@ -290,7 +289,6 @@ def request_inputs(waiting, hits, prompt, gen, computed, held, to_deadline_ns, e
         blocks_needed = held
     first_out = gen > 0
     to_deadline_ms = to_deadline_ns / 1e6
-    # both arrays are read on every path, so the inlined references cost no per-call refcounting
     idle_ms = idle_prefill_ns(p_left, done, budget, ps) / 1e6
     mrl_g = mrl[gen if gen < mrl.shape[0] else mrl.shape[0] - 1]
     slack_ms = to_deadline_ms
@@ -847,7 +845,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 # instants (the first iteration start at which each would fire) bound the jump.
                 nw = n_wait[c]
                 lim_w = _FOREVER
-                n_ev = 0  # evictable hit blocks of the waiting requests (in the free queue)
+                n_ev = 0  # evictable hit blocks of the waiting requests (in the free queue): ev_blocks[:n_ev]
                 dec_on = False  # deciding with one waiting request: a decision is needed once its slack < 0
                 dec_base = 0
                 dec_idle = 0.0
@@ -861,7 +859,10 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         if prefix_on:
                             hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs)
                             for j in range(hits):
-                                if ref[c, hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]] == 0:
+                                b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]
+                                if ref[c, b] == 0:
+                                    if n_ev + evictable < nb:
+                                        ev_blocks[n_ev + evictable] = b
                                     evictable += 1
                             n_ev += evictable
                         if can_admit and ((num_tokens + bs - 1) // bs - hits + evictable + cfg[C_WATERMARK]
@@ -884,17 +885,6 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             dec_idle = idle_ms
                 if n_ev > nb:
                     all_decoding = False  # (more than the scratch holds: step normally)
-                if all_decoding and k_done >= 2 and n_ev > 0:
-                    m = 0
-                    for q in range(nw):
-                        r = wait_ids[c, q]
-                        hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r,
-                                            prompt[c, r] + gen[c, r], bs)
-                        for j in range(hits):
-                            b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]
-                            if ref[c, b] == 0:
-                                ev_blocks[m] = b
-                                m += 1
                 if all_decoding and k_done >= 2:
                     # bucket the running requests by the iteration (mod bs) at which they claim a block
                     for ph in range(bs + 1):
@@ -947,6 +937,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                                     for j in range(n_ev):
                                         if ev_blocks[j] == b:
                                             evicts = True
+                                            break
                                 if evicts:
                                     break
                                 b = fq_next[c, b]
