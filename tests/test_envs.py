@@ -145,6 +145,7 @@ def test_zero_action_reproduces_evaluator_policy(mode, shed, tmp_path):
     """a = 0 replays the evaluator's policy with the base parameters (theta* / w*), request by request,
     in each copy's first and later episodes (laid out into rows that held an earlier episode)."""
     from tokenbatch_env.engine.simulate import simulate
+    from tokenbatch_env.evaluate import pct, pcts, request_outcomes, unit_metrics
     from tokenbatch_env.policies import IndexParams, LinearWeights, engine_policy
     from tokenbatch_env.traces.windows import window_at
 
@@ -166,7 +167,8 @@ def test_zero_action_reproduces_evaluator_policy(mode, shed, tmp_path):
         for c in np.flatnonzero(te | tr):
             assert te[c]
             if done[c] < EPISODES:
-                episodes.append((c, window[c], env.episode_records(int(c)), inf["episode_goodput"][c]))
+                episodes.append((c, window[c], env.episode_records(int(c)),
+                                 {k: inf[k][c] for k in inf if k.startswith("episode_")}))
             done[c] += 1
         if (done >= EPISODES).all():
             break
@@ -182,12 +184,56 @@ def test_zero_action_reproduces_evaluator_policy(mode, shed, tmp_path):
         ests.append(core.estimates[u][w.parent_start:w.parent_start + len(w.trace)])
     res = simulate(traces, cfg.profile, pol, core.engine_config, estimates=ests,
                    residual_life=wl.residual_life)
-    for i, (c, _, env_rec, goodput) in enumerate(episodes):
+    for i, (c, _, env_rec, info) in enumerate(episodes):
         rec = res.records(i)
         assert np.array_equal(rec["met"][wins[i].scored], env_rec["met"]), (c, i)
         assert np.array_equal(rec["first_token_ns"][wins[i].scored], env_rec["first_token_ns"])
         assert np.array_equal(rec["finish_ns"][wins[i].scored], env_rec["finish_ns"])
-        assert goodput == rec["met"][wins[i].scored].mean()
+        assert info["episode_goodput"] == rec["met"][wins[i].scored].mean()
+        # every episode metric is the evaluator's, from the evaluator's own records
+        o = request_outcomes(rec, traces[i], wins[i].scored_mask())
+        m = unit_metrics(o)
+        for k in ("met", "completed", "shed", "timed_out", "rejected", "unfinished", "preemptions"):
+            assert info[f"episode_{k}"] == m[k], k
+        assert [info["episode_ttft_p50_ms"], info["episode_ttft_p99_ms"]] == pcts(o["ttft_ms"], (50, 99))
+        assert info["episode_tpot_p99_ms"] == pct(o["tpot_ms"], 99)
+
+
+def test_episode_layout_is_build_arrays_of_the_window():
+    """A batch of new episodes laid out from the stacked units (``_EpisodeTable.columns`` spliced into
+    rows that held other episodes) equals ``build_arrays`` of the traces ``Workload.window_at`` cuts,
+    field by field (the block table aside: it is never read above a request's held blocks)."""
+    from tokenbatch_env.engine.state import build_arrays
+    from tokenbatch_env.envs import _splice
+    env = TokenBatchVectorEnv(6, rho=(0.5, 2.0), window=64, warmup=16, cooldown=16, seed=5)
+    env.reset()
+    for _ in range(30):   # rows now hold running episodes (and grown hash widths)
+        env.step(np.zeros((6, env.core.action_dim)))
+    core, cfg = env.core, env.config
+    wl = core.workload
+    rng = np.random.default_rng(0)
+    rows = np.array([0, 2, 3, 5])
+    units = rng.choice(core.units, rows.size)
+    lens = np.array([len(wl.units[u]) for u in units])
+    starts = np.array([cfg.warmup, *(rng.integers(cfg.warmup, n - cfg.cooldown - cfg.window + 1)
+                                     for n in lens[1:-1]), lens[-1] - cfg.cooldown - cfg.window])
+    rhos = [0.5, 1.0, 1.37, 2.0]
+    wins = [wl.window_at(int(u), r, int(s), cfg.window, cfg.warmup, cfg.cooldown) for u, r, s in zip(units, rhos, starts)]
+    ref = build_arrays([w.trace for w in wins], core.run.profile, core.engine_config,
+                       [core.estimates[u][w.parent_start:w.parent_start + len(w.trace)] for u, w in zip(units, wins)],
+                       block_table=False)
+    cols, t2, h_best = core.episodes.columns(units, starts - cfg.warmup, cfg.n_req,
+                                             [wl.scale_factor(r) for r in rhos], core.fresh)
+    A = _splice(core.run.arrays, cols, rows)
+    for f in ref._fields:
+        if f == "table":
+            continue
+        got, want = getattr(A, f)[rows], getattr(ref, f)
+        pad = got.shape[1] - want.shape[1] if want.ndim == 2 else 0
+        if pad > 0:   # the batch's hash widths may be wider than these windows need
+            want = np.concatenate([want, np.full((want.shape[0], pad), {"hash_head": -1}.get(f, 0), want.dtype)], 1)
+        assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=f == "est"), f
+    assert np.array_equal(t2, np.stack([w.trace.tpot_slo_ns for w in wins]))
 
 
 # ---------------------------------------------------------------------------- rewards

@@ -296,6 +296,24 @@ def test_scale_ints_equals_the_integer_definition(vals, factor):
     assert got.dtype == np.int64 and got.tolist() == want
 
 
+@settings(max_examples=100, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 2**45), st.floats(1e-3, 1e3)), min_size=1, max_size=8),
+       width=st.integers(0, 30), big=st.booleans())
+def test_scale_rows_is_scale_ints_per_row(rows, width, big):
+    """``scale_rows`` (one factor per row, the wrapped method vectorised over rows) is ``scale_ints``
+    row by row, also for rows beyond the wrapped method's bounds (Python integers)."""
+    from tokenbatch_env.traces.windows import scale_rows
+    v = np.array([[base + 7 * j for j in range(width)] for base, _ in rows], np.int64).reshape(len(rows), width)
+    fs = [Fraction(f) for _, f in rows]
+    if big and width:
+        v[0] = 2**52 + np.arange(width)
+        fs[0] = Fraction(1, 3)
+    got = scale_rows(v, fs)
+    assert got.shape == v.shape and got.dtype == np.int64
+    for i in range(len(rows)):
+        assert got[i].tolist() == scale_ints(v[i], fs[i]).tolist()
+
+
 def test_scale_ints_half_up_ties_and_large_denominators():
     v = np.arange(0, 20_000, dtype=np.int64)
     for f in [Fraction(1, 2), Fraction(3, 2), Fraction(5, 6), Fraction(7, 10), Fraction(1) / Fraction(2.52679 * 1.1),

@@ -4,8 +4,10 @@ docstring of ``TokenBatchEnv`` states it in Gymnasium's sections.
 
 There is one implementation of the dynamics: ``_Core`` drives one ``engine.simulate.EngineRun``
 over all copies, and the engine itself runs each copy to its next decision epoch
-(``EngineRun.advance_to_decision``); a copy that starts a new episode gets its window laid out by
-the engine's own ``build_arrays`` and spliced into the batch. Workload preparation (suite traces,
+(``EngineRun.advance_to_decision``); the copies that start new episodes get their windows laid out
+together from the suite's units stacked as arrays (``_EpisodeTable``: exactly the engine's own
+``build_arrays`` of those windows) and spliced into the batch; episode metrics are computed for all
+the copies that ended at once. Workload preparation (suite traces,
 lambda_sat, the residual-life table, T_ref, the predictor and its estimates, time scaling to rho)
 is the evaluator's ``prepare_workload`` / ``Workload``, so agents and baselines see the same
 windows.
@@ -459,15 +461,14 @@ _GROW_FILL = {"hash_head": -1, "chain_val": 0}
 _WORKLOADS: dict = {}
 
 
-def _splice(A, B, rows):
-    """Write the copies of ``B`` (built for ``len(rows)`` traces) into rows ``rows`` of ``A``,
-    growing the per-copy hash dimensions when the new windows need more. The block table is kept
-    (``build_arrays(block_table=False)``: a request's entries are written before they are read)."""
+def _splice(A, cols: dict, rows):
+    """Write ``cols`` (field name -> [len(rows), ...], or [1, ...] for the same values in every row)
+    into rows ``rows`` of ``A``, growing the per-copy hash dimensions when the new windows need more.
+    Fields not in ``cols`` are kept (the block table: a request's entries are written before they are
+    read)."""
     changes = {}
-    for name in A._fields:
-        if name == "table":
-            continue
-        a, b = getattr(A, name), getattr(B, name)
+    for name, b in cols.items():
+        a = getattr(A, name)
         if a.shape[1:] != b.shape[1:]:
             if name not in _GROW_FILL or a.ndim != 2:
                 raise RuntimeError(f"engine array {name}: shape {b.shape[1:]} does not fit {a.shape[1:]}")
@@ -483,6 +484,96 @@ def _splice(A, B, rows):
                 b = nb
         a[rows] = b
     return A._replace(**changes) if changes else A
+
+
+@njit
+def _window_ids(units, lo, n, offsets, ids, ids_start, n_ids, chain_val, n_uniq):
+    """Each window's prefix ids re-ranked densely among the ids it holds (as ``Trace.subset``
+    derives a sub-trace's ``prefix_ids`` from its parent's): the ids ``build_arrays`` gives it."""
+    for e in range(units.shape[0]):
+        u = units[e]
+        a = offsets[u, lo[e]]
+        b = offsets[u, lo[e] + n]
+        base = ids_start[u]
+        rank = np.zeros(n_ids[u], np.int64)
+        for j in range(a, b):
+            rank[ids[base + j]] = 1
+        r = 0
+        for k in range(n_ids[u]):
+            if rank[k] != 0:
+                rank[k] = r
+                r += 1
+        for j in range(a, b):
+            chain_val[e, j - a] = rank[ids[base + j]]
+        n_uniq[e] = r
+
+
+class _EpisodeTable:
+    """The workload's units as stacked arrays, so that a batch of episode windows is laid out with a
+    few array operations and no Trace objects: ``arrays`` gives exactly ``build_arrays`` of the
+    traces ``Workload.window_at`` cuts (checked field by field in tests/test_envs.py)."""
+
+    def __init__(self, wl, estimates, profile, engine_config):
+        from .bounds import best_case_hits
+        units = wl.units
+        U, L = len(units), max(len(t) for t in units)
+        i64 = np.int64
+
+        def stack(col, dtype=i64, width=L):
+            out = np.zeros((U, width), dtype)
+            for u, t in enumerate(units):
+                v = col(u, t)
+                out[u, :len(v)] = v
+            return out
+
+        self.arrival = stack(lambda u, t: t.arrival_ns)
+        self.prompt = stack(lambda u, t: t.prompt_tokens)
+        self.output = stack(lambda u, t: t.output_tokens)
+        self.prio = stack(lambda u, t: t.priority)
+        self.t1 = stack(lambda u, t: t.ttft_slo_ns)      # suites always have SLOs (prepare_workload)
+        self.t2 = stack(lambda u, t: t.tpot_slo_ns)
+        self.est = stack(lambda u, t: estimates[u], np.float64)
+        self.h_best = stack(lambda u, t: best_case_hits(t, profile.block_size, engine_config.prefix_caching))
+        self.prefix_len = stack(lambda u, t: t.prefix_lengths)
+        self.offsets = stack(lambda u, t: t.prefix_offsets, width=L + 1)
+        ids = [t.prefix_ids() for t in units]
+        self.n_ids = np.array([n for n, _ in ids], i64)
+        self.ids = np.concatenate([inv for _, inv in ids]).astype(i64)
+        self.ids_start = np.concatenate([[0], np.cumsum([len(inv) for _, inv in ids])[:-1]]).astype(i64)
+        self.profile, self.engine_config = profile, engine_config
+
+    def columns(self, units: np.ndarray, lo: np.ndarray, n: int, factors, fresh) -> tuple:
+        """(engine columns, t2, h_best) of the windows rows ``[lo, lo + n)`` of ``units``, times scaled
+        by ``factors`` (one Fraction per window): for ``_splice``, every field but the block table,
+        those a trace does not set as [1, ...] rows of ``fresh`` (``build_arrays`` of any one
+        window)."""
+        from .engine.state import capped_outputs
+        from .traces.windows import scale_rows
+        E, bs, i64 = len(units), self.profile.block_size, np.int64
+        u = units[:, None]
+        idx = lo[:, None] + np.arange(n)
+        prompt, output = self.prompt[u, idx], self.output[u, idx]
+        out_len, capped = capped_outputs(prompt, output, self.profile.max_model_len)
+        arrival = scale_rows(self.arrival[u, idx], factors)
+        off = self.offsets[u, lo[:, None] + np.arange(n + 1)]
+        off -= off[:, :1]
+        chain_val = np.zeros((E, max(1, int(off[:, -1].max()))), i64)
+        n_uniq = np.zeros(E, i64)
+        _window_ids(units, lo, n, self.offsets, self.ids, self.ids_start, self.n_ids, chain_val, n_uniq)
+        uniq_base = np.zeros((E, n), i64)
+        W = 1
+        if self.engine_config.prefix_caching and n:
+            room = (prompt + out_len + bs - 1) // bs + 1 - self.prefix_len[u, idx]
+            csum = np.cumsum(room, axis=1)
+            uniq_base[:, 1:] = csum[:, :-1]
+            uniq_base += n_uniq[:, None]
+            W = max(1, int((n_uniq + csum[:, -1]).max()))
+        cols = {f: getattr(fresh, f) for f in fresh._fields if f != "table"}
+        cols.update(
+            n_req=np.full(E, n, i64), arrival=arrival, prompt=prompt, out_len=out_len, prio=self.prio[u, idx],
+            capped=capped, t1=self.t1[u, idx], est=self.est[u, idx], chain_off=off, chain_val=chain_val,
+            uniq_base=uniq_base, now=arrival[:, 0].copy(), hash_head=np.full((1, W), -1, np.int32))
+        return cols, self.t2[u, idx], self.h_best[u, idx]
 
 
 #: copies per thread below which observations and rewards (a few us per copy) are not split
@@ -526,8 +617,9 @@ class _Core:
                 raise ConfigError(f"suite/split: {e}") from None
             if cfg.predictor is not None:
                 wl = dataclasses.replace(wl, predictor=cfg.predictor)
-            _WORKLOADS[key] = (wl, wl.estimates())
-        wl, self.estimates = _WORKLOADS[key]
+            est = wl.estimates()
+            _WORKLOADS[key] = (wl, est, _EpisodeTable(wl, est, profile, self.engine_config))
+        wl, self.estimates, self.episodes = _WORKLOADS[key]
         self.workload = wl
         lens = [len(t) for t in wl.units]
         usable = [i for i, n in enumerate(lens) if n >= cfg.n_req]
@@ -548,7 +640,6 @@ class _Core:
         self.theta_star = (params if cfg.action_mode == "index" else weights).theta_vector(wl.t_ref_ms)
         self.action_names = cfg.action_names
         # engine
-        self._build_arrays = build_arrays
         w0 = wl.window_at(usable[0], cfg.rho[0], cfg.warmup, cfg.window, cfg.warmup, cfg.cooldown)
         from .policies import engine_policy
         pol = engine_policy(cfg.action_mode, params=params, weights=weights, shed_margin=margin,
@@ -557,6 +648,8 @@ class _Core:
         self.run = EngineRun([w0.trace] * N, profile, pol, self.engine_config,
                              estimates=[est0] * N, residual_life=wl.residual_life, threads=threads)
         self.pol = pol
+        # fresh engine state of one window (every field a new episode resets, not laid out from its trace)
+        self.fresh = build_arrays([w0.trace], profile, self.engine_config, [est0], block_table=False)
         # constants for observations and certain-miss detection
         self.k = cfg.k
         self.obs_dim = obs_dim(cfg.k)
@@ -580,7 +673,6 @@ class _Core:
         self.rho = np.zeros(N)
         self.trace_index = np.zeros(N, np.int64)
         self.window_start = np.zeros(N, np.int64)
-        self.traces = [w0.trace] * N
         self.last_records: list = [None] * N
         self.params_theta = np.tile(self.theta_star, (N, 1))
         self.params_margin = np.full(N, -1.0 if margin is None else margin)
@@ -603,28 +695,28 @@ class _Core:
 
     def reset_copies(self, rows: np.ndarray) -> None:
         """Draw a new episode (trace, window, rho) for each copy in ``rows`` and lay it out."""
-        from .bounds import best_case_hits
         cfg, wl = self.config, self.workload
         rows = np.asarray(rows, np.int64)
         if rows.size == 0:
             return
-        traces, ests = [], []
-        for c in rows:
+        E = rows.size
+        units, starts, factors = np.zeros(E, np.int64), np.zeros(E, np.int64), []
+        for e, c in enumerate(rows):
             rng = self.rngs[c]
             u = self.units[int(rng.integers(len(self.units)))]
             n = len(wl.units[u])
             start = int(rng.integers(cfg.warmup, n - cfg.cooldown - cfg.window + 1))
             lo, hi = cfg.rho
             rho = float(lo if lo == hi else rng.uniform(lo, hi))
-            w = wl.window_at(u, rho, start, cfg.window, cfg.warmup, cfg.cooldown)
-            traces.append(w.trace)
-            ests.append(self.estimates[u][w.parent_start:w.parent_start + len(w.trace)])
+            f = wl.scale_factor(rho)
+            if not wl.scaled_in_range(u, f):
+                wl.window_at(u, rho, start, cfg.window, cfg.warmup, cfg.cooldown)   # raises its error
+            units[e], starts[e] = u, start
+            factors.append(f)
             self.rho[c], self.trace_index[c], self.window_start[c] = rho, u, start
-            self.traces[c] = w.trace
-            self.t2[c] = w.trace.tpot_slo_ns
-            self.h_best[c] = best_case_hits(w.trace, self.run.profile.block_size, self.engine_config.prefix_caching)
-        B = self._build_arrays(traces, self.run.profile, self.engine_config, ests, block_table=False)
-        self.run.arrays = _splice(self.run.arrays, B, rows)
+        cols, self.t2[rows], self.h_best[rows] = self.episodes.columns(units, starts - cfg.warmup, cfg.n_req,
+                                                                       factors, self.fresh)
+        self.run.arrays = _splice(self.run.arrays, cols, rows)
         self.run.tier[rows] = 0
         self.run.score[rows] = 0.0
         self.run.start_epochs(rows, interval_ns=self.dt_ns, scored=(self.s0, self.s1),
@@ -669,49 +761,55 @@ class _Core:
             live, min_group=_MIN_GROUP)
         return out
 
-    def episode_info(self, c: int, truncated: bool) -> dict:
-        """Episode metrics of copy c (its scored requests), computed with the evaluator's helpers."""
-        from .engine.simulate import SimResult
-        from .evaluate import pct, pcts, request_outcomes, unit_metrics
-        res = SimResult(self.traces, self.run.profile, self.engine_config, self.pol.name, self.run.arrays)
-        rec = res.records(c)
-        open_ = rec["end_state"] == K.E_NONE
-        rec["end_state"] = np.where(open_, K.E_UNFINISHED, rec["end_state"])
-        mask = np.zeros(len(self.traces[c]), bool)
-        mask[self.s0:self.s1] = True
-        self.last_records[c] = {k: v[mask].copy() for k, v in rec.items()}
-        o = request_outcomes(rec, self.traces[c], mask)
-        m = unit_metrics(o)
-        ttft50, ttft99 = pcts(o["ttft_ms"], (50, 99))
+    def episode_infos(self, ended: np.ndarray, trunc: np.ndarray) -> dict:
+        """Episode metrics of the copies ``ended`` (their scored requests), one array per key over
+        them, computed with the evaluator's definitions (``request_outcomes``, ``unit_metrics``'s
+        counts, ``pcts``), all ended copies at once."""
+        from .engine.simulate import record_rows
+        from .evaluate import pcts_rows, request_outcomes
+        A, s0, s1 = self.run.arrays, self.s0, self.s1
+        rec = record_rows(A, ended, s0, s1, A.t1[ended, s0:s1], self.t2[ended, s0:s1])
+        es = rec["end_state"]
+        es[es == K.E_NONE] = K.E_UNFINISHED
+        for i, c in enumerate(ended):
+            self.last_records[c] = (rec, i)   # episode_records copies row i out on demand
+        o = request_outcomes(rec, None)
+        count = lambda k: o[k].sum(axis=1).astype(np.int64)  # noqa: E731
+        ttft = pcts_rows(o["ttft_ms"], (50, 99))
+        met = count("met")
         return {
-            "episode_goodput": float(m["goodput"]), "episode_met": int(m["met"]),
-            "episode_completed": int(m["completed"]), "episode_shed": int(m["shed"]),
-            "episode_timed_out": int(m["timed_out"]), "episode_rejected": int(m["rejected"]),
-            "episode_unfinished": int(m["unfinished"]), "episode_preemptions": int(m["preemptions"]),
-            "episode_ttft_p50_ms": ttft50, "episode_ttft_p99_ms": ttft99,
-            "episode_tpot_p99_ms": pct(o["tpot_ms"], 99),
-            "episode_return": float(self.ep_return[c]), "episode_length": int(self.steps[c]),
-            "episode_rho": float(self.rho[c]), "episode_truncated": bool(truncated),
-            "episode_sim_s": float(self.run.arrays.now[c] - self.run.arrays.epoch[c, K.EP_T0]) / 1e9,
+            "episode_goodput": met / (s1 - s0), "episode_met": met,
+            "episode_completed": count("completed"), "episode_shed": count("shed"),
+            "episode_timed_out": count("timed_out"), "episode_rejected": count("rejected"),
+            "episode_unfinished": count("unfinished"), "episode_preemptions": count("preemptions"),
+            "episode_ttft_p50_ms": ttft[:, 0], "episode_ttft_p99_ms": ttft[:, 1],
+            "episode_tpot_p99_ms": pcts_rows(o["tpot_ms"], (99,))[:, 0],
+            "episode_return": self.ep_return[ended].astype(np.float64), "episode_length": self.steps[ended].copy(),
+            "episode_rho": self.rho[ended].copy(), "episode_truncated": trunc[ended].astype(bool),
+            "episode_sim_s": (A.now[ended] - A.epoch[ended, K.EP_T0]).astype(np.float64) / 1e9,
         }
 
-    def reset_info(self, c: int) -> dict:
-        return {"rho": float(self.rho[c]), "trace_index": int(self.trace_index[c]),
-                "window_start": int(self.window_start[c])}
+    def episode_records(self, c: int) -> Optional[dict]:
+        r = self.last_records[c]
+        if r is None:
+            return None
+        rec, i = r
+        return {k: v[i].copy() for k, v in rec.items()}
+
+    def reset_infos(self, rows: np.ndarray) -> dict:
+        return {"rho": self.rho[rows].astype(np.float64), "trace_index": self.trace_index[rows].astype(np.int64),
+                "window_start": self.window_start[rows].astype(np.int64)}
 
 
 # ------------------------------------------------------------------ the vector env
-def _add(infos: dict, info: dict, c: int, n: int) -> None:
-    """Gymnasium's vector info convention: ``info[key]`` an array over copies, ``info['_key']`` its mask."""
+def _add(infos: dict, info: dict, rows: np.ndarray, n: int) -> None:
+    """Gymnasium's vector info convention: ``info[key]`` an array over copies, ``info['_key']`` its
+    mask; ``info`` holds one array per key over the copies ``rows``."""
     for key, v in info.items():
-        if isinstance(v, dict):
-            _add(infos.setdefault(key, {}), v, c, n)
-        else:
-            if key not in infos:
-                dtype = np.bool_ if isinstance(v, bool) else (np.float64 if isinstance(v, float) else np.int64)
-                infos[key] = np.zeros(n, dtype)
-            infos[key][c] = v
-        infos.setdefault(f"_{key}", np.zeros(n, bool))[c] = True
+        if key not in infos:
+            infos[key] = np.zeros(n, v.dtype)
+        infos[key][rows] = v
+        infos.setdefault(f"_{key}", np.zeros(n, bool))[rows] = True
 
 
 #: copies from which the vector env uses every available core by default
@@ -800,8 +898,8 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
         self._needs_reset[rows] = False
         self._done[rows] = False
         infos: dict = {}
-        for c in rows:
-            _add(infos, self.core.reset_info(int(c)), int(c), n)
+        if rows.size:
+            _add(infos, self.core.reset_infos(rows), rows, n)
         return self.core.obs.copy(), infos
 
     # -------------------------------------------------------------- step
@@ -841,12 +939,12 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
         reward, term, trunc = core.step(live, theta, margin)
         infos: dict = {}
         ended = np.flatnonzero(term | trunc)
-        for c in ended:
-            _add(infos, core.episode_info(int(c), bool(trunc[c])), int(c), n)
+        if ended.size:
+            _add(infos, core.episode_infos(ended, trunc), ended, n)
         if reset_now.any():
-            core.reset_copies(np.flatnonzero(reset_now))
-            for c in np.flatnonzero(reset_now):
-                _add(infos, core.reset_info(int(c)), int(c), n)
+            rows = np.flatnonzero(reset_now)
+            core.reset_copies(rows)
+            _add(infos, core.reset_infos(rows), rows, n)
             self._done[reset_now] = False
         obs = core.obs.copy()
         if mode == AutoresetMode.SAME_STEP and ended.size:
@@ -857,8 +955,7 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
             infos = {"final_obs": final_obs, "_final_obs": np.isin(np.arange(n), ended),
                      "final_info": final_info, "_final_info": np.isin(np.arange(n), ended)}
             core.reset_copies(ended)
-            for c in ended:
-                _add(infos, core.reset_info(int(c)), int(c), n)
+            _add(infos, core.reset_infos(ended), ended, n)
             obs = core.obs.copy()
         elif mode == AutoresetMode.NEXT_STEP:
             self._needs_reset = term | trunc
@@ -870,8 +967,7 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
     # -------------------------------------------------------------- helpers
     def episode_records(self, copy: int = 0) -> Optional[dict]:
         """The scored requests' records of copy ``copy``'s last finished episode (met, ttft_ns, ...)."""
-        r = self.core.last_records[copy]
-        return None if r is None else {k: v.copy() for k, v in r.items()}
+        return self.core.episode_records(copy)
 
     @property
     def base_theta(self) -> np.ndarray:

@@ -354,25 +354,34 @@ class Workload:
         lo, hi, _, _ = self.windows[i]
         return scale_to_rate(self.parent, rate).subset(slice(lo, hi))
 
-    def window_at(self, i: int, rho: float, start: int, size: int, warmup: int = 0, cooldown: int = 0):
-        """``traces.windows.window_at(self.unit_at(i, rho), start, size, warmup, cooldown)``, the same
-        Window, computed by cutting the window first and scaling only its rows (scaling about t = 0
-        commutes exactly with ``Trace.subset``): the envs draw one per episode."""
-        from .traces.trace import MAX_ARRIVAL_NS
-        from .traces.windows import Window, as_fraction, empirical_rate_rps, scale_ints, time_scale, window_at
+    def scale_factor(self, rho: float):
+        """The exact factor (a Fraction) by which ``unit_at(i, rho)`` scales every unit's times."""
+        from .traces.windows import as_fraction, empirical_rate_rps
         target = as_fraction(rho * self.lambda_sat, "rate_rps")
-        unit = self.units[i]
         nominal = self.__dict__.get("_nominal")
         if nominal is None:   # the units' stored rate: a constant of the workload
             nominal = as_fraction(self.nominal_rps if self.kind == "suite" else empirical_rate_rps(self.parent),
                                   "nominal_rps")
             self.__dict__["_nominal"] = nominal
-        factor = nominal / target   # scale_to_rate's factor
-        # the whole unit's last arrival must stay in range (else unit_at raises: let it, as before)
-        last = (unit if self.kind == "suite" else self.parent).arrival_ns[-1:]
-        if last.size and not int(last[0]) * float(factor) < MAX_ARRIVAL_NS / 2 \
-                and int(scale_ints(last, factor)[0]) > MAX_ARRIVAL_NS:
-            return window_at(self.unit_at(i, rho), start, size, warmup, cooldown)
+        return nominal / target   # scale_to_rate's factor
+
+    def scaled_in_range(self, i: int, factor) -> bool:
+        """Whether unit i's last arrival stays in range at ``factor`` (else ``unit_at`` raises)."""
+        from .traces.trace import MAX_ARRIVAL_NS
+        from .traces.windows import scale_ints
+        last = (self.units[i] if self.kind == "suite" else self.parent).arrival_ns[-1:]
+        return not (last.size and not int(last[0]) * float(factor) < MAX_ARRIVAL_NS / 2
+                    and int(scale_ints(last, factor)[0]) > MAX_ARRIVAL_NS)
+
+    def window_at(self, i: int, rho: float, start: int, size: int, warmup: int = 0, cooldown: int = 0):
+        """``traces.windows.window_at(self.unit_at(i, rho), start, size, warmup, cooldown)``, the same
+        Window, computed by cutting the window first and scaling only its rows (scaling about t = 0
+        commutes exactly with ``Trace.subset``)."""
+        from .traces.windows import Window, time_scale, window_at
+        factor = self.scale_factor(rho)
+        if not self.scaled_in_range(i, factor):
+            return window_at(self.unit_at(i, rho), start, size, warmup, cooldown)   # raises, as unit_at does
+        unit = self.units[i]
         unit.prefix_ids()   # cached on the unit: its windows derive theirs without sorting
         w = window_at(unit, start, size, warmup, cooldown)
         return Window(time_scale(w.trace, factor), w.scored_start, w.scored_stop, w.parent_start)
@@ -478,7 +487,9 @@ def _default_predictor():
 # ------------------------------------------------------------------------------------ metrics
 def request_outcomes(rec: dict, trace, scored: Optional[np.ndarray] = None) -> dict:
     """The scored requests' outcome columns used by every metric (times in ms; +inf where the
-    event never happened: no first token for TTFT, not completed for TPOT and E2E)."""
+    event never happened: no first token for TTFT, not completed for TPOT and E2E). ``trace`` None:
+    without the trace's columns (class, cache miss); then ``rec``'s columns may also be 2-D
+    ([units, requests], ``scored`` None)."""
     from .engine.kernel import E_COMPLETED, E_REJECTED, E_SHED, E_TIMED_OUT, E_UNFINISHED
     n = len(rec["arrival_ns"])
     m = np.ones(n, bool) if scored is None else np.asarray(scored, bool)
@@ -503,8 +514,8 @@ def request_outcomes(rec: dict, trace, scored: Optional[np.ndarray] = None) -> d
         "arrival_ns": arr, "finish_ns": fin,
         "preemptions": np.asarray(rec["preemptions"])[m],
         "recomputed_tokens": np.asarray(rec["recomputed_tokens"])[m],
-        "class_id": np.asarray(trace.class_id)[m],
-        "cache_miss": np.asarray(trace.prefix_lengths)[m] == 0,
+        **({} if trace is None else {"class_id": np.asarray(trace.class_id)[m],
+                                     "cache_miss": np.asarray(trace.prefix_lengths)[m] == 0}),
     }
 
 
@@ -554,13 +565,31 @@ def pcts(x, qs) -> list:
         if s[-1] != s[-1]:
             out.append(float("nan"))
             continue
-        idx = n * (q / 100) - 1
-        prev = math.floor(idx)
-        k = max(0, prev if idx - prev == 0 else prev + 1)
-        v = float(s[k])
+        v = float(s[_pct_index(n, q)])
         if v == 0.0 and np.signbit(x[x == 0.0]).any():   # +0.0 and -0.0: partition order decides
             v = float(np.percentile(x, q, method="inverted_cdf"))
         out.append(v)
+    return out
+
+
+def _pct_index(n: int, q) -> int:
+    """np.percentile's inverted-CDF index rule: ``i = n * (q / 100) - 1`` in float64, rounded up
+    unless integral, clipped at 0."""
+    idx = n * (q / 100) - 1
+    prev = math.floor(idx)
+    return max(0, prev if idx - prev == 0 else prev + 1)
+
+
+def pcts_rows(x, qs) -> np.ndarray:
+    """``[pcts(row, qs) for row in x]`` of a 2-D array, as an array [rows, len(qs)], with one sort."""
+    x = np.asarray(x, np.float64)
+    if x.ndim != 2 or x.shape[1] == 0 or any(type(q) not in (int, float) or not 0 <= q <= 100 for q in qs):
+        return np.array([pcts(row, qs) for row in x], np.float64).reshape(len(x), len(qs))
+    s = np.sort(x, axis=1)   # NaN sorts last
+    out = s[:, [_pct_index(x.shape[1], q) for q in qs]]
+    out[s[:, -1] != s[:, -1]] = np.nan
+    for i in np.flatnonzero((out == 0.0).any(axis=1)):   # a chosen zero that could be -0.0: pcts decides
+        out[i] = pcts(x[i], qs)
     return out
 
 

@@ -86,12 +86,29 @@ class _TraceRows:
         self.tpot_slo_ns = trace.tpot_slo_ns[lo:hi] if trace.has_slos else None
 
 
+class _SloRows:
+    def __init__(self, ttft_slo_ns, tpot_slo_ns):
+        self.has_slos, self.ttft_slo_ns, self.tpot_slo_ns = True, ttft_slo_ns, tpot_slo_ns
+
+
 def record_columns(A: K.EngineArrays, trace: Trace, copy: int, lo: int, hi: int) -> dict:
     """Request records of rows [lo, hi) of one copy: the one implementation behind
     ``SimResult.records`` and the streaming ``record_sink``."""
+    return _record_columns(A, copy, lo, hi, _TraceRows(trace, lo, hi))
+
+
+def record_rows(A: K.EngineArrays, copies: np.ndarray, lo: int, hi: int, ttft_slo_ns, tpot_slo_ns) -> dict:
+    """``record_columns`` of rows [lo, hi) of several copies at once, as [copies, hi - lo] columns;
+    the SLOs of those rows are given ([copies, hi - lo])."""
+    return _record_columns(A, np.asarray(copies, np.int64), lo, hi, _SloRows(ttft_slo_ns, tpot_slo_ns))
+
+
+def _record_columns(A: K.EngineArrays, copy, lo: int, hi: int, slos) -> dict:
     col = lambda a: np.asarray(a[copy, lo:hi]).copy()  # noqa: E731
+    request = np.arange(lo, hi)
     rec = {
-        "request": np.arange(lo, hi), "arrival_ns": col(A.arrival), "prompt_tokens": col(A.prompt),
+        "request": request if np.ndim(copy) == 0 else np.tile(request, (len(copy), 1)),
+        "arrival_ns": col(A.arrival), "prompt_tokens": col(A.prompt),
         "output_tokens": col(A.out_len), "first_scheduled_ns": col(A.first_sched),
         "first_token_ns": col(A.first_token), "first_token_iteration": col(A.first_token_it),
         "finish_ns": col(A.finish), "finish_iteration": col(A.finish_it),
@@ -99,7 +116,7 @@ def record_columns(A: K.EngineArrays, trace: Trace, copy: int, lo: int, hi: int)
         "swapped_blocks": col(A.swapped),
         "end_state": col(A.end_state).astype(np.int64),
     }
-    rec.update(request_metrics(rec, _TraceRows(trace, lo, hi)))
+    rec.update(request_metrics(rec, slos))
     return rec
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from ..errors import ConfigError
 from .trace import Trace
 
-__all__ = ["as_fraction", "scale_ints", "time_scale", "empirical_rate_rps", "scale_to_rate",
+__all__ = ["as_fraction", "scale_ints", "scale_rows", "time_scale", "empirical_rate_rps", "scale_to_rate",
            "Window", "window_at", "cut_windows"]
 
 
@@ -59,6 +59,37 @@ def as_fraction(x, name: str = "factor") -> Fraction:
 _U64 = 2**64
 
 
+def _wrapped_params(vmin: int, vmax: int, f: Fraction) -> Optional[tuple]:
+    """``(float(f), 2p mod 2**64, q)`` for ``_scale_wrapped`` if its bounds hold for values in
+    ``[vmin, vmax]``, else None."""
+    p, q = f.numerator, f.denominator
+    if q >= 2**61 or vmin < 0:
+        return None
+    try:
+        ff = float(f)
+    except OverflowError:
+        return None
+    if not (ff > 0.0 and vmax * ff < 2.0**49):   # margin below 2**50 for the float rounding of the bound
+        return None
+    return ff, 2 * p % _U64, q
+
+
+def _scale_wrapped(v: np.ndarray, ff, p2, q) -> np.ndarray:
+    """``floor(v * f + 1/2)`` from ``_wrapped_params`` (scalars, or arrays broadcasting against
+    ``v``: one factor per row)."""
+    x = v * ff
+    x += 0.5
+    r0 = np.floor(x, out=x).astype(np.int64)              # >= 0
+    e = v.view(np.uint64) * np.asarray(p2, np.uint64)     # uint64 arithmetic wraps modulo 2**64
+    e += np.asarray(q, np.uint64)
+    q2 = 2 * np.asarray(q, np.int64)
+    e -= r0.view(np.uint64) * q2.astype(np.uint64)
+    e = e.view(np.int64)
+    r0 += e >= q2
+    r0 -= e < 0
+    return r0
+
+
 def _scale_ints_wrapped(v: np.ndarray, f: Fraction) -> Optional[np.ndarray]:
     """``floor(v * f + 1/2)`` of non-negative int64 ``v`` without big integers, or None when the
     bounds below do not hold (the caller then uses Python integers).
@@ -69,25 +100,27 @@ def _scale_ints_wrapped(v: np.ndarray, f: Fraction) -> Optional[np.ndarray]:
     ``e = 2vp + q - 2q r0`` then lies in ``[-2q, 4q)``, inside int64 when ``q < 2**61``, so its value
     computed modulo 2**64 (uint64 arithmetic wraps) is exact, and ``0 <= e < 2q`` decides
     ``r0 = floor(T)`` exactly: one correction step gives the exact result."""
-    p, q = f.numerator, f.denominator
-    if q >= 2**61 or v.size == 0 or int(v.min()) < 0:
-        return None
-    try:
-        ff = float(f)
-    except OverflowError:
-        return None
-    if not (ff > 0.0 and int(v.max()) * ff < 2.0**49):   # margin below 2**50 for the float rounding of the bound
-        return None
-    x = v * ff
-    x += 0.5
-    r0 = np.floor(x, out=x).astype(np.int64)              # >= 0
-    e = v.view(np.uint64) * np.uint64(2 * p % _U64)       # uint64 arithmetic wraps modulo 2**64
-    e += np.uint64(q)
-    e -= r0.view(np.uint64) * np.uint64(2 * q)
-    e = e.view(np.int64)
-    r0 += e >= 2 * q
-    r0 -= e < 0
-    return r0
+    params = None if v.size == 0 else _wrapped_params(int(v.min()), int(v.max()), f)
+    return None if params is None else _scale_wrapped(v, *params)
+
+
+def scale_rows(values: np.ndarray, factors) -> np.ndarray:
+    """``scale_ints(values[i], factors[i])`` for each row of a 2-D int64 array, exactly, with one
+    set of array operations for the rows where the wrapped method's bounds hold."""
+    v = np.asarray(values, np.int64)
+    fs = [f if type(f) is Fraction and f > 0 else as_fraction(f) for f in factors]
+    if v.shape[1] == 0:
+        return v.copy()
+    params = [_wrapped_params(lo, hi, f) for lo, hi, f in zip(v.min(axis=1).tolist(), v.max(axis=1).tolist(), fs)]
+    ok = np.array([p is not None for p in params], bool)
+    out = np.empty_like(v)
+    if ok.any():
+        ff, p2, q = (np.array([p[i] for p in params if p is not None], dt)
+                     for i, dt in enumerate((np.float64, np.uint64, np.uint64)))
+        out[ok] = _scale_wrapped(v[ok], ff[:, None], p2[:, None], q[:, None])
+    for i in np.flatnonzero(~ok):
+        out[i] = scale_ints(v[i], fs[i])
+    return out
 
 
 def scale_ints(values, factor) -> np.ndarray:
