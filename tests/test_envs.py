@@ -292,6 +292,34 @@ def test_unreachable_ttft_counts_before_the_deadline_and_is_never_met(shed):
     assert early > 0 and done >= 8
 
 
+@pytest.mark.parametrize("mode", ["certain_miss", "met"])
+def test_rewards_skip_only_settled_requests(mode):
+    """The reward pass skips each copy's settled prefix (ended or certain requests): rescanning every
+    scored request from the state before each step gives the same rewards and marks."""
+    from tokenbatch_env.envs import _rewards
+    N = 6
+    env = TokenBatchVectorEnv(N, rho=(0.8, 2.4), reward_mode=mode, max_episode_steps=60, **SMALL)
+    env.reset(seed=11)
+    core = env.core
+    rng = np.random.default_rng(0)
+    skipped = 0
+    for _ in range(300):
+        before = (core.certain.copy(), core.met_seen.copy())
+        skipped += int(core.open_lo.sum())
+        live = ~env._needs_reset
+        _, r, _, tr, _ = env.step(rng.uniform(-0.3, 0.3, (N, len(ACTION_NAMES))))
+        A = core.run.arrays
+        certain, met_seen = before
+        out = np.zeros(N)
+        _rewards(live, tr, core.s0, core.s1, core.t_min_ns, mode == "met", A.now, A.end_state, A.first_token,
+                 A.finish, A.arrival, A.t1, core.t2, A.out_len, A.gen, A.capped, certain, met_seen, out, A.prompt,
+                 A.computed, A.n_preempt, core.h_best, core.ps_cost, core.run.profile.max_num_batched_tokens,
+                 np.zeros(N, np.int64))
+        assert np.array_equal(out[live], r[live])
+        assert np.array_equal(certain[live], core.certain[live]) and np.array_equal(met_seen[live], core.met_seen[live])
+    assert skipped > 0
+
+
 def test_truncation_counts_open_requests():
     env = TokenBatchVectorEnv(1, max_episode_steps=3, rho=2.0, **SMALL)
     env.reset(seed=0)

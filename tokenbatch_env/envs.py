@@ -281,11 +281,15 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
         row[1] = n_run[c] / max_seqs
         row[2] = math.log1p(nw) / math.log1p(1024.0)
         row[3] = math.log1p(queued) / math.log1p(1e6)
-        cnt = 0
-        r = next_arr[c] - 1
-        while r >= 0 and arrival[c, r] > t_now - win_ns:
-            cnt += 1
-            r -= 1
+        lo = 0   # arrivals are in order: bisect for the first visible one in the rate window
+        hi = next_arr[c]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if arrival[c, mid] > t_now - win_ns:
+                hi = mid
+            else:
+                lo = mid + 1
+        cnt = next_arr[c] - lo
         span = t_now - epoch[c, K.EP_T0]
         if span > win_ns:
             span = win_ns
@@ -333,10 +337,14 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
 
 @njit
 def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token, finish, arrival, t1, t2,
-             out_len, gen, capped, certain, met_seen, out, prompt, computed, n_preempt, h_best, ps, budget):
+             out_len, gen, capped, certain, met_seen, out, prompt, computed, n_preempt, h_best, ps, budget,
+             open_lo):
     """Step rewards of the ``live`` copies (see ``TokenBatchEnv``, "Rewards"): scored requests [s0, s1)
     whose miss became certain (or, ``count_met``, that were met) since the last step; ``certain`` and
-    ``met_seen`` ([N, s1 - s0]) remember what was counted."""
+    ``met_seen`` ([N, s1 - s0]) remember what was counted. A request whose miss is certain, or that
+    ended, is settled (nothing it does can count again): ``open_lo[c]`` skips the settled prefix, and
+    the scan stops at the first request not yet arrived (nothing about it can count before
+    truncation)."""
     # borrowed views (``engine._jit.borrow``): no reference counting per helper call
     live = borrow(live)
     trunc = borrow(trunc)
@@ -358,15 +366,19 @@ def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token,
     n_preempt = borrow(n_preempt)
     h_best = borrow(h_best)
     ps = borrow(ps)
+    open_lo = borrow(open_lo)
     for c in range(live.shape[0]):
         if not live[c]:
             continue
         t = now[c]
         n = 0
-        for j in range(s0, s1):
+        settled = True   # every request before j is settled
+        for j in range(s0 + open_lo[c], s1):
+            arr = arrival[c, j]
+            if arr > t and not trunc[c]:
+                break
             es = end_state[c, j]
             ft = first_token[c, j]
-            arr = arrival[c, j]
             o = out_len[c, j]
             ended = es != K.E_NONE
             met = (es == K.E_COMPLETED and ft - arr <= t1[c, j]
@@ -397,6 +409,11 @@ def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token,
                 n -= 1
             certain[c, k] |= lost
             met_seen[c, k] |= met
+            if settled:
+                if ended or certain[c, k]:
+                    open_lo[c] = k + 1
+                else:
+                    settled = False
         out[c] = n
 
 
@@ -668,6 +685,7 @@ class _Core:
         self.h_best = np.zeros((N, R), np.int64)   # best-case prefix hits (bounds.best_case_hits)
         self.certain = np.zeros((N, cfg.window), bool)
         self.met_seen = np.zeros((N, cfg.window), bool)
+        self.open_lo = np.zeros(N, np.int64)   # scored requests settled for the rewards (a prefix)
         self.steps = np.zeros(N, np.int64)
         self.ep_return = np.zeros(N)
         self.rho = np.zeros(N)
@@ -723,6 +741,7 @@ class _Core:
                               shed_on=self.base_margin is not None)
         self.certain[rows] = False
         self.met_seen[rows] = False
+        self.open_lo[rows] = 0
         self.steps[rows] = 0
         self.ep_return[rows] = 0.0
         mask = np.zeros(self.n, bool)
@@ -757,7 +776,7 @@ class _Core:
             lambda g: _rewards(g, trunc, self.s0, self.s1, self.t_min_ns, self.config.reward_mode == "met", A.now,
                                A.end_state, A.first_token, A.finish, A.arrival, A.t1, self.t2, A.out_len, A.gen,
                                A.capped, self.certain, self.met_seen, out, A.prompt, A.computed, A.n_preempt,
-                               self.h_best, self.ps_cost, self.run.profile.max_num_batched_tokens),
+                               self.h_best, self.ps_cost, self.run.profile.max_num_batched_tokens, self.open_lo),
             live, min_group=_MIN_GROUP)
         return out
 
