@@ -126,6 +126,33 @@ class EngineArrays(NamedTuple):
 # that blocks LLVM's load hoisting). The hot path therefore never touches ``A``: ``run_copies``
 # unpacks the fields once and every function below receives plain arrays.
 
+# ---------------------------------------------------------------------------------- block size
+@helper
+def _block_shift(bs):
+    """log2(bs) if the block size is a power of two (then ``_bdiv``/``_bmod`` shift and mask), else -1."""
+    sh = 0
+    while (1 << sh) < bs:
+        sh += 1
+    return sh if (1 << sh) == bs else -1
+
+
+@helper
+def _bdiv(x, bs, bsh):
+    """x // bs. bsh = ``_block_shift(bs)``: a shift equals floor division for every int64 x when bs
+    is a power of two (numba's ``//`` by a runtime value is an idiv plus sign fix-ups)."""
+    if bsh >= 0:
+        return x >> bsh
+    return x // bs
+
+
+@helper
+def _bmod(x, bs, bsh):
+    """x % bs (Python's sign), as ``_bdiv``."""
+    if bsh >= 0:
+        return x & (bs - 1)
+    return x % bs
+
+
 # ---------------------------------------------------------------------------------- block pool
 @helper
 def _fq_remove(fq_prev, fq_next, n_free, c, b):
@@ -203,9 +230,9 @@ def _block_hash_id(chain_off, chain_val, uniq_base, c, r, j):
 
 @helper
 def _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, chain_val, uniq_base,
-                  c, r, upto_tokens, bs):
+                  c, r, upto_tokens, bs, bsh):
     """Hash r's full blocks up to ``upto_tokens`` into the prefix cache (vLLM caches on allocation)."""
-    full = upto_tokens // bs
+    full = _bdiv(upto_tokens, bs, bsh)
     j = n_cached[c, r]
     if j >= full:
         return
@@ -253,9 +280,9 @@ def _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq
 
 
 @helper
-def _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs):
+def _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs, bsh=-1):
     """Cached leading blocks of r: a contiguous chain from block 0, capped at num_tokens - 1."""
-    max_blocks = (num_tokens - 1) // bs
+    max_blocks = _bdiv(num_tokens - 1, bs, bsh)
     k = 0
     while k < max_blocks:
         if hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, k)] < 0:
@@ -267,7 +294,7 @@ def _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, b
 # ---------------------------------------------------------------------------------- request inputs
 @helper
 def request_inputs(waiting, hits, prompt, gen, computed, held, to_deadline_ns, est, mrl, bs, budget, ps, u_p,
-                   u_d):
+                   u_d, bsh=-1):
     """The index inputs of one request (DESIGN.md section 4): one definition for the in-engine scores,
     the shed rule, the decision rule and the env's observation. The request's state comes as scalars
     (prompt, generated and computed tokens, held blocks, ns to its TTFT deadline, output estimate
@@ -279,7 +306,7 @@ def request_inputs(waiting, hits, prompt, gen, computed, held, to_deadline_ns, e
         done = hits * bs
         cached = done
         p_left = num_tokens - done
-        blocks_needed = (num_tokens + bs - 1) // bs - hits
+        blocks_needed = _bdiv(num_tokens + bs - 1, bs, bsh) - hits
     else:
         done = computed
         cached = done if done < prompt else prompt
@@ -600,6 +627,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     epoch = borrow(epoch)
     # (not ``gtab``: it may be allocated just above, and a borrowed view would outlive it)
     bs = cfg[C_BS]
+    bsh = _block_shift(bs)
     mode = cfg[C_MODE]
     max_wait = cfg[C_MAX_WAIT]
     nb = ref.shape[1]
@@ -730,7 +758,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             continue
                         if left > budget_cfg:
                             left = budget_cfg
-                        need = (computed[c, r] + left + bs - 1) // bs - held[c, r]
+                        need = _bdiv(computed[c, r] + left + bs - 1, bs, bsh) - held[c, r]
                         if need > 0:
                             bound += need
                     if bound > n_free[c]:
@@ -744,11 +772,11 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     hits = 0
                     if waiting and prefix_on:
                         hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r,
-                                            prompt[c, r] + gen[c, r], bs)
+                                            prompt[c, r] + gen[c, r], bs, bsh)
                     cached, p_left, blocks_needed, first_out, to_deadline_ms, slack_ms, d_left, s_ms = \
                         request_inputs(waiting, hits, prompt[c, r], gen[c, r], computed[c, r], held[c, r],
                                        arrival[c, r] + t1[c, r] - t_now, est[c, r], mrl, bs, budget_cfg, ps,
-                                       u_p, u_d)
+                                       u_p, u_d, bsh)
                     if waiting and not first_out and sm >= 0.0 and slack_ms < -sm * (t1[c, r] / 1e6):
                         _end(status, end_state, finish, n_ended, c, r, E_SHED, t_now)
                         if fbest == i:
@@ -857,7 +885,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         hits = 0
                         evictable = 0
                         if prefix_on:
-                            hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs)
+                            hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs,
+                                                bsh)
                             for j in range(hits):
                                 b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]
                                 if ref[c, b] == 0:
@@ -865,7 +894,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                                         ev_blocks[n_ev + evictable] = b
                                     evictable += 1
                             n_ev += evictable
-                        if can_admit and ((num_tokens + bs - 1) // bs - hits + evictable + cfg[C_WATERMARK]
+                        if can_admit and (_bdiv(num_tokens + bs - 1, bs, bsh) - hits + evictable + cfg[C_WATERMARK]
                                           <= n_free[c]):
                             all_decoding = False  # it may be admitted: step normally
                             break
@@ -891,13 +920,13 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         jump_off[c, ph] = 0
                     for q in range(D):
                         r = run_ids[c, q]
-                        ph = (bs - computed[c, r] % bs) % bs
+                        ph = _bmod(-computed[c, r], bs, bsh)  # = (bs - computed % bs) % bs
                         jump_off[c, ph + 1] += 1
                     for ph in range(bs):
                         jump_off[c, ph + 1] += jump_off[c, ph]
                     for q in range(D):  # stable: running order within a bucket
                         r = run_ids[c, q]
-                        ph = (bs - computed[c, r] % bs) % bs
+                        ph = _bmod(-computed[c, r], bs, bsh)  # = (bs - computed % bs) % bs
                         jump_ids[c, jump_off[c, ph]] = r
                         jump_off[c, ph] += 1
                     for ph in range(bs, 0, -1):
@@ -917,15 +946,21 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         next_t = lim
                     a_ps = cfg[C_PS0] + cfg[C_PS_DECODE] * D + cfg[C_PS_KV] * kv0
                     b_ps = cfg[C_PS_KV] * D
+                    # iteration k lasts (a_ps + b_ps * k + 999) // 1000 ns: kept as quotient dq and
+                    # remainder dr, stepped exactly (no division per iteration)
+                    dq = (a_ps + 999) // 1000
+                    dr = (a_ps + 999) - dq * 1000
+                    bq = b_ps // 1000
+                    br = b_ps - bq * 1000
                     t = now[c]
                     free = n_free[c]
                     k = 0
+                    ph = 0  # k % bs
                     while k < k_done and t < next_t:
                         if decide and t >= until:
                             if nw >= 2 or (dec_on and (dec_base - t) / 1e6 - dec_idle < 0.0):
                                 break  # a decision is needed here: the loop's epoch check stops
                             until = _next_epoch(epoch, c, t)
-                        ph = k % bs
                         claims = jump_off[c, ph + 1] - jump_off[c, ph]
                         if claims > free:
                             break  # an unservable claim: the normal step handles it
@@ -947,7 +982,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of,
                                    held, c, jump_ids[c, q], 1, head)
                         free -= claims
-                        end = t + (a_ps + b_ps * k + 999) // 1000
+                        end = t + dq
                         m = n_iter_rec[c]
                         if m < iter_rec.shape[1]:
                             iter_rec[c, m, 0] = it[c] + k
@@ -963,6 +998,14 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             n_iter_rec[c] = m + 1
                         t = end
                         k += 1
+                        ph += 1
+                        if ph == bs:
+                            ph = 0
+                        dq += bq
+                        dr += br
+                        if dr >= 1000:
+                            dq += 1
+                            dr -= 1000
                     if k > 0:
                         for q in range(D):
                             r = run_ids[c, q]
@@ -971,9 +1014,9 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             emit_it[c, r] = it[c] + k - 1
                             # the last schedule of the jump saw computed - 1 known tokens under async
                             upto = computed[c, r] - (1 if async_on else 0)
-                            if prefix_on and upto // bs > n_cached[c, r]:
+                            if prefix_on and _bdiv(upto, bs, bsh) > n_cached[c, r]:
                                 _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off,
-                                              chain_val, uniq_base, c, r, upto, bs)
+                                              chain_val, uniq_base, c, r, upto, bs, bsh)
                         now[c] = t
                         it[c] += k
                         total += k
@@ -1002,7 +1045,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 scheduled = False
                 while True:
                     # Rule 3: lazy block claims; a request holds ceil(computed / bs) blocks.
-                    need = (computed[c, r] + new + bs - 1) // bs - held[c, r]
+                    need = _bdiv(computed[c, r] + new + bs - 1, bs, bsh) - held[c, r]
                     if need <= n_free[c]:
                         if need > 0:
                             _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held,
@@ -1012,9 +1055,9 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         upto = computed[c, r] + new
                         if async_on and emit_it[c, r] == it[c] - 1 and upto > num_tokens - 1:
                             upto = num_tokens - 1
-                        if prefix_on and upto // bs > n_cached[c, r]:
+                        if prefix_on and _bdiv(upto, bs, bsh) > n_cached[c, r]:
                             _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, chain_val,
-                                          uniq_base, c, r, upto, bs)
+                                          uniq_base, c, r, upto, bs, bsh)
                         scheduled = True
                         break
                     # Rule 4: preempt a victim and retry.
@@ -1065,7 +1108,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 while n_swap[c] > 0 and budget > 0 and n_run[c] < cfg[C_MAX_SEQS]:
                     r = swap_ids[c, 0]
                     num_tokens = prompt[c, r] + gen[c, r]
-                    if (num_tokens + bs - 1) // bs + cfg[C_WATERMARK] > n_free[c]:
+                    if _bdiv(num_tokens + bs - 1, bs, bsh) + cfg[C_WATERMARK] > n_free[c]:
                         break
                     for q in range(n_swap[c] - 1):
                         swap_ids[c, q] = swap_ids[c, q + 1]
@@ -1082,16 +1125,16 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     new = num_tokens - computed[c, r]
                     if new > budget:
                         new = budget
-                    need = (computed[c, r] + new + bs - 1) // bs - held[c, r]
+                    need = _bdiv(computed[c, r] + new + bs - 1, bs, bsh) - held[c, r]
                     if need > 0:
                         _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held,
                                c, r, need, head)
                     upto = computed[c, r] + new
                     if async_on and emit_it[c, r] == it[c] - 1 and upto > num_tokens - 1:
                         upto = num_tokens - 1
-                    if prefix_on and upto // bs > n_cached[c, r]:
+                    if prefix_on and _bdiv(upto, bs, bsh) > n_cached[c, r]:
                         _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, chain_val,
-                                      uniq_base, c, r, upto, bs)
+                                      uniq_base, c, r, upto, bs, bsh)
                     sched_r[c, ns] = r
                     sched_new[c, ns] = new
                     sched_cb[c, ns] = computed[c, r]
@@ -1124,7 +1167,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     num_tokens = prompt[c, r] + gen[c, r]
                     hits = 0
                     if prefix_on:
-                        hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs)
+                        hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs, bsh)
                     fits = False
                     while True:
                         # hits that sit in the free queue count against free slots
@@ -1133,7 +1176,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]
                             if ref[c, b] == 0:
                                 evictable += 1
-                        full_blocks = (num_tokens + bs - 1) // bs
+                        full_blocks = _bdiv(num_tokens + bs - 1, bs, bsh)
                         if full_blocks - hits + evictable + cfg[C_WATERMARK] <= n_free[c]:
                             fits = True
                             break
@@ -1160,7 +1203,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         budget = acc[1]
                         preempted += 1
                         if prefix_on:  # the victim's freed blocks may be hits now
-                            hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs)
+                            hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs,
+                                                bsh)
                     if not fits:
                         if not skip_hol:
                             break  # head-of-line blocking (rule 6)
@@ -1193,13 +1237,13 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     held[c, r] = hits
                     n_cached[c, r] = hits
                     computed[c, r] = hits * bs
-                    need = (hits * bs + new + bs - 1) // bs - hits
+                    need = _bdiv(hits * bs + new + bs - 1, bs, bsh) - hits
                     if need > 0:
                         _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held,
                                c, r, need, head)
                     if prefix_on:
                         _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, chain_val,
-                                      uniq_base, c, r, hits * bs + new, bs)
+                                      uniq_base, c, r, hits * bs + new, bs, bsh)
                     status[c, r] = RUNNING
                     resumed[c, r] = False
                     run_ids[c, n_run[c]] = r
@@ -1216,9 +1260,9 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
             if async_on and prefix_on:
                 for q in range(n_run[c]):
                     r = run_ids[c, q]
-                    if emit_it[c, r] == it[c] - 1 and computed[c, r] // bs > n_cached[c, r]:
+                    if emit_it[c, r] == it[c] - 1 and _bdiv(computed[c, r], bs, bsh) > n_cached[c, r]:
                         _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, chain_val,
-                                      uniq_base, c, r, computed[c, r], bs)
+                                      uniq_base, c, r, computed[c, r], bs, bsh)
             # async scheduling (rule 10): blocks of requests that finished last iteration free now
             pending = n_pend[c]
             for k in range(pending):
