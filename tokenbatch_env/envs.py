@@ -222,6 +222,7 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
     uniq_base = borrow(uniq_base)
     epoch = borrow(epoch)
     bs = cfg[K.C_BS]
+    bsh = K._block_shift(bs)
     budget = cfg[K.C_BUDGET]
     usable = float(cfg[K.C_USABLE])
     max_seqs = float(cfg[K.C_MAX_SEQS])
@@ -255,10 +256,11 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
             r = wait_ids[c, i]
             hits = 0
             if prefix_on:  # the engine's prefix-cache lookup
-                hits = K._prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, prompt[c, r] + gen[c, r], bs)
+                hits = K._prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, prompt[c, r] + gen[c, r], bs,
+                                      bsh)
             cached, p_left, blocks, first_out, to_deadline, slack, d_left, s_ms = K.request_inputs(
                 True, hits, prompt[c, r], gen[c, r], 0, 0, arrival[c, r] + t1[c, r] - t_now, est[c, r], mrl, bs,
-                budget, ps, u_p, u_d)
+                budget, ps, u_p, u_d, bsh)
             t1_ms = t1[c, r] / 1e6
             z = S.clip_z(slack, t1_ms)
             if not first_out and slack < 0.0:
