@@ -843,11 +843,12 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 continue
 
             # Jump (DESIGN.md section 3, "Jumps"): while every running request is decoding, nothing
-            # is pending, no waiting request can be admitted, and no arrival, completion, unservable
-            # block claim, shed, time-out, needed decision (``until``) or iteration cap falls inside,
-            # iterations only add one token per request. They are advanced here without the
-            # scheduling passes, with the same block claims in the same order, so the state
-            # afterwards is the one k single steps would give.
+            # is pending, no waiting request can be admitted, and no arrival, completion (except in
+            # the jump's last iteration when nothing waits), unservable block claim, shed, time-out,
+            # needed decision (``until``) or iteration cap falls inside, iterations only add one
+            # token per request. They are advanced here without the scheduling passes, with the
+            # same block claims in the same order, so the state afterwards is the one k single
+            # steps would give.
             if (cfg[C_JUMPS] != 0 and n_pend[c] == 0 and n_swap[c] == 0 and n_run[c] > 0
                     and n_run[c] <= cfg[C_BUDGET] and not (mode == MODE_SCORE and pid == P_EXTERNAL)
                     and (n_wait[c] == 0 or not waiting_preempts)):
@@ -857,15 +858,21 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     k_done = iter_rec.shape[1] - n_iter_rec[c]
                 kv0 = 0
                 all_decoding = True
+                # with nothing waiting (and no async), the jump may include completing iterations'
+                # last one: its completions are applied after it, as the normal step would
+                fin_on = n_wait[c] == 0 and not async_on
                 for q in range(D):
                     r = run_ids[c, q]
                     if gen[c, r] == 0 or computed[c, r] != prompt[c, r] + gen[c, r] - 1:
                         all_decoding = False
                         break
                     left = out_len[c, r] - gen[c, r] - 1  # iterations before the completing one
+                    if fin_on:
+                        left += 1
                     if left < k_done:
                         k_done = left
                     kv0 += computed[c, r]
+                k_min = 1 if fin_on else 2
                 # Waiting requests stay blocked for the whole jump if each fails the admission gate
                 # now: the free blocks only fall, and the jump stops before a claim would evict one
                 # of their cached hit blocks (decodes cache only their own unique blocks), so their
@@ -877,7 +884,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 dec_on = False  # deciding with one waiting request: a decision is needed once its slack < 0
                 dec_base = 0
                 dec_idle = 0.0
-                if all_decoding and k_done >= 2 and nw > 0:
+                if all_decoding and k_done >= k_min and nw > 0:
                     can_admit = cfg[C_BUDGET] - D > 0 and D < cfg[C_MAX_SEQS]
                     for q in range(nw):
                         r = wait_ids[c, q]
@@ -914,7 +921,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             dec_idle = idle_ms
                 if n_ev > nb:
                     all_decoding = False  # (more than the scratch holds: step normally)
-                if all_decoding and k_done >= 2:
+                if all_decoding and k_done >= k_min:
                     # bucket the running requests by the iteration (mod bs) at which they claim a block
                     for ph in range(bs + 1):
                         jump_off[c, ph] = 0
@@ -956,6 +963,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     free = n_free[c]
                     k = 0
                     ph = 0  # k % bs
+                    m_last = -1  # the record of the jump's last iteration, if kept
                     while k < k_done and t < next_t:
                         if decide and t >= until:
                             if nw >= 2 or (dec_on and (dec_base - t) / 1e6 - dec_idle < 0.0):
@@ -984,7 +992,9 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         free -= claims
                         end = t + dq
                         m = n_iter_rec[c]
+                        m_last = -1
                         if m < iter_rec.shape[1]:
+                            m_last = m
                             iter_rec[c, m, 0] = it[c] + k
                             iter_rec[c, m, 1] = t
                             iter_rec[c, m, 2] = end
@@ -1017,6 +1027,22 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             if prefix_on and _bdiv(upto, bs, bsh) > n_cached[c, r]:
                                 _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off,
                                               chain_val, uniq_base, c, r, upto, bs, bsh)
+                        if fin_on:  # completions of the last iteration, in running order (rule 7)
+                            q = 0
+                            while q < n_run[c]:
+                                r = run_ids[c, q]
+                                if gen[c, r] < out_len[c, r]:
+                                    q += 1
+                                    continue
+                                _end(status, end_state, finish, n_ended, c, r,
+                                     E_LENGTH_CAPPED if capped[c, r] else E_COMPLETED, t)
+                                finish_it[c, r] = it[c] + k - 1
+                                _run_remove_at(run_ids, n_run, c, q)
+                                _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next,
+                                                     n_free, slot_free, n_slot_free, c, r, head, tail)
+                            if m_last >= 0:
+                                iter_rec[c, m_last, 7] = cfg[C_USABLE] - n_free[c]
+                                iter_rec[c, m_last, 8] = n_run[c]
                         now[c] = t
                         it[c] += k
                         total += k
