@@ -844,7 +844,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
 
             # Jump (DESIGN.md section 3, "Jumps"): while every running request is decoding, nothing
             # is pending, no waiting request can be admitted, and no arrival, completion (except in
-            # the jump's last iteration when nothing waits), unservable block claim, shed, time-out,
+            # the jump's last iteration, without async scheduling), unservable block claim, shed, time-out,
             # needed decision (``until``) or iteration cap falls inside, iterations only add one
             # token per request. They are advanced here without the scheduling passes, with the
             # same block claims in the same order, so the state afterwards is the one k single
@@ -858,9 +858,11 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     k_done = iter_rec.shape[1] - n_iter_rec[c]
                 kv0 = 0
                 all_decoding = True
-                # with nothing waiting (and no async), the jump may include completing iterations'
-                # last one: its completions are applied after it, as the normal step would
-                fin_on = n_wait[c] == 0 and not async_on
+                # without async scheduling, the jump may end with an iteration in which requests
+                # complete: their blocks free at its end, after its (failed) admissions, so it is
+                # one more decode iteration whose completions are applied after it, as the normal
+                # step would
+                fin_on = not async_on
                 for q in range(D):
                     r = run_ids[c, q]
                     if gen[c, r] == 0 or computed[c, r] != prompt[c, r] + gen[c, r] - 1:
