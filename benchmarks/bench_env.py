@@ -5,6 +5,7 @@
     python benchmarks/bench_env.py --no-sync        # skip the (slow) SyncVectorEnv baseline
     python benchmarks/bench_env.py --rho 2 3 --interval-ms 20   # less simulation per step
     python benchmarks/bench_env.py --threads 1 --no-sync --no-adapter   # native env, one engine thread
+    python benchmarks/bench_env.py --breakdown --no-sync --no-adapter   # where (a)'s time goes
 
 Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
   (a) native ``TokenBatchVectorEnv`` env-steps/s (copies x steps / wall seconds);
@@ -12,6 +13,9 @@ Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
       (so the very same trajectories: checked), env-steps/s, and the speed-up (a)/(b);
   (c) the SB3 adapter (``tokenbatch_env.sb3``, SAME_STEP) over the native env vs the raw native env
       in SAME_STEP mode: env-steps/s and the adapter's overhead.
+  --breakdown: (a)'s wall time per copy-step split into the engine (``advance_to_decision``),
+      observations, rewards, episode metrics, resets (laying out new windows; their observations
+      included) and the rest (the step's Python: action checks and mapping, infos).
 """
 
 from __future__ import annotations
@@ -58,6 +62,53 @@ def bench_native(n: int, steps: int, warm: int, mode: str = "NEXT_STEP") -> dict
     return _measure(lambda: TokenBatchVectorEnv(n, autoreset_mode=mode, **CONFIG, **ENV_KW), n, steps, warm)
 
 
+#: (object path in the native env, label) of the parts ``--breakdown`` times
+PARTS = (("core.run.advance_to_decision", "engine (advance_to_decision)"), ("core.observe", "observations"),
+         ("core._rewards", "rewards"), ("core.episode_infos", "episode metrics"),
+         ("core.reset_copies", "resets (windows laid out + their observations)"))
+
+
+def bench_breakdown(n: int, steps: int, warm: int) -> dict:
+    """(a) with the parts of ``PARTS`` timed (wall, per copy-step; resets include their observations,
+    which are not counted again under observations)."""
+    from tokenbatch_env.envs import TokenBatchVectorEnv
+    env = TokenBatchVectorEnv(n, **CONFIG, **ENV_KW)
+    env.reset(seed=0)
+    spent = {label: 0.0 for _, label in PARTS}
+    depth = [0]
+
+    def timed(fn, label):
+        def run(*args, **kw):
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:   # nested parts (a reset's observations) count once, in the outer one
+                    spent[label] += time.perf_counter() - t0
+        return run
+
+    acts = _actions(n, warm + steps)
+    for a in acts[:warm]:
+        env.step(a)
+    for path, label in PARTS:
+        *owner, name = path.split(".")
+        obj = env
+        for o in owner:
+            obj = getattr(obj, o)
+        setattr(obj, name, timed(getattr(obj, name), label))
+    t0 = time.perf_counter()
+    for a in acts[warm:]:
+        env.step(a)
+    wall = time.perf_counter() - t0
+    us = 1e6 / (n * steps)
+    out = {label: v * us for label, v in spent.items()}
+    out["rest (step's Python)"] = (wall - sum(spent.values())) * us
+    out["total"] = wall * us
+    return out
+
+
 def bench_sync(n: int, steps: int, warm: int) -> dict:
     import gymnasium as gym
 
@@ -89,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warm", type=int, default=10)
     ap.add_argument("--no-sync", action="store_true")
     ap.add_argument("--no-adapter", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="also split (a)'s time per copy-step into parts")
     ap.add_argument("--rho", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                     help="load range (default 0.8 1.5)")
     ap.add_argument("--interval-ms", type=float, default=None, help="decision_interval_ms (default 100)")
@@ -112,6 +164,10 @@ def main(argv=None) -> int:
     print(f"(a) native TokenBatchVectorEnv, {n} copies: {nat['steps_per_s']:,.0f} env-steps/s "
           f"({n * T:,} env-steps in {nat['wall_s']:.2f} s; build {nat['build_s']:.2f} s, "
           f"reset {nat['reset_s']:.2f} s)")
+    if a.breakdown:
+        parts = bench_breakdown(n, T, W)
+        print(f"    (a) per copy-step, wall us ({n} copies): "
+              + "; ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     if not a.no_sync:
         ns = a.sync_copies or n
         sy = bench_sync(ns, T, W)

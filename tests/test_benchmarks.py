@@ -1,0 +1,26 @@
+"""The env benchmark script runs end to end on a tiny budget (its figures are in benchmarks/README.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_env.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_env", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_env_tiny(capsys):
+    bench = _load()
+    assert bench.main(["--copies", "3", "--steps", "4", "--warm", "1", "--breakdown"]) == 0
+    out = capsys.readouterr().out
+    assert "same rewards as (a): True" in out and "(same rewards: True)" in out
+    line = next(ln for ln in out.splitlines() if "per copy-step" in ln)
+    parts = dict(p.rsplit(" ", 1) for p in line.split(": ", 1)[1].split("; "))
+    total = float(parts.pop("total"))
+    assert total > 0 and abs(sum(float(v) for v in parts.values()) - total) <= 0.05   # (printed to 0.01)
