@@ -529,7 +529,7 @@ def _window_ids(units, lo, n, offsets, ids, ids_start, n_ids, chain_val, n_uniq)
 
 class _EpisodeTable:
     """The workload's units as stacked arrays, so that a batch of episode windows is laid out with a
-    few array operations and no Trace objects: ``arrays`` gives exactly ``build_arrays`` of the
+    few array operations and no Trace objects: ``columns`` gives exactly ``build_arrays`` of the
     traces ``Workload.window_at`` cuts (checked field by field in tests/test_envs.py)."""
 
     def __init__(self, wl, estimates, profile, engine_config):
