@@ -199,13 +199,15 @@ def test_zero_action_reproduces_evaluator_policy(mode, shed, tmp_path):
         assert info["episode_tpot_p99_ms"] == pct(o["tpot_ms"], 99)
 
 
-def test_episode_layout_is_build_arrays_of_the_window():
+@pytest.mark.parametrize("suite, profile", [("seed-200", "stress-512"), ("mooncake-like", "llama3-8b-h100")])
+def test_episode_layout_is_build_arrays_of_the_window(suite, profile):
     """A batch of new episodes laid out from the stacked units (``_EpisodeTable.columns`` spliced into
     rows that held other episodes) equals ``build_arrays`` of the traces ``Workload.window_at`` cuts,
     field by field (the block table aside: it is never read above a request's held blocks)."""
     from tokenbatch_env.engine.state import build_arrays
     from tokenbatch_env.envs import _splice
-    env = TokenBatchVectorEnv(6, rho=(0.5, 2.0), window=64, warmup=16, cooldown=16, seed=5)
+    env = TokenBatchVectorEnv(6, suite=suite, profile=profile, rho=(0.5, 2.0), window=64, warmup=16,
+                              cooldown=16, seed=5)
     env.reset()
     for _ in range(30):   # rows now hold running episodes (and grown hash widths)
         env.step(np.zeros((6, env.core.action_dim)))
