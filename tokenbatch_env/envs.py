@@ -505,28 +505,6 @@ def _splice(A, cols: dict, rows):
     return A._replace(**changes) if changes else A
 
 
-@njit
-def _window_ids(units, lo, n, offsets, ids, ids_start, n_ids, chain_val, n_uniq):
-    """Each window's prefix ids re-ranked densely among the ids it holds (as ``Trace.subset``
-    derives a sub-trace's ``prefix_ids`` from its parent's): the ids ``build_arrays`` gives it."""
-    for e in range(units.shape[0]):
-        u = units[e]
-        a = offsets[u, lo[e]]
-        b = offsets[u, lo[e] + n]
-        base = ids_start[u]
-        rank = np.zeros(n_ids[u], np.int64)
-        for j in range(a, b):
-            rank[ids[base + j]] = 1
-        r = 0
-        for k in range(n_ids[u]):
-            if rank[k] != 0:
-                rank[k] = r
-                r += 1
-        for j in range(a, b):
-            chain_val[e, j - a] = rank[ids[base + j]]
-        n_uniq[e] = r
-
-
 class _EpisodeTable:
     """The workload's units as stacked arrays, so that a batch of episode windows is laid out with a
     few array operations and no Trace objects: ``columns`` gives exactly ``build_arrays`` of the
@@ -555,18 +533,15 @@ class _EpisodeTable:
         self.h_best = stack(lambda u, t: best_case_hits(t, profile.block_size, engine_config.prefix_caching))
         self.prefix_len = stack(lambda u, t: t.prefix_lengths)
         self.offsets = stack(lambda u, t: t.prefix_offsets, width=L + 1)
-        ids = [t.prefix_ids() for t in units]
-        self.n_ids = np.array([n for n, _ in ids], i64)
-        self.ids = np.concatenate([inv for _, inv in ids]).astype(i64)
-        self.ids_start = np.concatenate([[0], np.cumsum([len(inv) for _, inv in ids])[:-1]]).astype(i64)
+        self.ids = [t.prefix_ids() for t in units]
         self.profile, self.engine_config = profile, engine_config
 
-    def columns(self, units: np.ndarray, lo: np.ndarray, n: int, factors, fresh) -> tuple:
+    def columns(self, units: np.ndarray, lo: np.ndarray, n: int, factors, fresh: dict) -> tuple:
         """(engine columns, t2, h_best) of the windows rows ``[lo, lo + n)`` of ``units``, times scaled
-        by ``factors`` (one Fraction per window): for ``_splice``, every field but the block table,
-        those a trace does not set as [1, ...] rows of ``fresh`` (``build_arrays`` of any one
-        window)."""
-        from .engine.state import capped_outputs
+        by ``factors`` (one Fraction per window): for ``_splice``, the fields a trace sets, then
+        ``fresh`` (the [1, ...] rows of a batch as ``build_arrays`` left them) for the others."""
+        from .engine.state import capped_outputs, unique_block_bases
+        from .traces.trace import subset_prefix_ids
         from .traces.windows import scale_rows
         E, bs, i64 = len(units), self.profile.block_size, np.int64
         u = units[:, None]
@@ -578,16 +553,16 @@ class _EpisodeTable:
         off -= off[:, :1]
         chain_val = np.zeros((E, max(1, int(off[:, -1].max()))), i64)
         n_uniq = np.zeros(E, i64)
-        _window_ids(units, lo, n, self.offsets, self.ids, self.ids_start, self.n_ids, chain_val, n_uniq)
+        for e in range(E):   # the window's dense prefix ids, as Trace.subset derives them
+            a = int(self.offsets[units[e], lo[e]])
+            n_uniq[e], inv = subset_prefix_ids(*self.ids[units[e]], a, a + int(off[e, -1]))
+            chain_val[e, :inv.size] = inv
         uniq_base = np.zeros((E, n), i64)
         W = 1
         if self.engine_config.prefix_caching and n:
-            room = (prompt + out_len + bs - 1) // bs + 1 - self.prefix_len[u, idx]
-            csum = np.cumsum(room, axis=1)
-            uniq_base[:, 1:] = csum[:, :-1]
-            uniq_base += n_uniq[:, None]
-            W = max(1, int((n_uniq + csum[:, -1]).max()))
-        cols = {f: getattr(fresh, f) for f in fresh._fields if f != "table"}
+            uniq_base, ids = unique_block_bases(prompt, out_len, self.prefix_len[u, idx], n_uniq, bs)
+            W = max(1, int(ids.max()))
+        cols = dict(fresh)
         cols.update(
             n_req=np.full(E, n, i64), arrival=arrival, prompt=prompt, out_len=out_len, prio=self.prio[u, idx],
             capped=capped, t1=self.t1[u, idx], est=self.est[u, idx], chain_off=off, chain_val=chain_val,
@@ -605,7 +580,7 @@ class _Core:
     def __init__(self, config: TokenBatchConfig, num_envs: int, threads: int = 1):
         from .engine.profiles import load_profile
         from .engine.simulate import EngineRun
-        from .engine.state import EngineConfig, build_arrays
+        from .engine.state import EngineConfig
         from .evaluate import BenchConfig, load_params_file, load_weights, prepare_workload
         from .policies import IndexParams, LinearWeights
 
@@ -667,8 +642,9 @@ class _Core:
         self.run = EngineRun([w0.trace] * N, profile, pol, self.engine_config,
                              estimates=[est0] * N, residual_life=wl.residual_life, threads=threads)
         self.pol = pol
-        # fresh engine state of one window (every field a new episode resets, not laid out from its trace)
-        self.fresh = build_arrays([w0.trace], profile, self.engine_config, [est0], block_table=False)
+        # the fresh engine state of a copy, as built (the fields a new episode resets that its trace
+        # does not set; the block table is never reset)
+        self.fresh = {f: getattr(self.run.arrays, f)[:1].copy() for f in self.run.arrays._fields if f != "table"}
         # constants for observations and certain-miss detection
         self.k = cfg.k
         self.obs_dim = obs_dim(cfg.k)

@@ -77,24 +77,23 @@ class SimResult:
         return self.arrays.n_ended < self.arrays.n_req
 
 
-class _TraceRows:
-    """The SLO columns of rows [lo, hi) of a trace, all that ``request_metrics`` reads."""
-
-    def __init__(self, trace: Trace, lo: int, hi: int):
-        self.has_slos = trace.has_slos
-        self.ttft_slo_ns = trace.ttft_slo_ns[lo:hi] if trace.has_slos else None
-        self.tpot_slo_ns = trace.tpot_slo_ns[lo:hi] if trace.has_slos else None
-
-
 class _SloRows:
+    """The SLO columns of some request rows, all that ``request_metrics`` reads (None: no SLOs)."""
+
     def __init__(self, ttft_slo_ns, tpot_slo_ns):
-        self.has_slos, self.ttft_slo_ns, self.tpot_slo_ns = True, ttft_slo_ns, tpot_slo_ns
+        self.has_slos = ttft_slo_ns is not None
+        self.ttft_slo_ns, self.tpot_slo_ns = ttft_slo_ns, tpot_slo_ns
+
+    @classmethod
+    def of(cls, trace: Trace, lo: int, hi: int) -> "_SloRows":
+        """Rows [lo, hi) of a trace."""
+        return cls(trace.ttft_slo_ns[lo:hi], trace.tpot_slo_ns[lo:hi]) if trace.has_slos else cls(None, None)
 
 
 def record_columns(A: K.EngineArrays, trace: Trace, copy: int, lo: int, hi: int) -> dict:
     """Request records of rows [lo, hi) of one copy: the one implementation behind
     ``SimResult.records`` and the streaming ``record_sink``."""
-    return _record_columns(A, copy, lo, hi, _TraceRows(trace, lo, hi))
+    return _record_columns(A, copy, lo, hi, _SloRows.of(trace, lo, hi))
 
 
 def record_rows(A: K.EngineArrays, copies: np.ndarray, lo: int, hi: int, ttft_slo_ns, tpot_slo_ns) -> dict:

@@ -120,6 +120,20 @@ def capped_outputs(prompt: np.ndarray, output: np.ndarray, max_model_len: int):
     return out, output > room
 
 
+def unique_block_bases(prompt, out_len, prefix_lengths, n_uniq, bs: int):
+    """Ids of the blocks past each request's prefix chain (requests along the last axis): request
+    i's unique blocks are numbered from ``base[i]``, after the ``n_uniq`` chain ids and the earlier
+    requests' room (its whole sequence's blocks plus one, less its chain). Returns ``(base, ids)``,
+    ``ids`` the size of the id space (``n_uniq`` and ``ids`` per row for 2-D inputs)."""
+    room = (prompt + out_len + bs - 1) // bs + 1 - prefix_lengths
+    csum = np.cumsum(room, axis=-1)
+    n_uniq = np.asarray(n_uniq, np.int64)
+    base = np.zeros_like(csum)
+    base[..., 1:] = csum[..., :-1]
+    base += n_uniq[..., None]
+    return base, n_uniq + csum[..., -1]
+
+
 def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig,
                  estimates: Optional[Sequence[np.ndarray]] = None, *, block_table: bool = True) -> K.EngineArrays:
     """Lay N traces out as the struct of arrays, one copy each, padded to the longest.
@@ -181,10 +195,8 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
         n_uniq, inv = t.prefix_ids()   # np.unique(t.prefix_hashes, return_inverse=True), cached
         chain_val[c, :len(inv)] = inv
         if config.prefix_caching and n:
-            maxblocks = (prompt[c, :n] + out_len[c, :n] + bs - 1) // bs + 1
-            room = maxblocks - t.prefix_lengths
-            uniq_base[c, :n] = n_uniq + np.concatenate([[0], np.cumsum(room)[:-1]])
-            U = max(U, int(n_uniq + room.sum()))
+            uniq_base[c, :n], ids = unique_block_bases(prompt[c, :n], out_len[c, :n], t.prefix_lengths, n_uniq, bs)
+            U = max(U, int(ids))
     n_req = np.array([len(t) for t in traces], i64)
 
     z = lambda *shape, dtype=i64, fill=0: np.full(shape, fill, dtype)  # noqa: E731

@@ -113,6 +113,16 @@ def _check_range(name: str, arr: np.ndarray, lo: int, hi: int, what: str) -> Non
         raise TraceError(f"{what} (got {int(arr[row])}, allowed {lo}..{hi})", row=row, column=name)
 
 
+def subset_prefix_ids(n_ids: int, ids: np.ndarray, a: int, b: int) -> tuple:
+    """``prefix_ids`` of the chain entries ``[a, b)`` of a trace whose ids are ``(n_ids, ids)``: the
+    parent's ranks keep the hashes' order, so the ones present are re-ranked densely."""
+    sub = ids[a:b]
+    present = np.zeros(n_ids, np.int64)
+    present[sub] = 1
+    rank = np.cumsum(present)
+    return (int(rank[-1]) if rank.size else 0), rank[sub] - 1
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Trace:
     """A validated, immutable request trace. Build with ``Trace.build(...)`` (validates, copies)."""
@@ -298,14 +308,9 @@ class Trace:
                              prefix_hashes=self.prefix_hashes[a:b].copy())
         parent_ids = self.__dict__.get("_prefix_ids")
         if parent_ids is not None:
-            # the parent's ranks keep the hashes' order: re-rank the ones present
-            ids = parent_ids[1][a:b]
-            present = np.zeros(parent_ids[0], np.int64)
-            present[ids] = 1
-            rank = np.cumsum(present)
-            inv = rank[ids] - 1
+            n_ids, inv = subset_prefix_ids(*parent_ids, a, b)
             inv.setflags(write=False)
-            object.__setattr__(sub, "_prefix_ids", (int(rank[-1]) if rank.size else 0, inv))
+            object.__setattr__(sub, "_prefix_ids", (n_ids, inv))
         return sub
 
     # ------------------------------------------------------------------ identity
