@@ -280,6 +280,18 @@ def _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq
 
 
 @helper
+def _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free, slot_free,
+            n_slot_free, c, r, head, tail):
+    """Take r out of the running list and release its blocks (a completion, or async's pending free)."""
+    for q in range(n_run[c]):
+        if run_ids[c, q] == r:
+            _run_remove_at(run_ids, n_run, c, q)
+            break
+    _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free, slot_free,
+                         n_slot_free, c, r, head, tail)
+
+
+@helper
 def _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs, bsh=-1):
     """Cached leading blocks of r: a contiguous chain from block 0, capped at num_tokens - 1."""
     max_blocks = _bdiv(num_tokens - 1, bs, bsh)
@@ -635,6 +647,11 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     tail = nb + 1
     prefix_on = cfg[C_PREFIX] != 0
     async_on = cfg[C_ASYNC] != 0
+    # without async scheduling, a jump may end with an iteration in which requests complete: their
+    # blocks free at its end, after its (failed) admissions, so it is one more decode iteration
+    # whose completions are applied after it, as the normal step would
+    fin_on = not async_on
+    k_min = 1 if fin_on else 2  # the shortest jump taken (iterations)
     pid = cfg[C_PID]
     score_inkernel = mode == MODE_SCORE and pid != P_EXTERNAL
     usable = float(cfg[C_USABLE])
@@ -858,11 +875,6 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     k_done = iter_rec.shape[1] - n_iter_rec[c]
                 kv0 = 0
                 all_decoding = True
-                # without async scheduling, the jump may end with an iteration in which requests
-                # complete: their blocks free at its end, after its (failed) admissions, so it is
-                # one more decode iteration whose completions are applied after it, as the normal
-                # step would
-                fin_on = not async_on
                 for q in range(D):
                     r = run_ids[c, q]
                     if gen[c, r] == 0 or computed[c, r] != prompt[c, r] + gen[c, r] - 1:
@@ -874,7 +886,6 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     if left < k_done:
                         k_done = left
                     kv0 += computed[c, r]
-                k_min = 1 if fin_on else 2
                 # Waiting requests stay blocked for the whole jump if each fails the admission gate
                 # now: the free blocks only fall, and the jump stops before a claim would evict one
                 # of their cached hit blocks (decodes cache only their own unique blocks), so their
@@ -1039,9 +1050,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                                 _end(status, end_state, finish, n_ended, c, r,
                                      E_LENGTH_CAPPED if capped[c, r] else E_COMPLETED, t)
                                 finish_it[c, r] = it[c] + k - 1
-                                _run_remove_at(run_ids, n_run, c, q)
-                                _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next,
-                                                     n_free, slot_free, n_slot_free, c, r, head, tail)
+                                _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next,
+                                        n_free, slot_free, n_slot_free, c, r, head, tail)
                             if m_last >= 0:
                                 iter_rec[c, m_last, 7] = cfg[C_USABLE] - n_free[c]
                                 iter_rec[c, m_last, 8] = n_run[c]
@@ -1294,13 +1304,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
             # async scheduling (rule 10): blocks of requests that finished last iteration free now
             pending = n_pend[c]
             for k in range(pending):
-                r = pend_ids[c, k]
-                for q in range(n_run[c]):
-                    if run_ids[c, q] == r:
-                        _run_remove_at(run_ids, n_run, c, q)
-                        break
-                _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
-                                     slot_free, n_slot_free, c, r, head, tail)
+                _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
+                        slot_free, n_slot_free, c, pend_ids[c, k], head, tail)
             n_pend[c] = 0
 
             if ns == 0:
@@ -1388,12 +1393,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             pend_ids[c, n_pend[c]] = r
                             n_pend[c] += 1
                         else:
-                            for q in range(n_run[c]):
-                                if run_ids[c, q] == r:
-                                    _run_remove_at(run_ids, n_run, c, q)
-                                    break
-                            _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next,
-                                                 n_free, slot_free, n_slot_free, c, r, head, tail)
+                            _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next,
+                                    n_free, slot_free, n_slot_free, c, r, head, tail)
 
             # per-iteration record
             m = n_iter_rec[c]
