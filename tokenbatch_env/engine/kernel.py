@@ -373,6 +373,71 @@ def _first_slack_below(base, idle_ms, thr):
     return hi
 
 
+@helper
+def _hits_evictable(hash_head, chain_off, chain_val, uniq_base, ref, c, r, num_tokens, bs, bsh, ev_blocks, n_ev):
+    """``_prefix_hits`` of r and how many of those hit blocks sit in the free queue (ref 0: they count
+    against the free blocks), in one walk; the latter are written to ``ev_blocks[n_ev:]`` while it
+    has room. Returns (hits, evictable)."""
+    max_blocks = _bdiv(num_tokens - 1, bs, bsh)
+    room = ev_blocks.shape[0] - n_ev
+    k = 0
+    ev = 0
+    while k < max_blocks:
+        b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, k)]
+        if b < 0:
+            break
+        if ref[c, b] == 0:
+            if ev < room:
+                ev_blocks[n_ev + ev] = b
+            ev += 1
+        k += 1
+    return k, ev
+
+
+@helper
+def _waiting_blocked(c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val, uniq_base, ref,
+                     n_free, ev_blocks, prefix_on, can_admit, watermark, max_wait, sm, budget, ps, dec_one, bs, bsh):
+    """A jump's view of the waiting requests (DESIGN.md section 3, "Jumps"): whether each fails the
+    admission gate now (else a normal step may admit it), the first iteration start at which one
+    would be shed or timed out (``lim_w``), their cached hit blocks in the free queue (written to
+    ``ev_blocks[:n_ev]``; a claim that evicts one changes that request's hits) and, with ``dec_one``
+    (deciding, one waiting request, shedding on), its deadline and idle prefill for the decision
+    rule. Returns (blocked, lim_w, n_ev, dec_on, dec_base, dec_idle); n_ev > len(ev_blocks) counts
+    as not blocked."""
+    nb = ev_blocks.shape[0]
+    lim_w = _FOREVER
+    n_ev = 0
+    dec_on = False
+    dec_base = 0
+    dec_idle = 0.0
+    for q in range(nw):
+        r = wait_ids[c, q]
+        num_tokens = prompt[c, r] + gen[c, r]
+        hits = 0
+        evictable = 0
+        if prefix_on:
+            hits, evictable = _hits_evictable(hash_head, chain_off, chain_val, uniq_base, ref, c, r, num_tokens, bs,
+                                              bsh, ev_blocks, n_ev)
+            n_ev += evictable
+        if can_admit and _bdiv(num_tokens + bs - 1, bs, bsh) - hits + evictable + watermark <= n_free[c]:
+            return False, lim_w, n_ev, dec_on, dec_base, dec_idle  # it may be admitted: step normally
+        if gen[c, r] > 0:
+            continue  # has its first token: never shed, never timed out
+        if max_wait >= 0 and arrival[c, r] + max_wait < lim_w:
+            lim_w = arrival[c, r] + max_wait
+        base = arrival[c, r] + t1[c, r]
+        idle_ms = idle_prefill_ns(num_tokens - hits * bs, hits * bs, budget, ps) / 1e6
+        if sm >= 0.0:
+            ts = _first_slack_below(base, idle_ms, -sm * (t1[c, r] / 1e6))
+            if ts < lim_w:
+                lim_w = ts
+        if dec_one:
+            dec_on = True
+            dec_base = base
+            dec_idle = idle_ms
+    return n_ev <= nb, lim_w, n_ev, dec_on, dec_base, dec_idle
+
+
 # ---------------------------------------------------------------------------------- decision epochs
 @helper
 def _next_epoch(epoch, c, t):
@@ -887,53 +952,23 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         k_done = left
                     kv0 += computed[c, r]
                 # Waiting requests stay blocked for the whole jump if each fails the admission gate
-                # now: the free blocks only fall, and the jump stops before a claim would evict one
-                # of their cached hit blocks (decodes cache only their own unique blocks), so their
-                # hits, gate needs and slacks stay as computed here. Their shed and time-out
-                # instants (the first iteration start at which each would fire) bound the jump.
+                # now: the free blocks only fall, decodes cache only their own unique blocks, and a
+                # claim that evicts one of their cached hit blocks only raises their needs (then
+                # they are rescanned). Their shed and time-out instants (the first iteration start
+                # at which each would fire, from their hits) bound the jump.
                 nw = n_wait[c]
                 lim_w = _FOREVER
                 n_ev = 0  # evictable hit blocks of the waiting requests (in the free queue): ev_blocks[:n_ev]
                 dec_on = False  # deciding with one waiting request: a decision is needed once its slack < 0
                 dec_base = 0
                 dec_idle = 0.0
+                can_admit = cfg[C_BUDGET] - D > 0 and D < cfg[C_MAX_SEQS]
+                dec_one = decide and nw == 1 and epoch[c, EP_SHED] != 0
                 if all_decoding and k_done >= k_min and nw > 0:
-                    can_admit = cfg[C_BUDGET] - D > 0 and D < cfg[C_MAX_SEQS]
-                    for q in range(nw):
-                        r = wait_ids[c, q]
-                        num_tokens = prompt[c, r] + gen[c, r]
-                        hits = 0
-                        evictable = 0
-                        if prefix_on:
-                            hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs,
-                                                bsh)
-                            for j in range(hits):
-                                b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]
-                                if ref[c, b] == 0:
-                                    if n_ev + evictable < nb:
-                                        ev_blocks[n_ev + evictable] = b
-                                    evictable += 1
-                            n_ev += evictable
-                        if can_admit and (_bdiv(num_tokens + bs - 1, bs, bsh) - hits + evictable + cfg[C_WATERMARK]
-                                          <= n_free[c]):
-                            all_decoding = False  # it may be admitted: step normally
-                            break
-                        if gen[c, r] > 0:
-                            continue  # has its first token: never shed, never timed out
-                        if max_wait >= 0 and arrival[c, r] + max_wait < lim_w:
-                            lim_w = arrival[c, r] + max_wait
-                        base = arrival[c, r] + t1[c, r]
-                        idle_ms = idle_prefill_ns(num_tokens - hits * bs, hits * bs, budget_cfg, ps) / 1e6
-                        if sm >= 0.0:
-                            ts = _first_slack_below(base, idle_ms, -sm * (t1[c, r] / 1e6))
-                            if ts < lim_w:
-                                lim_w = ts
-                        if decide and nw == 1 and epoch[c, EP_SHED] != 0:
-                            dec_on = True
-                            dec_base = base
-                            dec_idle = idle_ms
-                if n_ev > nb:
-                    all_decoding = False  # (more than the scratch holds: step normally)
+                    all_decoding, lim_w, n_ev, dec_on, dec_base, dec_idle = _waiting_blocked(
+                        c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val, uniq_base, ref,
+                        n_free, ev_blocks, prefix_on, can_admit, cfg[C_WATERMARK], max_wait, sm, budget_cfg, ps,
+                        dec_one, bs, bsh)
                 if all_decoding and k_done >= k_min:
                     # bucket the running requests by the iteration (mod bs) at which they claim a block
                     for ph in range(bs + 1):
@@ -959,11 +994,10 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     lim = until
                     if decide and not _scored_ended(epoch, end_state, c):
                         lim = _FOREVER
-                    if lim_w < lim:
-                        lim = lim_w
-                    next_t = arrival[c, next_arr[c]] if next_arr[c] < n else lim
-                    if lim < next_t:
-                        next_t = lim
+                    t_arr = arrival[c, next_arr[c]] if next_arr[c] < n else _FOREVER
+                    next_t = t_arr if t_arr < lim else lim
+                    if lim_w < next_t:
+                        next_t = lim_w
                     a_ps = cfg[C_PS0] + cfg[C_PS_DECODE] * D + cfg[C_PS_KV] * kv0
                     b_ps = cfg[C_PS_KV] * D
                     # iteration k lasts (a_ps + b_ps * k + 999) // 1000 ns: kept as quotient dq and
@@ -985,8 +1019,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         claims = jump_off[c, ph + 1] - jump_off[c, ph]
                         if claims > free:
                             break  # an unservable claim: the normal step handles it
+                        evicts = False
                         if n_ev > 0:
-                            evicts = False
                             b = fq_next[c, head]
                             for _ in range(claims):
                                 if bhash[c, b] >= 0:
@@ -997,12 +1031,24 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                                 if evicts:
                                     break
                                 b = fq_next[c, b]
-                            if evicts:
-                                break  # a waiting request's hits would change: step normally
                         for q in range(jump_off[c, ph], jump_off[c, ph + 1]):
                             _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of,
                                    held, c, jump_ids[c, q], 1, head)
                         free -= claims
+                        if evicts:
+                            # a waiting request lost cached hit blocks: it needs more blocks than before
+                            # (lost hits >= lost evictable ones) while fewer are free, so it stays blocked,
+                            # but its prefill, slack and shed instant change: rescan the waiting requests
+                            # (as the next iteration's scoring would) and bound the jump anew
+                            blocked, lim_w, n_ev, dec_on, dec_base, dec_idle = _waiting_blocked(
+                                c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val,
+                                uniq_base, ref, n_free, ev_blocks, prefix_on, can_admit, cfg[C_WATERMARK],
+                                max_wait, sm, budget_cfg, ps, dec_one, bs, bsh)
+                            next_t = t_arr if t_arr < lim else lim
+                            if lim_w < next_t:
+                                next_t = lim_w
+                            if not blocked:
+                                next_t = t  # (cannot happen, see above; end the jump after this iteration)
                         end = t + dq
                         m = n_iter_rec[c]
                         m_last = -1
@@ -1203,17 +1249,14 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     r = rb
                     fbest = bi
                     num_tokens = prompt[c, r] + gen[c, r]
-                    hits = 0
-                    if prefix_on:
-                        hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs, bsh)
                     fits = False
                     while True:
                         # hits that sit in the free queue count against free slots
+                        hits = 0
                         evictable = 0
-                        for j in range(hits):
-                            b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]
-                            if ref[c, b] == 0:
-                                evictable += 1
+                        if prefix_on:
+                            hits, evictable = _hits_evictable(hash_head, chain_off, chain_val, uniq_base, ref, c, r,
+                                                              num_tokens, bs, bsh, ev_blocks, nb)
                         full_blocks = _bdiv(num_tokens + bs - 1, bs, bsh)
                         if full_blocks - hits + evictable + cfg[C_WATERMARK] <= n_free[c]:
                             fits = True
@@ -1239,10 +1282,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                                  slots_t, queues_t, swap_on)
                         ns = acc[0]
                         budget = acc[1]
-                        preempted += 1
-                        if prefix_on:  # the victim's freed blocks may be hits now
-                            hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs,
-                                                bsh)
+                        preempted += 1  # (the victim's freed blocks may be hits now: recounted above)
                     if not fits:
                         if not skip_hol:
                             break  # head-of-line blocking (rule 6)
