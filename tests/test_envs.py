@@ -679,3 +679,29 @@ def test_threads_default_and_entry_points(monkeypatch):
     venv = gym.make_vec("TokenBatch-v0", num_envs=2, vectorization_mode="vector_entry_point", threads=2, **SMALL)
     assert venv.threads == 2 and venv.core.run.threads == 2
     assert "threads" not in {f.name for f in __import__("dataclasses").fields(TokenBatchConfig)}
+
+
+def test_observation_sorts_equal_numbas_sorts_to_the_bit():
+    """The observation's allocation-free sorts (``_sort_small``, ``_argsort_stable``) give what
+    numba's ``np.sort`` and ``np.argsort(kind="mergesort")`` give, to the bit: -0.0 and 0.0 keep
+    numba's order, NaN sorts last, ties keep their order; on both sides of the size threshold."""
+    from numba import njit
+
+    from tokenbatch_env.envs import _argsort_stable, _sort_small
+
+    @njit
+    def ref(x):
+        return np.sort(x), np.argsort(x, kind="mergesort")
+
+    rng = np.random.default_rng(7)
+    for t in range(400):
+        n = int(rng.integers(0, 40))
+        x = rng.choice([-1.5, -0.0, 0.0, 0.5, 2.0, np.inf, -np.inf], n) if t % 2 else rng.normal(size=n)
+        if t % 5 == 0 and n:
+            x[rng.integers(n)] = np.nan
+        want_sort, want_order = ref(x)
+        got_sort, got_order = np.full(n, 9.0), np.full(n, -1, np.int64)
+        _sort_small(x, got_sort)
+        _argsort_stable(x, got_order)
+        assert got_sort.tobytes() == want_sort.tobytes(), (t, x)
+        assert np.array_equal(got_order, want_order), (t, x)

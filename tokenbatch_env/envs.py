@@ -190,6 +190,50 @@ class TokenBatchConfig:
 
 
 # ------------------------------------------------------------------ observation kernel
+_SMALL_SORT = 15  # numba's quicksort sorts up to this many items by insertion
+
+
+@njit
+def _lt(a, b):
+    """numba's float order for sorting (NaN last)."""
+    return a < b or (b != b and a == a)
+
+
+@njit
+def _sort_small(x, out):
+    """``out[:n] = np.sort(x)`` (n = len(x)) without an allocation for small n: numba's np.sort
+    sorts up to ``_SMALL_SORT`` items by this very (stable) insertion, so the result is the same to
+    the bit (the order of -0.0 and 0.0 included)."""
+    n = x.shape[0]
+    if n > _SMALL_SORT:
+        out[:n] = np.sort(x)
+        return
+    for i in range(n):
+        v = x[i]
+        j = i
+        while j > 0 and _lt(v, out[j - 1]):
+            out[j] = out[j - 1]
+            j -= 1
+        out[j] = v
+
+
+@njit
+def _argsort_stable(x, out):
+    """``out[:n] = np.argsort(x, kind="mergesort")``: a stable sort's permutation is unique, so
+    insertion gives the same one (without an allocation) for small n."""
+    n = x.shape[0]
+    if n > 2 * _SMALL_SORT:
+        out[:n] = np.argsort(x, kind="mergesort")
+        return
+    for i in range(n):
+        v = x[i]
+        j = i
+        while j > 0 and _lt(v, x[out[j - 1]]):
+            out[j] = out[j - 1]
+            j -= 1
+        out[j] = i
+
+
 @njit
 def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, next_arr, wait_ids, run_ids,
              prompt, gen, computed, arrival, t1, est, hash_head, chain_off, chain_val, uniq_base, epoch):
@@ -240,6 +284,9 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
     R = wait_ids.shape[1]
     zs_buf = np.empty(R)
     ls_buf = np.empty(R)
+    zsort = np.empty(R)
+    lsort = np.empty(R)
+    order = np.empty(R, np.int64)
     feats = np.empty((R, nfeat))
     for c in range(active.shape[0]):
         if not active[c]:
@@ -312,15 +359,15 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
         if nw == 0:
             row[6 + 2 * nq] = 1.0
         else:
-            zsort = np.sort(zs)
-            lsort = np.sort(ls)
+            _sort_small(zs, zsort)
+            _sort_small(ls, lsort)
             for qi in range(nq):
                 pos = int(qs[qi] * (nw - 1) + 0.5)
                 row[6 + qi] = zsort[pos] / 10.0
                 row[6 + nq + qi] = lsort[pos] / 4.0
             row[6 + 2 * nq + 1] = lost / nw
         # the K waiting requests with the lowest z (ties: the engine's waiting-list order, deterministic)
-        order = np.argsort(zs, kind="mergesort")
+        _argsort_stable(zs, order)
         m = nw if nw < kq else kq
         for j in range(m):
             i = order[j]
