@@ -705,3 +705,33 @@ def test_observation_sorts_equal_numbas_sorts_to_the_bit():
         _argsort_stable(x, got_order)
         assert got_sort.tobytes() == want_sort.tobytes(), (t, x)
         assert np.array_equal(got_order, want_order), (t, x)
+
+
+def test_hash_widths_sized_once_and_stale_entries_cleared():
+    """The env sizes the per-copy hash dimensions once (``_EpisodeTable.max_widths``: an upper bound
+    of every window's widths, so resets never grow, i.e. copy, the arrays) and a reset clears only
+    up to the larger of the old and new episode's widths: every row still holds the fill value past
+    its episode's width, exactly as ``build_arrays`` would leave it."""
+    env = TokenBatchVectorEnv(8, rho=(0.5, 2.5), window=32, warmup=8, cooldown=8, seed=3)
+    core = env.core
+    env.reset()
+    A0 = core.run.arrays
+    H, W = core.episodes.max_widths(core.config.n_req)
+    assert A0.chain_val.shape[1] >= H and A0.hash_head.shape[1] >= W
+    wl, rng = core.workload, np.random.default_rng(0)
+    for _ in range(200):   # the bound holds for any window
+        u = int(rng.choice(core.units))
+        lo = int(rng.integers(0, len(wl.units[u]) - core.config.n_req + 1))
+        cols, _, _ = core.episodes.columns(np.array([u]), np.array([lo]), core.config.n_req,
+                                           [wl.scale_factor(1.0)], core.fresh)
+        assert cols["chain_val"].shape[1] <= H and cols["hash_head"].shape[1] <= W
+    resets = 0
+    for _ in range(120):
+        _, _, term, trunc, _ = env.step(np.zeros((8, core.action_dim)))
+        resets += int((term | trunc).sum())
+        A = core.run.arrays
+        assert A.hash_head is A0.hash_head and A.chain_val is A0.chain_val   # never regrown
+        for c in range(8):
+            assert (A.hash_head[c, core.extent["hash_head"][c]:] == -1).all()
+            assert (A.chain_val[c, core.extent["chain_val"][c]:] == 0).all()
+    assert resets > 8

@@ -527,14 +527,24 @@ _GROW_FILL = {"hash_head": -1, "chain_val": 0}
 _WORKLOADS: dict = {}
 
 
-def _splice(A, cols: dict, rows):
+def _splice(A, cols: dict, rows, extent: Optional[dict] = None):
     """Write ``cols`` (field name -> [len(rows), ...], or [1, ...] for the same values in every row)
     into rows ``rows`` of ``A``, growing the per-copy hash dimensions when the new windows need more.
     Fields not in ``cols`` are kept (the block table: a request's entries are written before they are
-    read)."""
+    read). ``extent`` (name -> k) says that these rows of a grown field hold its fill value from
+    column k on (nothing was written there since): only the first max(k, new width) are written."""
     changes = {}
     for name, b in cols.items():
         a = getattr(A, name)
+        if extent is not None and name in extent and a.ndim == 2 and a.shape[1] >= b.shape[1]:
+            k = max(int(extent[name]), b.shape[1])
+            if k < a.shape[1]:
+                if k > b.shape[1]:
+                    nb = np.full((b.shape[0], k), _GROW_FILL[name], b.dtype)
+                    nb[:, :b.shape[1]] = b
+                    b = nb
+                a[rows, :k] = b
+                continue
         if a.shape[1:] != b.shape[1:]:
             if name not in _GROW_FILL or a.ndim != 2:
                 raise RuntimeError(f"engine array {name}: shape {b.shape[1:]} does not fit {a.shape[1:]}")
@@ -581,7 +591,24 @@ class _EpisodeTable:
         self.prefix_len = stack(lambda u, t: t.prefix_lengths)
         self.offsets = stack(lambda u, t: t.prefix_offsets, width=L + 1)
         self.ids = [t.prefix_ids() for t in units]
+        self.lens = np.array([len(t) for t in units], np.int64)
         self.profile, self.engine_config = profile, engine_config
+
+    def max_widths(self, n: int) -> tuple:
+        """Upper bounds, over every window of n requests of every unit, of the window's prefix-chain
+        entries (``chain_val`` width) and id space (``hash_head`` width: its chain ids are at most
+        its chain entries, and each request adds its whole sequence's blocks plus one, less its
+        chain; ``unique_block_bases``), so that the engine arrays never need to grow."""
+        bs = self.profile.block_size
+        per_req = (self.prompt + self.output + bs - 1) // bs + 1   # (padding rows: 1; never inside a window)
+        room = np.zeros((per_req.shape[0], per_req.shape[1] + 1), np.int64)
+        np.cumsum(per_req, axis=1, out=room[:, 1:])
+        H = W = 1
+        for u in np.flatnonzero(self.lens >= n):
+            m = int(self.lens[u]) - n + 1
+            H = max(H, int((self.offsets[u, n:n + m] - self.offsets[u, :m]).max()))
+            W = max(W, int((room[u, n:n + m] - room[u, :m]).max()))
+        return H, W
 
     def columns(self, units: np.ndarray, lo: np.ndarray, n: int, factors, fresh: dict) -> tuple:
         """(engine columns, t2, h_best) of the windows rows ``[lo, lo + n)`` of ``units``, times scaled
@@ -692,6 +719,18 @@ class _Core:
         # the fresh engine state of a copy, as built (the fields a new episode resets that its trace
         # does not set; the block table is never reset)
         self.fresh = {f: getattr(self.run.arrays, f)[:1].copy() for f in self.run.arrays._fields if f != "table"}
+        # the per-copy hash dimensions sized once for any window (no growth, i.e. no copy of the
+        # whole arrays, at resets); ``extent``: each row holds the fill value from there on
+        A = self.run.arrays
+        self.extent = {f: np.full(N, getattr(A, f).shape[1], np.int64) for f in _GROW_FILL}
+        need = dict(zip(("chain_val", "hash_head"), self.episodes.max_widths(cfg.n_req)))
+        grown = {}
+        for f, w in need.items():
+            a = getattr(A, f)
+            if w > a.shape[1]:
+                grown[f] = np.full((N, w), _GROW_FILL[f], a.dtype)
+                grown[f][:, :a.shape[1]] = a
+        self.run.arrays = A._replace(**grown)
         # constants for observations and certain-miss detection
         self.k = cfg.k
         self.obs_dim = obs_dim(cfg.k)
@@ -759,7 +798,9 @@ class _Core:
             self.rho[c], self.trace_index[c], self.window_start[c] = rho, u, start
         cols, self.t2[rows], self.h_best[rows] = self.episodes.columns(units, starts - cfg.warmup, cfg.n_req,
                                                                        factors, self.fresh)
-        self.run.arrays = _splice(self.run.arrays, cols, rows)
+        self.run.arrays = _splice(self.run.arrays, cols, rows, {f: self.extent[f][rows].max() for f in self.extent})
+        for f in self.extent:
+            self.extent[f][rows] = cols[f].shape[1]
         self.run.tier[rows] = 0
         self.run.score[rows] = 0.0
         self.run.start_epochs(rows, interval_ns=self.dt_ns, scored=(self.s0, self.s1),
