@@ -24,6 +24,7 @@ def run(policy: str, n_envs: int, n_steps: int, batch: int, n_epochs: int, itera
     import torch
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.logger import Logger
     from stable_baselines3.common.vec_env import VecMonitor, VecNormalize
 
     from tokenbatch_env.sb3 import make_sb3_vec_env, request_set_extractor_class
@@ -46,6 +47,7 @@ def run(policy: str, n_envs: int, n_steps: int, batch: int, n_epochs: int, itera
         kw.update(features_extractor_class=request_set_extractor_class(), features_extractor_kwargs={"k": 8})
     model = PPO("MlpPolicy", venv, n_steps=n_steps, batch_size=batch, n_epochs=n_epochs, policy_kwargs=kw,
                 device="cpu", seed=0, verbose=0)
+    model.set_logger(Logger(folder=None, output_formats=[]))   # no log files (SB3 would make a /tmp dir)
     per_iter = n_envs * n_steps
 
     class Clock(BaseCallback):
