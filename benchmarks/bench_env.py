@@ -13,9 +13,11 @@ Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
       (so the very same trajectories: checked), env-steps/s, and the speed-up (a)/(b);
   (c) the SB3 adapter (``tokenbatch_env.sb3``, SAME_STEP) over the native env vs the raw native env
       in SAME_STEP mode: env-steps/s and the adapter's overhead.
-  --breakdown: (a)'s wall time per copy-step split into the engine (``advance_to_decision``),
-      observations, rewards, episode metrics, resets (laying out new windows; their observations
-      included) and the rest (the step's Python: action checks and mapping, infos).
+  --breakdown: (a)'s wall time per copy-step split into the engine with the observations and
+      rewards of the copies it advanced (``advance_to_decision``: each engine thread observes and
+      rewards its copies right after advancing them), episode metrics, resets (laying out new
+      windows; their observations included) and the rest (the step's Python: action checks and
+      mapping, infos).
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ def bench_native(n: int, steps: int, warm: int, mode: str = "NEXT_STEP") -> dict
 
 
 #: (object path in the native env, label) of the parts ``--breakdown`` times
-PARTS = (("core.run.advance_to_decision", "engine (advance_to_decision)"), ("core.observe", "observations"),
-         ("core._rewards", "rewards"), ("core.episode_infos", "episode metrics"),
+PARTS = (("core.run.advance_to_decision", "engine + observations + rewards (advance_to_decision)"),
+         ("core.episode_infos", "episode metrics"),
          ("core.reset_copies", "resets (windows laid out + their observations)"))
 
 

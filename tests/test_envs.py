@@ -501,10 +501,11 @@ def test_single_env_step_after_end_errors():
         env.step(np.zeros(8))
 
 
-def _advance_epoch_by_epoch(core, live):
+def _advance_epoch_by_epoch(core, live, then=None):
     """DESIGN.md section 5's epochs outside the engine: ``EngineRun.advance`` to each epoch in turn,
     stopping at the episode's end, the iteration cap, or a needed decision, read off the
-    observation (>= 2 waiting, or shedding on and a waiting request with its TTFT lost)."""
+    observation (>= 2 waiting, or shedding on and a waiting request with its TTFT lost); then
+    ``then`` on the copies that stopped, as ``advance_to_decision`` does."""
     from tokenbatch_env.engine import kernel as K
     run, A, cfg = core.run, core.run.arrays, core.config
     t0, dt = A.epoch[:, K.EP_T0], core.dt_ns
@@ -521,6 +522,9 @@ def _advance_epoch_by_epoch(core, live):
         stop[pending & capped] = K.STOP_CAP
         stop[pending & ~ended & ~capped & need] = K.STOP_DECIDE
         pending &= stop == K.STOP_NONE
+    A.epoch[:, K.EP_STOP] = stop
+    if then is not None and live.any():
+        then(live.copy())
     return stop
 
 
@@ -532,7 +536,7 @@ def test_engine_epochs_match_epoch_by_epoch_reference(kw):
     kw = {"rho": (0.8, 2.0), **SMALL, **kw}
     envs = [TokenBatchVectorEnv(3, **kw) for _ in range(2)]
     ref = envs[1].core
-    ref.run.advance_to_decision = lambda live: _advance_epoch_by_epoch(ref, live)
+    ref.run.advance_to_decision = lambda live, then=None: _advance_epoch_by_epoch(ref, live, then)
     outs = [e.reset(seed=9)[0] for e in envs]
     assert np.array_equal(*outs)
     rng = np.random.default_rng(4)
@@ -568,6 +572,32 @@ def test_advance_to_decision_needs_epochs():
     while stop[0] == K.STOP_DECIDE:
         stop = run.advance_to_decision(np.array([True, False]))
     assert stop[0] == K.STOP_ENDED and A.end_state[0, 0] != K.E_NONE
+
+
+
+@pytest.mark.parametrize("threads, chunk_steps", [(1, 20_000), (2, 20_000), (2, 3)])
+def test_advance_to_decision_then_sees_each_copy_once_stopped(threads, chunk_steps):
+    """``then`` gets every active copy exactly once, after it stopped, never an inactive one: also
+    when copies take several kernel calls (``chunk_steps``) and over several threads."""
+    from tokenbatch_env.engine import kernel as K
+    from tokenbatch_env.engine.simulate import EngineRun
+    env = TokenBatchVectorEnv(8, **SMALL, seed=2)
+    env.reset()
+    traces = [env.core.workload.units[u] for u in env.core.units[:8]]
+    from tokenbatch_env.policies import engine_policy
+    run = EngineRun(traces, "stress-512", engine_policy("edf", shed_margin=0.0), threads=threads)
+    run.start_epochs(interval_ns=50 * 10**6, shed_on=True)
+    active = np.array([True, True, False, True, True, True, False, True])
+    for _ in range(5):
+        seen = np.zeros(8, np.int64)
+
+        def then(g):
+            assert not (g & ~active).any()
+            assert (run.arrays.epoch[g, K.EP_STOP] != K.STOP_NONE).all()
+            seen[g] += 1
+        stop = run.advance_to_decision(active, chunk_steps=chunk_steps, then=then)
+        assert seen.tolist() == active.astype(np.int64).tolist()
+        assert (stop[active] != K.STOP_NONE).all()
 
 
 # ---------------------------------------------------------------------------- weights action mode

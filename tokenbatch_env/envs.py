@@ -820,31 +820,35 @@ class _Core:
 
     def step(self, live: np.ndarray, theta: np.ndarray, margin: np.ndarray):
         """Apply the (held) parameters of the ``live`` copies and advance each to its next decision
-        epoch (skipping epochs that need no decision) or the end of its episode."""
+        epoch (skipping epochs that need no decision) or the end of its episode; each engine thread
+        then observes and rewards the copies it advanced (one pass over the threads, not three)."""
         run = self.run
         self.params_theta[live] = theta
         self.params_margin[live] = margin
         run.set_policy_params(self.params_theta, self.params_margin)
-        stop = run.advance_to_decision(live)
+        reward = np.zeros(self.n)
+        trunc = np.zeros(self.n, bool)
+        stop_at = run.arrays.epoch[:, K.EP_STOP]   # (a view: read once each copy has stopped)
+
+        def then(g):
+            observe(run, g, self.obs, self.k, self.ocfg)
+            self.steps[g] += 1
+            st = stop_at[g]
+            trunc[g] = (st != K.STOP_ENDED) & ((st == K.STOP_CAP) | (self.steps[g] >= self.config.max_steps))
+            self._rewards(g, trunc, reward)
+
+        stop = run.advance_to_decision(live, then=then)
         term = live & (stop == K.STOP_ENDED)
-        capped = live & (stop == K.STOP_CAP)
-        self.observe(live)
-        self.steps[live] += 1
-        trunc = live & ~term & (capped | (self.steps >= self.config.max_steps))
-        reward = self._rewards(live, trunc)
         self.ep_return[live] += reward[live]
         return reward, term, trunc
 
-    def _rewards(self, live: np.ndarray, trunc: np.ndarray) -> np.ndarray:
+    def _rewards(self, rows: np.ndarray, trunc: np.ndarray, out: np.ndarray) -> None:
+        """The step rewards of the copies in the mask ``rows`` into ``out`` (``_rewards``)."""
         A = self.run.arrays
-        out = np.zeros(self.n)
-        self.run.map_groups(
-            lambda g: _rewards(g, trunc, self.s0, self.s1, self.t_min_ns, self.config.reward_mode == "met", A.now,
-                               A.end_state, A.first_token, A.finish, A.arrival, A.t1, self.t2, A.out_len, A.gen,
-                               A.capped, self.certain, self.met_seen, out, A.prompt, A.computed, A.n_preempt,
-                               self.h_best, self.ps_cost, self.run.profile.max_num_batched_tokens, self.open_lo),
-            live, min_group=_MIN_GROUP)
-        return out
+        _rewards(rows, trunc, self.s0, self.s1, self.t_min_ns, self.config.reward_mode == "met", A.now,
+                 A.end_state, A.first_token, A.finish, A.arrival, A.t1, self.t2, A.out_len, A.gen,
+                 A.capped, self.certain, self.met_seen, out, A.prompt, A.computed, A.n_preempt,
+                 self.h_best, self.ps_cost, self.run.profile.max_num_batched_tokens, self.open_lo)
 
     def episode_infos(self, ended: np.ndarray, trunc: np.ndarray) -> dict:
         """Episode metrics of the copies ``ended`` (their scored requests), one array per key over

@@ -252,23 +252,28 @@ class EngineRun:
         ep[rows, K.EP_SHED] = int(bool(shed_on))
         ep[rows, K.EP_STOP] = K.STOP_NONE
 
-    def advance_to_decision(self, active=None, *, chunk_steps: int = 20_000) -> np.ndarray:
+    def advance_to_decision(self, active=None, *, chunk_steps: int = 20_000,
+                            then: Optional[Callable[[np.ndarray], None]] = None) -> np.ndarray:
         """Run each ``active`` copy (default all) to its next decision: the first iteration boundary
         at or after a decision epoch where a decision is needed or every scored request has ended,
         or the end of all its requests, or its iteration cap; epochs in between are skipped with the
-        parameters held. Returns each copy's stop reason (``K.STOP_*``; STOP_NONE if not active)."""
+        parameters held. Returns each copy's stop reason (``K.STOP_*``; STOP_NONE if not active).
+        ``then(mask)``, if given, is called once for every copy as soon as it has stopped, with a
+        mask of such copies, in the thread that ran them (for per-copy work on the rows just
+        advanced, such as the env's observations, without another pass over the threads)."""
         A, C = self.arrays, self.n_copies
         act = np.ones(C, bool) if active is None else np.array(active, bool)
         if (A.epoch[act, K.EP_DT] < 1).any():
             raise ConfigError("advance_to_decision: call start_epochs for these copies first")
         A.epoch[:, K.EP_STOP] = K.STOP_NONE
         while act.any():
-            self._run(self._cfg_decide, act, A.now, chunk_steps, None)  # (until_ns unused when deciding)
+            self._run(self._cfg_decide, act, A.now, chunk_steps, None, then)  # (until_ns unused when deciding)
             act &= A.epoch[:, K.EP_STOP] == K.STOP_NONE
         return A.epoch[:, K.EP_STOP].copy()
 
-    def _run(self, cfg, act, until, chunk_steps, bar) -> int:
-        """One kernel call over the ``act`` copies, then the sinks and the no-progress check."""
+    def _run(self, cfg, act, until, chunk_steps, bar, then=None) -> int:
+        """One kernel call over the ``act`` copies, then the sinks and the no-progress check;
+        deciding, ``then`` on each group's copies that stopped, right after the group's call."""
         A = self.arrays
         tier, score, shed, steps = self.tier, self.score, self._no_shed, chunk_steps
         if self.scorer is not None:
@@ -276,8 +281,15 @@ class EngineRun:
             steps = 1 if self.scorer.time_dependent else chunk_steps
         before = int(A.n_ended.sum())
         snap = (A.now.copy(), A.it.copy(), A.n_ended.copy(), A.n_wait.copy(), A.n_run.copy())
-        run = lambda g: K.run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl,  # noqa: E731
-                                     tier, score, shed, g, steps, until)
+
+        def run(g):
+            total = K.run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, tier, score, shed, g,
+                                 steps, until)
+            if then is not None:
+                stopped = g & (A.epoch[:, K.EP_STOP] != K.STOP_NONE)
+                if stopped.any():
+                    then(stopped)
+            return total
         if self.iteration_sink is None and self.record_sink is None:
             total = sum(self.map_groups(run, act))
         else:   # the sinks see the buffers of one call
