@@ -644,7 +644,7 @@ class _EpisodeTable:
         return cols, self.t2[u, idx], self.h_best[u, idx]
 
 
-#: copies per thread below which observations and rewards (a few us per copy) are not split
+#: copies per thread below which observations outside a step (new episodes; a few us per copy) are not split
 _MIN_GROUP = 128
 
 
