@@ -990,14 +990,14 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     # deciding, an epoch inside a jump is checked at the first iteration start at or
                     # after it (nothing ends inside, so only the waiting requests can need a decision)
                     # and skipped if none is needed, unless every scored request has ended (it then
-                    # terminates)
+                    # terminates); ``lim`` also stops at the next arrival, ``next_t`` at the waiting
+                    # requests' shed and time-out instants too (rescanned when their hits change)
                     lim = until
                     if decide and not _scored_ended(epoch, end_state, c):
                         lim = _FOREVER
-                    t_arr = arrival[c, next_arr[c]] if next_arr[c] < n else _FOREVER
-                    next_t = t_arr if t_arr < lim else lim
-                    if lim_w < next_t:
-                        next_t = lim_w
+                    if next_arr[c] < n and arrival[c, next_arr[c]] < lim:
+                        lim = arrival[c, next_arr[c]]   # the next arrival
+                    next_t = lim if lim < lim_w else lim_w
                     a_ps = cfg[C_PS0] + cfg[C_PS_DECODE] * D + cfg[C_PS_KV] * kv0
                     b_ps = cfg[C_PS_KV] * D
                     # iteration k lasts (a_ps + b_ps * k + 999) // 1000 ns: kept as quotient dq and
@@ -1044,9 +1044,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                                 c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val,
                                 uniq_base, ref, n_free, ev_blocks, prefix_on, can_admit, cfg[C_WATERMARK],
                                 max_wait, sm, budget_cfg, ps, dec_one, bs, bsh)
-                            next_t = t_arr if t_arr < lim else lim
-                            if lim_w < next_t:
-                                next_t = lim_w
+                            next_t = lim if lim < lim_w else lim_w
                             if not blocked:
                                 next_t = t  # (cannot happen, see above; end the jump after this iteration)
                         end = t + dq
