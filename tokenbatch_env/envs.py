@@ -529,35 +529,29 @@ _WORKLOADS: dict = {}
 
 def _splice(A, cols: dict, rows, extent: Optional[dict] = None):
     """Write ``cols`` (field name -> [len(rows), ...], or [1, ...] for the same values in every row)
-    into rows ``rows`` of ``A``, growing the per-copy hash dimensions when the new windows need more.
-    Fields not in ``cols`` are kept (the block table: a request's entries are written before they are
-    read). ``extent`` (name -> k) says that these rows of a grown field hold its fill value from
-    column k on (nothing was written there since): only the first max(k, new width) are written."""
+    into rows ``rows`` of ``A``, padding the per-copy hash dimensions with their fill value and
+    growing them when the new windows need more. Fields not in ``cols`` are kept (the block table: a
+    request's entries are written before they are read). ``extent`` (name -> k) says that these rows
+    of a hash field hold its fill value from column k on (nothing was written there since): only the
+    first max(k, new width) columns are written."""
     changes = {}
     for name, b in cols.items():
         a = getattr(A, name)
-        if extent is not None and name in extent and a.ndim == 2 and a.shape[1] >= b.shape[1]:
-            k = max(int(extent[name]), b.shape[1])
-            if k < a.shape[1]:
-                if k > b.shape[1]:
-                    nb = np.full((b.shape[0], k), _GROW_FILL[name], b.dtype)
-                    nb[:, :b.shape[1]] = b
-                    b = nb
-                a[rows, :k] = b
-                continue
-        if a.shape[1:] != b.shape[1:]:
-            if name not in _GROW_FILL or a.ndim != 2:
-                raise RuntimeError(f"engine array {name}: shape {b.shape[1:]} does not fit {a.shape[1:]}")
-            w = max(a.shape[1], b.shape[1])
+        if name in _GROW_FILL and a.ndim == 2 and a.shape[1:] != b.shape[1:]:
             fill = _GROW_FILL[name]
-            if w > a.shape[1]:
-                na = np.full((a.shape[0], w), fill, a.dtype)
+            if b.shape[1] > a.shape[1]:
+                na = np.full((a.shape[0], b.shape[1]), fill, a.dtype)
                 na[:, :a.shape[1]] = a
                 a = changes[name] = na
-            if w > b.shape[1]:
-                nb = np.full((b.shape[0], w), fill, b.dtype)
+            k = a.shape[1] if not extent or name not in extent else min(a.shape[1], max(int(extent[name]), b.shape[1]))
+            if k > b.shape[1]:
+                nb = np.full((b.shape[0], k), fill, b.dtype)
                 nb[:, :b.shape[1]] = b
                 b = nb
+            a[rows, :k] = b
+            continue
+        if a.shape[1:] != b.shape[1:]:
+            raise RuntimeError(f"engine array {name}: shape {b.shape[1:]} does not fit {a.shape[1:]}")
         a[rows] = b
     return A._replace(**changes) if changes else A
 
