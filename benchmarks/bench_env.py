@@ -71,24 +71,19 @@ PARTS = (("core.run.advance_to_decision", "engine + observations + rewards (adva
 
 
 def bench_breakdown(n: int, steps: int, warm: int) -> dict:
-    """(a) with the parts of ``PARTS`` timed (wall, per copy-step; resets include their observations,
-    which are not counted again under observations)."""
+    """(a) with the parts of ``PARTS`` timed (wall, per copy-step; none calls another)."""
     from tokenbatch_env.envs import TokenBatchVectorEnv
     env = TokenBatchVectorEnv(n, **CONFIG, **ENV_KW)
     env.reset(seed=0)
     spent = {label: 0.0 for _, label in PARTS}
-    depth = [0]
 
     def timed(fn, label):
         def run(*args, **kw):
-            depth[0] += 1
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kw)
             finally:
-                depth[0] -= 1
-                if depth[0] == 0:   # nested parts (a reset's observations) count once, in the outer one
-                    spent[label] += time.perf_counter() - t0
+                spent[label] += time.perf_counter() - t0
         return run
 
     acts = _actions(n, warm + steps)

@@ -105,10 +105,10 @@ def test_adapter_attr_methods():
 @pytest.mark.slow
 def test_ppo_smoke():
     from stable_baselines3 import PPO
+    from stable_baselines3.common.logger import Logger
     from stable_baselines3.common.vec_env import VecMonitor
     torch.set_num_threads(1)
     venv = VecMonitor(make_sb3_vec_env(4, **SMALL))
-    from stable_baselines3.common.logger import Logger
     model = PPO("MlpPolicy", venv, n_steps=256, batch_size=256, n_epochs=2, device="cpu", seed=0,
                 policy_kwargs=dict(net_arch=[16], log_std_init=-1.5))
     model.set_logger(Logger(folder=None, output_formats=[]))   # (else SB3 makes a /tmp/SB3-* dir per run)
