@@ -188,6 +188,12 @@ def _blocked_trace(t1_ms=100.0, extra_waiting=False):
     return _build(arr, prompt, out, [[]] * len(arr), t1_ms)
 
 
+def _head_of_line_trace():
+    """As ``_blocked_trace``, plus a 20-token request at 2 ms that fits the pool but waits behind
+    request 1 (FCFS and EDF put 1 first; head-of-line blocking, rule 6) until request 0 ends."""
+    return _build([0, 1_000_000, 2_000_000], [160, 250, 20], [150, 3, 2], [[]] * 3, 400.0)
+
+
 def _evicted_hits_trace():
     """num_blocks 64: six decoders claim a block every ~2.7 iterations; a donor (320 tokens, chain
     of 20 blocks) ends at once, leaving its cached blocks at the free queue's tail; request 7
@@ -230,10 +236,14 @@ def _counted(trace, policy, cfg, jumps, decide=None):
 
 
 @pytest.mark.parametrize("case", ["decide-one-waiting", "decide-two-waiting", "shed", "time-out",
-                                  "evicted-hits"])
+                                  "evicted-hits", "head-of-line-fcfs", "head-of-line-edf", "head-of-line-index"])
 def test_jumps_past_a_blocked_waiting_queue_equal_single_steps(case):
     policy, cfg, decide, trace = "index", {"num_blocks": 22}, None, _blocked_trace()
-    if case == "decide-one-waiting":
+    if case.startswith("head-of-line"):
+        # only the head fails the admission gate; in score order the waiting requests are rescored
+        # at each jumped iteration (the index's order moves with the clock and the free blocks)
+        policy, trace = case.rsplit("-", 1)[1], _head_of_line_trace()
+    elif case == "decide-one-waiting":
         decide = 20.0
     elif case == "decide-two-waiting":
         decide, trace = 20.0, _blocked_trace(extra_waiting=True)
@@ -249,7 +259,13 @@ def test_jumps_past_a_blocked_waiting_queue_equal_single_steps(case):
     assert sa == sb
     assert na * 2 < nb, (case, na, nb)  # the jumps did happen despite the waiting request
     w = int(np.argmax(trace.prompt_tokens))
-    if case == "decide-one-waiting":   # the decision comes at the first epoch after its slack < 0
+    if case == "head-of-line-fcfs":   # the small request waits behind the head until 0 ends
+        assert ra["first_scheduled_ns"][2] >= ra["first_scheduled_ns"][1] > 700_000_000
+    elif case == "head-of-line-edf":   # ... until the head's slack < 0 ranks it last (tier -1)
+        assert ra["first_scheduled_ns"][2] > 300_000_000 and ra["first_scheduled_ns"][1] > 700_000_000
+    elif case == "head-of-line-index":   # ... until the index ranks the short job first
+        assert ra["first_scheduled_ns"][2] > 10_000_000
+    elif case == "decide-one-waiting":   # the decision comes at the first epoch after its slack < 0
         assert any(s == K.STOP_DECIDE and n == 1 for s, _, n in sa)
     elif case == "decide-two-waiting":
         assert sum(s == K.STOP_DECIDE for s, _, _ in sa) > 20

@@ -5,6 +5,12 @@ numba compiles; with ``NUMBA_DISABLE_JIT=1`` the very same functions run interpr
 path, compared with the compiled one in a lockstep test). Everything is integer arithmetic; the clock is int64 ns.
 
 Numbers in comments refer to DESIGN.md section 3's rules.
+
+Departure from DESIGN.md section 3, "Jumps": a jump also runs while requests wait, as long as none
+can be admitted during it (each fails the admission gate, or, without skip_hol, the queue's head
+does: with the in-engine scores' order the waiting requests are rescored at each jumped iteration
+and the jump ends before the first whose head passes), bounded by their shed and time-out instants
+and by the decision epochs that need a decision. Jumped == stepped is tested record by record.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ._jit import borrow, guard_stale_cache, helper, njit
-from .scoring import P_EXTERNAL, P_GITTINS, gittins_score, idle_prefill_ns, policy_score, service_ms
+from .scoring import (P_EXTERNAL, P_GITTINS, P_INDEX, clip_z, gittins_score, idle_prefill_ns, index_log_dynamic,
+                      index_log_static, policy_score, service_ms)
 
 # ---------------------------------------------------------------------------------- constants
 # request status
@@ -313,6 +320,26 @@ def request_inputs(waiting, hits, prompt, gen, computed, held, to_deadline_ns, e
     (NaN: the residual-life table ``mrl``), and, if waiting, its cached prefix blocks ``hits`` from
     ``_prefix_hits``), so that callers need not pass the [C, R] state arrays. Returns (cached tokens: hits if waiting, else computed prompt; prefill left P; blocks needed;
     first token out; ms to the deadline; slack ms; estimated decode left d; S ms)."""
+    cached, p_left, blocks_needed, first_out, idle_ms, d_left, s_ms = request_static(
+        waiting, hits, prompt, gen, computed, held, est, mrl, bs, budget, ps, u_p, u_d, bsh)
+    to_deadline_ms, slack_ms = _slack(to_deadline_ns, first_out, idle_ms)
+    return cached, p_left, blocks_needed, first_out, to_deadline_ms, slack_ms, d_left, s_ms
+
+
+@helper
+def _slack(to_deadline_ns, first_out, idle_ms):
+    """(ms to the deadline, slack ms) of ``request_inputs``: the only inputs that move with the clock."""
+    to_deadline_ms = to_deadline_ns / 1e6
+    slack_ms = to_deadline_ms
+    if not first_out:
+        slack_ms -= idle_ms
+    return to_deadline_ms, slack_ms
+
+
+@helper
+def request_static(waiting, hits, prompt, gen, computed, held, est, mrl, bs, budget, ps, u_p, u_d, bsh=-1):
+    """``request_inputs`` less the clock's part (``_slack``): (cached tokens, P, blocks needed, first
+    token out, idle prefill ms, d, S ms); constant while a waiting request's hits are."""
     num_tokens = prompt + gen
     if waiting:
         done = hits * bs
@@ -327,12 +354,8 @@ def request_inputs(waiting, hits, prompt, gen, computed, held, to_deadline_ns, e
             p_left = 0  # decoding
         blocks_needed = held
     first_out = gen > 0
-    to_deadline_ms = to_deadline_ns / 1e6
     idle_ms = idle_prefill_ns(p_left, done, budget, ps) / 1e6
     mrl_g = mrl[gen if gen < mrl.shape[0] else mrl.shape[0] - 1]
-    slack_ms = to_deadline_ms
-    if not first_out:
-        slack_ms -= idle_ms
     if est != est:  # NaN: the family's mean residual life
         d_left = mrl_g
     else:
@@ -340,7 +363,49 @@ def request_inputs(waiting, hits, prompt, gen, computed, held, to_deadline_ns, e
         if d_left < 1.0:
             d_left = 1.0
     s_ms = service_ms(float(p_left), d_left, u_p, u_d)
-    return cached, p_left, blocks_needed, first_out, to_deadline_ms, slack_ms, d_left, s_ms
+    return cached, p_left, blocks_needed, first_out, idle_ms, d_left, s_ms
+
+
+@helper
+def _request_score(waiting, hits, p, g, comp, hld, arr, t1r, est_r, queue_pos, t_now, mrl, gtab, theta_c, pid, sm,
+                   kvf, usable, bs, bsh, budget, ps, u_p, u_d, scoring):
+    """The in-engine score of one request at iteration start ``t_now`` (DESIGN.md section 4) and
+    the common shed rule. Returns (shed now, tier, score); the score only with ``scoring``."""
+    cached, p_left, blocks_needed, first_out, idle_ms, d_left, s_ms = request_static(
+        waiting, hits, p, g, comp, hld, est_r, mrl, bs, budget, ps, u_p, u_d, bsh)
+    return _score_at(waiting, first_out, idle_ms, cached / p, p_left, blocks_needed, s_ms, d_left,
+                     _index_static(pid, theta_c, cached / p, s_ms, d_left, bs, scoring), g, arr, t1r, queue_pos,
+                     t_now, mrl, gtab, theta_c, pid, sm, kvf, usable, bs, u_p, u_d, scoring)
+
+
+@helper
+def _index_static(pid, theta_c, ratio, s_ms, d_left, bs, scoring):
+    """The index's static terms (``scoring.index_log_static``); 0 for the other policies."""
+    if scoring and pid == P_INDEX:
+        return index_log_static(theta_c, ratio, s_ms, d_left, float(bs))
+    return 0.0
+
+
+@helper
+def _score_at(waiting, first_out, idle_ms, ratio, p_left, blocks_needed, s_ms, d_left, base, g, arr, t1r, queue_pos,
+              t_now, mrl, gtab, theta_c, pid, sm, kvf, usable, bs, u_p, u_d, scoring):
+    """``_request_score`` from the request's static inputs (``request_static``, ``_index_static``):
+    what moves with the clock (``t_now``) and the free blocks (``kvf``)."""
+    to_deadline_ms, slack_ms = _slack(arr + t1r - t_now, first_out, idle_ms)
+    if waiting and not first_out and sm >= 0.0 and slack_ms < -sm * (t1r / 1e6):
+        return True, 0, 0.0
+    if not scoring:
+        return False, 0, 0.0
+    tr = -1 if (not first_out and slack_ms < 0.0) else 0
+    if pid == P_GITTINS:  # known prefill cost + the family's decode cost
+        sc = gittins_score(gtab, mrl, g, p_left * u_p, u_d)
+    elif pid == P_INDEX:   # policy_score's, from the static terms
+        sc = index_log_dynamic(base, theta_c, clip_z(slack_ms, t1r / 1e6), first_out, kvf, float(blocks_needed),
+                               usable, to_deadline_ms)
+    else:
+        sc = policy_score(pid, theta_c, ratio, s_ms, d_left, slack_ms, t1r / 1e6, first_out, kvf,
+                          float(blocks_needed), usable, to_deadline_ms, float(arr + t1r), float(bs), queue_pos)
+    return False, tr, sc
 
 
 @helper
@@ -396,15 +461,17 @@ def _hits_evictable(hash_head, chain_off, chain_val, uniq_base, ref, c, r, num_t
 
 @helper
 def _waiting_blocked(c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val, uniq_base, ref,
-                     n_free, ev_blocks, prefix_on, can_admit, watermark, max_wait, sm, budget, ps, dec_one, bs, bsh):
-    """A jump's view of the waiting requests (DESIGN.md section 3, "Jumps"): whether each fails the
-    admission gate now (else a normal step may admit it), the first iteration start at which one
-    would be shed or timed out (``lim_w``), their cached hit blocks in the free queue (written to
-    ``ev_blocks[:n_ev]``; a claim that evicts one changes that request's hits) and, with ``dec_one``
-    (deciding, one waiting request, shedding on), its deadline and idle prefill for the decision
-    rule. Returns (blocked, lim_w, n_ev, dec_on, dec_base, dec_idle); n_ev > len(ev_blocks) counts
-    as not blocked."""
-    nb = ev_blocks.shape[0]
+                     n_free, ev_blocks, prefix_on, can_admit, watermark, max_wait, sm, budget, ps, dec_one, bs, bsh,
+                     full, w_hits):
+    """A jump's view of the waiting requests (DESIGN.md section 3, "Jumps"): how many pass the
+    admission gate now (``n_fit``; without ``full`` the scan stops at the first, since a normal step
+    may admit it), the first iteration start at which one would be shed or timed out (``lim_w``),
+    their cached hit blocks in the free queue (written to ``ev_blocks[:n_ev]``; a claim that evicts
+    one changes that request's hits) and, with ``dec_one`` (deciding, one waiting request, shedding
+    on), its deadline and idle prefill for the decision rule. Returns (n_fit, lim_w, n_ev, dec_on,
+    dec_base, dec_idle); n_ev > len(ev_blocks) means the evictions cannot be followed. The hits of
+    ``wait_ids[c, q]`` go to ``w_hits[q]`` (all of them with ``full``)."""
+    n_fit = 0
     lim_w = _FOREVER
     n_ev = 0
     dec_on = False
@@ -419,8 +486,11 @@ def _waiting_blocked(c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain
             hits, evictable = _hits_evictable(hash_head, chain_off, chain_val, uniq_base, ref, c, r, num_tokens, bs,
                                               bsh, ev_blocks, n_ev)
             n_ev += evictable
+        w_hits[q] = hits
         if can_admit and _bdiv(num_tokens + bs - 1, bs, bsh) - hits + evictable + watermark <= n_free[c]:
-            return False, lim_w, n_ev, dec_on, dec_base, dec_idle  # it may be admitted: step normally
+            n_fit += 1
+            if not full:
+                return n_fit, lim_w, n_ev, dec_on, dec_base, dec_idle  # it may be admitted: step normally
         if gen[c, r] > 0:
             continue  # has its first token: never shed, never timed out
         if max_wait >= 0 and arrival[c, r] + max_wait < lim_w:
@@ -435,7 +505,57 @@ def _waiting_blocked(c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain
             dec_on = True
             dec_base = base
             dec_idle = idle_ms
-    return n_ev <= nb, lim_w, n_ev, dec_on, dec_base, dec_idle
+    return n_fit, lim_w, n_ev, dec_on, dec_base, dec_idle
+
+
+@helper
+def _waiting_statics(c, nw, wait_ids, w_hits, w_st, prompt, gen, est, mrl, theta_c, pid, bs, bsh, budget, ps, u_p, u_d):
+    """``w_st[q]``: the static score inputs (``request_static``, ``_index_static``) of waiting request
+    ``wait_ids[c, q]`` with ``w_hits[q]`` hits, for ``_score_at``."""
+    for q in range(nw):
+        r = wait_ids[c, q]
+        cached, p_left, blocks_needed, first_out, idle_ms, d_left, s_ms = request_static(
+            True, w_hits[q], prompt[c, r], gen[c, r], 0, 0, est[c, r], mrl, bs, budget, ps, u_p, u_d, bsh)
+        w_st[q, 0] = 1.0 if first_out else 0.0
+        w_st[q, 1] = idle_ms
+        w_st[q, 2] = cached / prompt[c, r]
+        w_st[q, 3] = p_left
+        w_st[q, 4] = blocks_needed
+        w_st[q, 5] = s_ms
+        w_st[q, 6] = d_left
+        w_st[q, 7] = _index_static(pid, theta_c, cached / prompt[c, r], s_ms, d_left, bs, True)
+
+
+@helper
+def _queue_head(c, lim, wait_ids, resumed, resume_first, qkey, prio, arrival, mode, tier, score):
+    """Index in ``wait_ids[:lim]`` of the request admission tries first (rule 5): the best in queue
+    order; with resume_first, preempted requests first."""
+    bi = 0
+    rb = wait_ids[c, 0]
+    for k in range(1, lim):
+        rk = wait_ids[c, k]
+        if resume_first and resumed[c, rk] != resumed[c, rb]:
+            if resumed[c, rk]:
+                bi = k
+                rb = rk
+            continue
+        if _better(qkey, prio, arrival, c, rk, rb, mode, tier, score):
+            bi = k
+            rb = rk
+    return bi
+
+
+@helper
+def _head_fits(c, r, prompt, gen, hash_head, chain_off, chain_val, uniq_base, ref, n_free, ev_blocks, prefix_on,
+               watermark, bs, bsh):
+    """r passes the admission gate now (its hits in the free queue count against the free blocks)."""
+    num_tokens = prompt[c, r] + gen[c, r]
+    hits = 0
+    evictable = 0
+    if prefix_on:
+        hits, evictable = _hits_evictable(hash_head, chain_off, chain_val, uniq_base, ref, c, r, num_tokens, bs, bsh,
+                                          ev_blocks, ev_blocks.shape[0])
+    return _bdiv(num_tokens + bs - 1, bs, bsh) - hits + evictable + watermark <= n_free[c]
 
 
 # ---------------------------------------------------------------------------------- decision epochs
@@ -722,9 +842,12 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     usable = float(cfg[C_USABLE])
     ps = cfg[C_PS0:C_PS0 + 4]
     skip_hol = cfg[C_SKIP_HOL] != 0
+    resume_first = cfg[C_RESUME_FIRST] != 0
     waiting_preempts = cfg[C_WAIT_PREEMPT] != 0 and mode != MODE_FCFS
     acc = np.zeros(3, np.int64)
     ev_blocks = np.empty(nb, np.int64)  # jump scratch: the waiting requests' evictable hit blocks
+    w_hits = np.empty(wait_ids.shape[1], np.int64)   # ... their hits, and their static score inputs
+    w_st = np.empty((wait_ids.shape[1], 8), np.float64)
     swap_on = cfg[C_SWAP]
     decide = cfg[C_DECIDE] != 0
     budget_cfg = cfg[C_BUDGET]
@@ -855,11 +978,11 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     if waiting and prefix_on:
                         hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r,
                                             prompt[c, r] + gen[c, r], bs, bsh)
-                    cached, p_left, blocks_needed, first_out, to_deadline_ms, slack_ms, d_left, s_ms = \
-                        request_inputs(waiting, hits, prompt[c, r], gen[c, r], computed[c, r], held[c, r],
-                                       arrival[c, r] + t1[c, r] - t_now, est[c, r], mrl, bs, budget_cfg, ps,
-                                       u_p, u_d, bsh)
-                    if waiting and not first_out and sm >= 0.0 and slack_ms < -sm * (t1[c, r] / 1e6):
+                    shed_now, tr, sc = _request_score(
+                        waiting, hits, prompt[c, r], gen[c, r], computed[c, r], held[c, r], arrival[c, r], t1[c, r],
+                        est[c, r], qkey[c, r] / (key_hi[c] if key_hi[c] > 1 else 1), t_now, mrl, gtab, theta[c], pid,
+                        sm, kvf, usable, bs, bsh, budget_cfg, ps, u_p, u_d, score_inkernel)
+                    if shed_now:
                         _end(status, end_state, finish, n_ended, c, r, E_SHED, t_now)
                         if fbest == i:
                             fbest = -1
@@ -869,16 +992,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         n_scored -= 1
                         continue
                     if score_inkernel:
-                        ratio = cached / prompt[c, r]
-                        tier[c, r] = -1 if (not first_out and slack_ms < 0.0) else 0
-                        if pid == P_GITTINS:  # known prefill cost + the family's decode cost
-                            sc = gittins_score(gtab, mrl, gen[c, r], p_left * u_p, u_d)
-                        else:
-                            kh = key_hi[c] if key_hi[c] > 1 else 1
-                            sc = policy_score(pid, theta[c], ratio, s_ms, d_left, slack_ms, t1[c, r] / 1e6,
-                                              first_out, kvf, float(blocks_needed), usable,
-                                              to_deadline_ms, float(arrival[c, r] + t1[c, r]), float(bs),
-                                              qkey[c, r] / kh)
+                        tier[c, r] = tr
                         if sc != sc:
                             nan_score[0] = c
                             nan_score[1] = r
@@ -955,7 +1069,11 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 # now: the free blocks only fall, decodes cache only their own unique blocks, and a
                 # claim that evicts one of their cached hit blocks only raises their needs (then
                 # they are rescanned). Their shed and time-out instants (the first iteration start
-                # at which each would fire, from their hits) bound the jump.
+                # at which each would fire, from their hits) bound the jump. Without skip_hol it is
+                # enough that the queue's head fails the gate (rule 6: head-of-line blocking); if
+                # others pass it and the order is the in-engine scores', which move with the clock
+                # and the free blocks, the waiting requests are rescored at each iteration start,
+                # as a normal step would, and the jump ends before the first whose head passes.
                 nw = n_wait[c]
                 lim_w = _FOREVER
                 n_ev = 0  # evictable hit blocks of the waiting requests (in the free queue): ev_blocks[:n_ev]
@@ -964,11 +1082,26 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 dec_idle = 0.0
                 can_admit = cfg[C_BUDGET] - D > 0 and D < cfg[C_MAX_SEQS]
                 dec_one = decide and nw == 1 and epoch[c, EP_SHED] != 0
+                hol_full = can_admit and not skip_hol   # only the head must fail the gate
+                hol = False   # ... and others pass it
                 if all_decoding and k_done >= k_min and nw > 0:
-                    all_decoding, lim_w, n_ev, dec_on, dec_base, dec_idle = _waiting_blocked(
-                        c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val, uniq_base, ref,
-                        n_free, ev_blocks, prefix_on, can_admit, cfg[C_WATERMARK], max_wait, sm, budget_cfg, ps,
-                        dec_one, bs, bsh)
+                    if hol_full and _head_fits(
+                            c, wait_ids[c, _queue_head(c, nw, wait_ids, resumed, resume_first, qkey, prio, arrival,
+                                                       mode, tier, score)],
+                            prompt, gen, hash_head, chain_off, chain_val, uniq_base, ref, n_free, ev_blocks,
+                            prefix_on, cfg[C_WATERMARK], bs, bsh):
+                        all_decoding = False   # admission takes it: step normally
+                    else:
+                        n_fit, lim_w, n_ev, dec_on, dec_base, dec_idle = _waiting_blocked(
+                            c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val, uniq_base,
+                            ref, n_free, ev_blocks, prefix_on, can_admit, cfg[C_WATERMARK], max_wait, sm, budget_cfg,
+                            ps, dec_one, bs, bsh, hol_full, w_hits)
+                        hol = n_fit > 0
+                        all_decoding = n_ev <= nb and (n_fit == 0 or hol_full)
+                hol_rescore = hol and score_inkernel and all_decoding and k_done >= k_min
+                if hol_rescore:
+                    _waiting_statics(c, nw, wait_ids, w_hits, w_st, prompt, gen, est, mrl, theta[c], pid, bs, bsh,
+                                     budget_cfg, ps, u_p, u_d)
                 if all_decoding and k_done >= k_min:
                     # bucket the running requests by the iteration (mod bs) at which they claim a block
                     for ph in range(bs + 1):
@@ -1016,6 +1149,30 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             if nw >= 2 or (dec_on and (dec_base - t) / 1e6 - dec_idle < 0.0):
                                 break  # a decision is needed here: the loop's epoch check stops
                             until = _next_epoch(epoch, c, t)
+                        if hol_rescore and k > 0:
+                            # the normal step's scoring at this iteration start (nothing is shed
+                            # before lim_w), then its admission's head, which must still fail the gate
+                            # (their hits are the last scan's, ``w_hits``: only claims evicting their hit
+                            # blocks change them, and those rescan)
+                            kvf = n_free[c] / usable
+                            for q in range(nw):
+                                r = wait_ids[c, q]
+                                _, tr, sc = _score_at(
+                                    True, w_st[q, 0] != 0.0, w_st[q, 1], w_st[q, 2], np.int64(w_st[q, 3]),
+                                    np.int64(w_st[q, 4]), w_st[q, 5], w_st[q, 6], w_st[q, 7], gen[c, r], arrival[c, r],
+                                    t1[c, r], qkey[c, r] / (key_hi[c] if key_hi[c] > 1 else 1), t, mrl, gtab, theta[c],
+                                    pid, sm, kvf, usable, bs, u_p, u_d, True)
+                                tier[c, r] = tr
+                                if sc != sc:
+                                    nan_score[0] = c
+                                    nan_score[1] = r
+                                    return -1
+                                score[c, r] = sc
+                            if _head_fits(c, wait_ids[c, _queue_head(c, nw, wait_ids, resumed, resume_first, qkey,
+                                                                     prio, arrival, mode, tier, score)],
+                                          prompt, gen, hash_head, chain_off, chain_val, uniq_base, ref, n_free,
+                                          ev_blocks, prefix_on, cfg[C_WATERMARK], bs, bsh):
+                                break   # it may be admitted now: the normal step takes this iteration
                         claims = jump_off[c, ph + 1] - jump_off[c, ph]
                         if claims > free:
                             break  # an unservable claim: the normal step handles it
@@ -1040,13 +1197,16 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             # (lost hits >= lost evictable ones) while fewer are free, so it stays blocked,
                             # but its prefill, slack and shed instant change: rescan the waiting requests
                             # (as the next iteration's scoring would) and bound the jump anew
-                            blocked, lim_w, n_ev, dec_on, dec_base, dec_idle = _waiting_blocked(
+                            n_fit, lim_w, n_ev, dec_on, dec_base, dec_idle = _waiting_blocked(
                                 c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val,
                                 uniq_base, ref, n_free, ev_blocks, prefix_on, can_admit, cfg[C_WATERMARK],
-                                max_wait, sm, budget_cfg, ps, dec_one, bs, bsh)
+                                max_wait, sm, budget_cfg, ps, dec_one, bs, bsh, hol_full, w_hits)
+                            if hol_rescore:   # their hits may have changed
+                                _waiting_statics(c, nw, wait_ids, w_hits, w_st, prompt, gen, est, mrl, theta[c], pid,
+                                                 bs, bsh, budget_cfg, ps, u_p, u_d)
                             next_t = lim if lim < lim_w else lim_w
-                            if not blocked:
-                                next_t = t  # (cannot happen, see above; end the jump after this iteration)
+                            if n_ev > nb or (n_fit > 0 and not hol):
+                                next_t = t  # (the latter cannot happen, see above; end the jump after this iteration)
                         end = t + dq
                         m = n_iter_rec[c]
                         m_last = -1
@@ -1224,27 +1384,15 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     budget -= new
 
             if preempted == 0 and n_swap[c] == 0:
-                resume_first = cfg[C_RESUME_FIRST] != 0
                 lim = n_wait[c]
                 while lim > 0 and budget > 0 and n_run[c] < cfg[C_MAX_SEQS]:
                     # the best waiting request in queue order (resume_first pins preempted ones first)
                     if mode == MODE_FCFS and fbest >= 0:
                         bi = fbest
-                        rb = wait_ids[c, bi]
                     else:
-                        bi = 0
-                        rb = wait_ids[c, 0]
-                        for k in range(1, lim):
-                            rk = wait_ids[c, k]
-                            if resume_first and resumed[c, rk] != resumed[c, rb]:
-                                if resumed[c, rk]:
-                                    bi = k
-                                    rb = rk
-                                continue
-                            if _better(qkey, prio, arrival, c, rk, rb, mode, tier, score):
-                                bi = k
-                                rb = rk
-                    r = rb
+                        bi = _queue_head(c, lim, wait_ids, resumed, resume_first, qkey, prio, arrival, mode, tier,
+                                         score)
+                    r = wait_ids[c, bi]
                     fbest = bi
                     num_tokens = prompt[c, r] + gen[c, r]
                     fits = False

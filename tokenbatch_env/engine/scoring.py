@@ -64,9 +64,23 @@ def service_ms(p_left, d_left, u_p, u_d):
 def index_log_score(theta, prefix_ratio, s_ms, d_left, z, first_token_out, kv, blocks_needed,
                     usable_blocks, to_deadline_ms, block_size):
     """The Gittins-barrier index in log space (DESIGN.md section 4)."""
+    return index_log_dynamic(index_log_static(theta, prefix_ratio, s_ms, d_left, block_size), theta, z,
+                             first_token_out, kv, blocks_needed, usable_blocks, to_deadline_ms)
+
+
+@njit
+def index_log_static(theta, prefix_ratio, s_ms, d_left, block_size):
+    """The index's terms that do not move with the clock or the free blocks (the engine keeps them
+    while a waiting request's cached prefix is unchanged)."""
     kappa = theta[I_KAPPA]
     out = math.log(1.0 + theta[I_W_PREFIX] * prefix_ratio) - math.log(s_ms)
     out -= math.log(1.0 + kappa * math.log(1.0 + d_left / block_size))
+    return out
+
+
+@njit
+def index_log_dynamic(out, theta, z, first_token_out, kv, blocks_needed, usable_blocks, to_deadline_ms):
+    """``index_log_score`` from its static part ``out`` (``index_log_static``)."""
     if not first_token_out:
         out += math.log(1.0 + theta[I_GAMMA] * expit(-theta[I_SLOPE] * z))
     gap = theta[I_THETA] - kv
