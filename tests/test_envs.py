@@ -740,8 +740,9 @@ def test_observation_sorts_equal_numbas_sorts_to_the_bit():
 def test_hash_widths_sized_once_and_stale_entries_cleared():
     """The env sizes the per-copy hash dimensions once (``_EpisodeTable.max_widths``: an upper bound
     of every window's widths, so resets never grow, i.e. copy, the arrays) and a reset clears only
-    up to the larger of the old and new episode's widths: every row still holds the fill value past
-    its episode's width, exactly as ``build_arrays`` would leave it."""
+    up to the larger of the old and new episode's widths: every chain_val row still holds the fill
+    value past its episode's width, exactly as ``build_arrays`` would leave it, and every hash_head
+    row is -1 except at the ids the copy's cached blocks hold (a reset clears just those)."""
     env = TokenBatchVectorEnv(8, rho=(0.5, 2.5), window=32, warmup=8, cooldown=8, seed=3)
     core = env.core
     env.reset()
@@ -762,6 +763,9 @@ def test_hash_widths_sized_once_and_stale_entries_cleared():
         A = core.run.arrays
         assert A.hash_head is A0.hash_head and A.chain_val is A0.chain_val   # never regrown
         for c in range(8):
-            assert (A.hash_head[c, core.extent["hash_head"][c]:] == -1).all()
+            # hash_head: -1 except at the ids the copy's blocks hold (each pointing at such a block)
+            set_ids = np.flatnonzero(A.hash_head[c] != -1)
+            assert set(set_ids.tolist()) == set(A.bhash[c][A.bhash[c] >= 0].tolist())
+            assert (A.bhash[c, A.hash_head[c, set_ids]] == set_ids).all()
             assert (A.chain_val[c, core.extent["chain_val"][c]:] == 0).all()
     assert resets > 8

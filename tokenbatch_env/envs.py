@@ -714,9 +714,10 @@ class _Core:
         # does not set; the block table is never reset)
         self.fresh = {f: getattr(self.run.arrays, f)[:1].copy() for f in self.run.arrays._fields if f != "table"}
         # the per-copy hash dimensions sized once for any window (no growth, i.e. no copy of the
-        # whole arrays, at resets); ``extent``: each row holds the fill value from there on
+        # whole arrays, at resets); ``extent``: each chain_val row holds the fill value from there on
+        # (hash_head rows are -1 except at the ids the copy's blocks hold: resets clear just those)
         A = self.run.arrays
-        self.extent = {f: np.full(N, getattr(A, f).shape[1], np.int64) for f in _GROW_FILL}
+        self.extent = {"chain_val": np.full(N, A.chain_val.shape[1], np.int64)}
         need = dict(zip(("chain_val", "hash_head"), self.episodes.max_widths(cfg.n_req)))
         grown = {}
         for f, w in need.items():
@@ -792,6 +793,14 @@ class _Core:
             self.rho[c], self.trace_index[c], self.window_start[c] = rho, u, start
         cols, self.t2[rows], self.h_best[rows] = self.episodes.columns(units, starts - cfg.warmup, cfg.n_req,
                                                                        factors, self.fresh)
+        A = self.run.arrays
+        if cols["hash_head"].shape[1] <= A.hash_head.shape[1]:
+            # the cache's hash map is -1 except at the ids its blocks hold (``bhash``, reset below):
+            # clear those (at most a pool's worth per copy) instead of the episode's whole id space
+            held = A.bhash[rows]
+            r_i, b_i = np.nonzero(held >= 0)
+            A.hash_head[rows[r_i], held[r_i, b_i]] = -1
+            del cols["hash_head"]
         self.run.arrays = _splice(self.run.arrays, cols, rows, {f: self.extent[f][rows].max() for f in self.extent})
         for f in self.extent:
             self.extent[f][rows] = cols[f].shape[1]
