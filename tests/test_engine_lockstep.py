@@ -45,3 +45,26 @@ def test_compiled_equals_interpreted():
     for name in compiled:
         for k in compiled[name]:
             assert np.array_equal(compiled[name][k], interpreted[name][k]), (name, k)
+
+
+def test_prefetch_is_a_pure_hint():
+    """``_jit.prefetch`` (the kernel prefetches the next copy's state) compiles for the engine's
+    array dtypes and changes no result; interpreted it is a no-op."""
+    import numba
+
+    from tokenbatch_env.engine._jit import prefetch
+
+    @numba.njit
+    def total(a):
+        s = 0.0
+        for i in range(a.shape[0]):
+            for j in range(0, a.shape[1], 8):
+                prefetch(a, i, j)
+            s += a[i].sum()
+        return s
+
+    rng = np.random.default_rng(0)
+    for dt in (np.int8, np.int32, np.int64, np.float64, np.bool_):
+        a = (rng.integers(0, 5, (7, 33))).astype(dt)
+        assert total(a) == a.sum()
+    assert prefetch(np.zeros((2, 2)), 1, 1) is None

@@ -53,7 +53,40 @@ try:  # numba is a runtime dependency; without it the same functions run interpr
     def _borrow_impl(arr):
         if isinstance(arr, _types.Array):
             return lambda arr: _borrowed(arr)
+    def prefetch(arr, i, j):
+        """A hint that ``arr[i, j]``'s cache line will be read soon (LLVM's ``prefetch``: it never
+        faults and changes no result). Interpreted (``NUMBA_DISABLE_JIT``): nothing."""
+        return None
+
+    from llvmlite import ir as _ir
+    from numba.core import cgutils as _cgutils
+
+    @_intrinsic
+    def _prefetch(typingctx, arr, i, j):
+        def codegen(context, builder, sig, args):
+            aryty = sig.args[0]
+            ary = context.make_array(aryty)(context, builder, value=args[0])
+            ptr = _cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]], wraparound=False)
+            if getattr(ptr.type, "is_opaque", False):   # LLVM with opaque pointers
+                name = "llvm.prefetch.p0"
+            else:
+                ptr = builder.bitcast(ptr, _ir.IntType(8).as_pointer())
+                name = "llvm.prefetch.p0i8"
+            i32 = _ir.IntType(32)
+            fn = _cgutils.get_or_insert_function(
+                builder.module, _ir.FunctionType(_ir.VoidType(), [ptr.type, i32, i32, i32]), name)
+            builder.call(fn, [ptr, i32(0), i32(3), i32(1)])   # read, keep in all cache levels, data
+            return context.get_dummy_value()
+        return _types.void(arr, i, j), codegen
+
+    @_overload(prefetch)
+    def _prefetch_impl(arr, i, j):
+        if isinstance(arr, _types.Array) and arr.ndim == 2:
+            return lambda arr, i, j: _prefetch(arr, i, j)
 except ImportError:  # pragma: no cover
+    def prefetch(arr, i, j):
+        return None
+
     def njit(fn):
         fn.py_func = fn
         return fn

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._jit import borrow, guard_stale_cache, helper, njit
+from ._jit import borrow, guard_stale_cache, helper, njit, prefetch
 from .scoring import (P_EXTERNAL, P_GITTINS, P_INDEX, clip_z, gittins_score, idle_prefill_ns, index_log_dynamic,
                       index_log_static, policy_score, service_ms)
 
@@ -731,6 +731,51 @@ def _preempt(c, vi, acc, run_ids, n_run, sched, req, pool, slots, queues, swap_o
     return v
 
 
+@njit
+def _prefetch_copy(c, hi, n, ref, bhash, hnext, fq_prev, fq_next, arrival, prompt, out_len, t1, est, status,
+                   end_state, computed, gen, qkey, slot_of, held, n_cached, emit_it, first_sched, first_token, finish,
+                   uniq_base, chain_off, run_ids, wait_ids):
+    """Prefetch what copy c's iterations read most: its block pool and the rows of its latest
+    requests (those up to ``hi``, its next arrival). The copies' state is far larger than the caches,
+    so each copy's first touches miss; the kernel issues these while the previous copy runs."""
+    nb = ref.shape[1]
+    for j in range(0, nb + 2, 16):   # 16 int32 per 64-byte line
+        prefetch(fq_next, c, j)
+        prefetch(fq_prev, c, j)
+    for j in range(0, nb, 16):
+        prefetch(ref, c, j)
+        prefetch(hnext, c, j)
+    for j in range(0, nb, 8):   # 8 int64
+        prefetch(bhash, c, j)
+    prefetch(run_ids, c, 0)
+    prefetch(wait_ids, c, 0)
+    lo = hi - 24
+    if lo < 0:
+        lo = 0
+    if hi > n - 1:
+        hi = n - 1
+    for j in range(lo, hi + 1, 8):
+        prefetch(arrival, c, j)
+        prefetch(prompt, c, j)
+        prefetch(out_len, c, j)
+        prefetch(t1, c, j)
+        prefetch(est, c, j)
+        prefetch(computed, c, j)
+        prefetch(gen, c, j)
+        prefetch(qkey, c, j)
+        prefetch(slot_of, c, j)
+        prefetch(held, c, j)
+        prefetch(n_cached, c, j)
+        prefetch(emit_it, c, j)
+        prefetch(first_sched, c, j)
+        prefetch(first_token, c, j)
+        prefetch(finish, c, j)
+        prefetch(uniq_base, c, j)
+        prefetch(chain_off, c, j)
+    prefetch(status, c, lo)
+    prefetch(end_state, c, lo)
+
+
 # ---------------------------------------------------------------------------------- one iteration
 @njit
 def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed, active, max_steps, until_ns,
@@ -861,9 +906,20 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     slots_t = (table, slot_of, slot_free, n_slot_free)
     queues_t = (key_lo, wait_ids, n_wait, pend_ids, n_pend, swap_ids, n_swap, host_free, swapped)
     total = 0
-    for c in range(now.shape[0]):
+    n_copies = now.shape[0]
+    c_next = 0   # the next active copy: prefetched as this one starts (``_prefetch_copy``)
+    for c in range(n_copies):
         if not active[c]:
             continue
+        if c_next <= c:
+            c_next = c + 1
+            while c_next < n_copies and not active[c_next]:
+                c_next += 1
+            if c_next < n_copies:
+                _prefetch_copy(c_next, next_arr[c_next], n_req[c_next], ref, bhash, hnext, fq_prev, fq_next, arrival,
+                               prompt, out_len, t1, est, status, end_state, computed, gen, qkey, slot_of, held,
+                               n_cached, emit_it, first_sched, first_token, finish, uniq_base, chain_off, run_ids,
+                               wait_ids)
         n = n_req[c]
         # FCFS: index in wait_ids of the head of the queue (smallest queue key), -1 if unknown. The
         # cache stays exact: arrivals get larger keys, FCFS victims the smallest (and in FCFS
