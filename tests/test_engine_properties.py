@@ -288,3 +288,17 @@ def test_first_slack_below_beyond_the_clock_range():
     # a trace without SLOs (T1 = NEVER // 4) and a large shed margin: the instant is past any clock
     t1 = np.iinfo(np.int64).max // 8
     assert K._first_slack_below(t1, 5.0, -20.0 * (t1 / 1e6)) == K._FOREVER
+
+
+@pytest.mark.parametrize("jumps", [True, False])
+def test_a_nan_score_stops_the_kernel_with_a_clear_error(jumps):
+    """A policy whose score is NaN (here: NaN index coefficients) stops the kernel with an error
+    naming the policy, the copy and the request, with or without jumps."""
+    from tokenbatch_env.engine.simulate import EngineRun
+    from tokenbatch_env.errors import PolicyError
+    trace = _head_of_line_trace()
+    run = EngineRun([trace], "linear", _policy("index"), EngineConfig(max_iterations=100_000, jumps=jumps),
+                    estimates=[trace.output_tokens * 1.0])
+    run.theta[:] = np.nan
+    with pytest.raises(PolicyError, match=r"'index' .*NaN score for copy 0, request"):
+        run.advance()

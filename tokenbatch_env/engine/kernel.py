@@ -409,6 +409,19 @@ def _score_at(waiting, first_out, idle_ms, ratio, p_left, blocks_needed, s_ms, d
 
 
 @helper
+def _put_score(tier, score, nan_score, c, r, tr, sc):
+    """Store r's (tier, score); a NaN score is recorded in ``nan_score`` instead and gives False (the
+    kernel then stops and its caller raises)."""
+    tier[c, r] = tr
+    if sc != sc:
+        nan_score[0] = c
+        nan_score[1] = r
+        return False
+    score[c, r] = sc
+    return True
+
+
+@helper
 def _first_slack_below(base, idle_ms, thr):
     """The first time t (ns) at which a waiting request's slack, computed as ``request_inputs`` does
     ((base - t)/1e6 - idle_ms, base = arrival + T1), is below ``thr``: the predicate is monotone in
@@ -1047,13 +1060,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         _wait_remove_at(wait_ids, n_wait, c, i)
                         n_scored -= 1
                         continue
-                    if score_inkernel:
-                        tier[c, r] = tr
-                        if sc != sc:
-                            nan_score[0] = c
-                            nan_score[1] = r
-                            return -1
-                        score[c, r] = sc
+                    if score_inkernel and not _put_score(tier, score, nan_score, c, r, tr, sc):
+                        return -1
                     i += 1
 
             # Rule 12: client time-outs; the shed mechanism (the caller's mask).
@@ -1218,12 +1226,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                                     np.int64(w_st[q, 4]), w_st[q, 5], w_st[q, 6], w_st[q, 7], gen[c, r], arrival[c, r],
                                     t1[c, r], qkey[c, r] / (key_hi[c] if key_hi[c] > 1 else 1), t, mrl, gtab, theta[c],
                                     pid, sm, kvf, usable, bs, u_p, u_d, True)
-                                tier[c, r] = tr
-                                if sc != sc:
-                                    nan_score[0] = c
-                                    nan_score[1] = r
+                                if not _put_score(tier, score, nan_score, c, r, tr, sc):
                                     return -1
-                                score[c, r] = sc
                             if _head_fits(c, wait_ids[c, _queue_head(c, nw, wait_ids, resumed, resume_first, qkey,
                                                                      prio, arrival, mode, tier, score)],
                                           prompt, gen, hash_head, chain_off, chain_val, uniq_base, ref, n_free,
