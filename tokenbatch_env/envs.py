@@ -27,7 +27,7 @@ from gymnasium.vector import AutoresetMode
 from .engine import kernel as K
 from .engine import scoring as S
 from .bounds import min_prefill_ps2_one
-from .engine._jit import borrow, njit
+from .engine._jit import borrow, njit, prefetch
 from .errors import ConfigError, TokenBatchError
 
 __all__ = ["TokenBatchConfig", "TokenBatchEnv", "TokenBatchVectorEnv", "ActionError", "OBS_LAYOUT",
@@ -288,9 +288,26 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
     lsort = np.empty(R)
     order = np.empty(R, np.int64)
     feats = np.empty((R, nfeat))
-    for c in range(active.shape[0]):
+    n_copies = active.shape[0]
+    c_next = 0
+    for c in range(n_copies):
         if not active[c]:
             continue
+        if c_next <= c:   # prefetch the next copy's rows (the engine's state is colder than the caches)
+            c_next = K.next_active(active, c)
+            if c_next < n_copies:
+                prefetch(wait_ids, c_next, 0)
+                prefetch(run_ids, c_next, 0)
+                lo, hi = K.latest_rows(next_arr[c_next], arrival.shape[1])
+                for j in range(lo, hi + 1, 8):
+                    prefetch(prompt, c_next, j)
+                    prefetch(gen, c_next, j)
+                    prefetch(computed, c_next, j)
+                    prefetch(arrival, c_next, j)
+                    prefetch(t1, c_next, j)
+                    prefetch(est, c_next, j)
+                    prefetch(uniq_base, c_next, j)
+                    prefetch(chain_off, c_next, j)
         t_now = now[c]
         nw = n_wait[c]
         row = out[c]
@@ -416,9 +433,32 @@ def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token,
     h_best = borrow(h_best)
     ps = borrow(ps)
     open_lo = borrow(open_lo)
-    for c in range(live.shape[0]):
+    n_copies = live.shape[0]
+    c_next = 0
+    for c in range(n_copies):
         if not live[c]:
             continue
+        if c_next <= c:   # prefetch the next copy's scored rows still open
+            c_next = K.next_active(live, c)
+            if c_next < n_copies and s0 + open_lo[c_next] < s1:
+                lo = s0 + open_lo[c_next]
+                hi = lo + 32 if lo + 32 < s1 else s1
+                for j in range(lo, hi, 8):
+                    prefetch(arrival, c_next, j)
+                    prefetch(first_token, c_next, j)
+                    prefetch(out_len, c_next, j)
+                    prefetch(t1, c_next, j)
+                    prefetch(t2, c_next, j)
+                    prefetch(finish, c_next, j)
+                    prefetch(gen, c_next, j)
+                    prefetch(prompt, c_next, j)
+                    prefetch(computed, c_next, j)
+                    prefetch(n_preempt, c_next, j)
+                    prefetch(h_best, c_next, j)
+                prefetch(end_state, c_next, lo)
+                prefetch(capped, c_next, lo)
+                prefetch(certain, c_next, lo - s0)
+                prefetch(met_seen, c_next, lo - s0)
         t = now[c]
         n = 0
         settled = True   # every request before j is settled

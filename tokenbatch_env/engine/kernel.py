@@ -744,6 +744,28 @@ def _preempt(c, vi, acc, run_ids, n_run, sched, req, pool, slots, queues, swap_o
     return v
 
 
+@helper
+def next_active(mask, c):
+    """The first copy after c in ``mask`` (``mask.shape[0]`` if none): the one to prefetch."""
+    n = mask.shape[0]
+    c += 1
+    while c < n and not mask[c]:
+        c += 1
+    return c
+
+
+@helper
+def latest_rows(hi, n):
+    """Rows [lo, hi] (both included) of a copy's latest requests, up to its next arrival ``hi`` and
+    below its ``n`` requests: the ones its next iterations mostly read (prefetched)."""
+    lo = hi - 24
+    if lo < 0:
+        lo = 0
+    if hi > n - 1:
+        hi = n - 1
+    return lo, hi
+
+
 @njit
 def _prefetch_copy(c, hi, n, ref, bhash, hnext, fq_prev, fq_next, arrival, prompt, out_len, t1, est, status,
                    end_state, computed, gen, qkey, slot_of, held, n_cached, emit_it, first_sched, first_token, finish,
@@ -762,11 +784,7 @@ def _prefetch_copy(c, hi, n, ref, bhash, hnext, fq_prev, fq_next, arrival, promp
         prefetch(bhash, c, j)
     prefetch(run_ids, c, 0)
     prefetch(wait_ids, c, 0)
-    lo = hi - 24
-    if lo < 0:
-        lo = 0
-    if hi > n - 1:
-        hi = n - 1
+    lo, hi = latest_rows(hi, n)
     for j in range(lo, hi + 1, 8):
         prefetch(arrival, c, j)
         prefetch(prompt, c, j)
@@ -925,9 +943,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
         if not active[c]:
             continue
         if c_next <= c:
-            c_next = c + 1
-            while c_next < n_copies and not active[c_next]:
-                c_next += 1
+            c_next = next_active(active, c)
             if c_next < n_copies:
                 _prefetch_copy(c_next, next_arr[c_next], n_req[c_next], ref, bhash, hnext, fq_prev, fq_next, arrival,
                                prompt, out_len, t1, est, status, end_state, computed, gen, qkey, slot_of, held,
