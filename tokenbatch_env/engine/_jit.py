@@ -53,6 +53,7 @@ try:  # numba is a runtime dependency; without it the same functions run interpr
     def _borrow_impl(arr):
         if isinstance(arr, _types.Array):
             return lambda arr: _borrowed(arr)
+
     def prefetch(arr, i, j):
         """A hint that ``arr[i, j]``'s cache line will be read soon (LLVM's ``prefetch``: it never
         faults and changes no result). Interpreted (``NUMBA_DISABLE_JIT``): nothing."""

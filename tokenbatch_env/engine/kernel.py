@@ -373,8 +373,9 @@ def _request_score(waiting, hits, p, g, comp, hld, arr, t1r, est_r, queue_pos, t
     the common shed rule. Returns (shed now, tier, score); the score only with ``scoring``."""
     cached, p_left, blocks_needed, first_out, idle_ms, d_left, s_ms = request_static(
         waiting, hits, p, g, comp, hld, est_r, mrl, bs, budget, ps, u_p, u_d, bsh)
-    return _score_at(waiting, first_out, idle_ms, cached / p, p_left, blocks_needed, s_ms, d_left,
-                     _index_static(pid, theta_c, cached / p, s_ms, d_left, bs, scoring), g, arr, t1r, queue_pos,
+    ratio = cached / p
+    return _score_at(waiting, first_out, idle_ms, ratio, p_left, blocks_needed, s_ms, d_left,
+                     _index_static(pid, theta_c, ratio, s_ms, d_left, bs, scoring), g, arr, t1r, queue_pos,
                      t_now, mrl, gtab, theta_c, pid, sm, kvf, usable, bs, u_p, u_d, scoring)
 
 
@@ -500,7 +501,7 @@ def _waiting_blocked(c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain
                                               bsh, ev_blocks, n_ev)
             n_ev += evictable
         w_hits[q] = hits
-        if can_admit and _bdiv(num_tokens + bs - 1, bs, bsh) - hits + evictable + watermark <= n_free[c]:
+        if can_admit and _gate(num_tokens, hits, evictable, watermark, n_free[c], bs, bsh):
             n_fit += 1
             if not full:
                 return n_fit, lim_w, n_ev, dec_on, dec_base, dec_idle  # it may be admitted: step normally
@@ -536,7 +537,7 @@ def _waiting_statics(c, nw, wait_ids, w_hits, w_st, prompt, gen, est, mrl, theta
         w_st[q, 4] = blocks_needed
         w_st[q, 5] = s_ms
         w_st[q, 6] = d_left
-        w_st[q, 7] = _index_static(pid, theta_c, cached / prompt[c, r], s_ms, d_left, bs, True)
+        w_st[q, 7] = _index_static(pid, theta_c, w_st[q, 2], s_ms, d_left, bs, True)
 
 
 @helper
@@ -559,16 +560,23 @@ def _queue_head(c, lim, wait_ids, resumed, resume_first, qkey, prio, arrival, mo
 
 
 @helper
+def _gate(num_tokens, hits, evictable, watermark, free, bs, bsh):
+    """Rule 5's admission gate: the sequence's blocks less its hits, plus its hits sitting in the free
+    queue (they count against the free blocks) and the watermark, fit the free blocks."""
+    return _bdiv(num_tokens + bs - 1, bs, bsh) - hits + evictable + watermark <= free
+
+
+@helper
 def _head_fits(c, r, prompt, gen, hash_head, chain_off, chain_val, uniq_base, ref, n_free, ev_blocks, prefix_on,
                watermark, bs, bsh):
-    """r passes the admission gate now (its hits in the free queue count against the free blocks)."""
+    """(r passes the admission gate now, its hits)."""
     num_tokens = prompt[c, r] + gen[c, r]
     hits = 0
     evictable = 0
     if prefix_on:
         hits, evictable = _hits_evictable(hash_head, chain_off, chain_val, uniq_base, ref, c, r, num_tokens, bs, bsh,
                                           ev_blocks, ev_blocks.shape[0])
-    return _bdiv(num_tokens + bs - 1, bs, bsh) - hits + evictable + watermark <= n_free[c]
+    return _gate(num_tokens, hits, evictable, watermark, n_free[c], bs, bsh), hits
 
 
 # ---------------------------------------------------------------------------------- decision epochs
@@ -1169,7 +1177,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             c, wait_ids[c, _queue_head(c, nw, wait_ids, resumed, resume_first, qkey, prio, arrival,
                                                        mode, tier, score)],
                             prompt, gen, hash_head, chain_off, chain_val, uniq_base, ref, n_free, ev_blocks,
-                            prefix_on, cfg[C_WATERMARK], bs, bsh):
+                            prefix_on, cfg[C_WATERMARK], bs, bsh)[0]:
                         all_decoding = False   # admission takes it: step normally
                     else:
                         n_fit, lim_w, n_ev, dec_on, dec_base, dec_idle = _waiting_blocked(
@@ -1247,7 +1255,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                             if _head_fits(c, wait_ids[c, _queue_head(c, nw, wait_ids, resumed, resume_first, qkey,
                                                                      prio, arrival, mode, tier, score)],
                                           prompt, gen, hash_head, chain_off, chain_val, uniq_base, ref, n_free,
-                                          ev_blocks, prefix_on, cfg[C_WATERMARK], bs, bsh):
+                                          ev_blocks, prefix_on, cfg[C_WATERMARK], bs, bsh)[0]:
                                 break   # it may be admitted now: the normal step takes this iteration
                         claims = jump_off[c, ph + 1] - jump_off[c, ph]
                         if claims > free:
@@ -1471,17 +1479,10 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     r = wait_ids[c, bi]
                     fbest = bi
                     num_tokens = prompt[c, r] + gen[c, r]
-                    fits = False
                     while True:
-                        # hits that sit in the free queue count against free slots
-                        hits = 0
-                        evictable = 0
-                        if prefix_on:
-                            hits, evictable = _hits_evictable(hash_head, chain_off, chain_val, uniq_base, ref, c, r,
-                                                              num_tokens, bs, bsh, ev_blocks, nb)
-                        full_blocks = _bdiv(num_tokens + bs - 1, bs, bsh)
-                        if full_blocks - hits + evictable + cfg[C_WATERMARK] <= n_free[c]:
-                            fits = True
+                        fits, hits = _head_fits(c, r, prompt, gen, hash_head, chain_off, chain_val, uniq_base, ref,
+                                                n_free, ev_blocks, prefix_on, cfg[C_WATERMARK], bs, bsh)
+                        if fits:
                             break
                         if not waiting_preempts or n_run[c] == 0:
                             break
