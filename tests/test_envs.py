@@ -501,12 +501,14 @@ def test_single_env_step_after_end_errors():
         env.step(np.zeros(8))
 
 
-def _advance_epoch_by_epoch(core, live, then=None):
+def _advance_epoch_by_epoch(core, live, then=None, meanwhile=None):
     """DESIGN.md section 5's epochs outside the engine: ``EngineRun.advance`` to each epoch in turn,
     stopping at the episode's end, the iteration cap, or a needed decision, read off the
     observation (>= 2 waiting, or shedding on and a waiting request with its TTFT lost); then
-    ``then`` on the copies that stopped, as ``advance_to_decision`` does."""
+    ``then`` on the copies that stopped, as ``advance_to_decision`` does (``meanwhile`` first)."""
     from tokenbatch_env.engine import kernel as K
+    if meanwhile is not None:
+        meanwhile()
     run, A, cfg = core.run, core.run.arrays, core.config
     t0, dt = A.epoch[:, K.EP_T0], core.dt_ns
     lost = obs_layout(cfg.k).index("queue_lost_frac")
@@ -536,7 +538,8 @@ def test_engine_epochs_match_epoch_by_epoch_reference(kw):
     kw = {"rho": (0.8, 2.0), **SMALL, **kw}
     envs = [TokenBatchVectorEnv(3, **kw) for _ in range(2)]
     ref = envs[1].core
-    ref.run.advance_to_decision = lambda live, then=None: _advance_epoch_by_epoch(ref, live, then)
+    ref.run.advance_to_decision = lambda live, then=None, meanwhile=None: _advance_epoch_by_epoch(ref, live, then,
+                                                                                                meanwhile)
     outs = [e.reset(seed=9)[0] for e in envs]
     assert np.array_equal(*outs)
     rng = np.random.default_rng(4)
@@ -692,6 +695,139 @@ def test_engine_run_threads_identical_and_validated():
     for bad in (0, -1, 1.5, "2", True, None):
         with pytest.raises(ConfigError, match="threads"):
             EngineRun(traces[:1], "stress-512", "fcfs", threads=bad)
+
+
+def test_fetch_add_is_atomic():
+    """``_jit.fetch_add`` (how engine threads claim copies) loses no increment between threads,
+    compiled; interpreted it returns the old value too."""
+    import threading
+
+    from tokenbatch_env.engine._jit import fetch_add, njit
+
+    @njit
+    def claim_many(a, n):
+        last = -1
+        for _ in range(n):
+            old = fetch_add(a, 0, 3)
+            if old <= last:   # each thread sees the counter only grow
+                return False
+            last = old
+        return True
+
+    a = np.zeros(1, np.int64)
+    ok = []
+    ts = [threading.Thread(target=lambda: ok.append(claim_many(a, 200_000))) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert a[0] == 2 * 3 * 200_000 and ok == [True, True]
+    b = np.array([5], np.int64)
+    assert fetch_add(b, 0, 2) == 5 and b[0] == 7   # from Python: the locked interpreted version
+
+
+def test_next_copy_shares_each_active_copy_out_once():
+    """``kernel.next_copy``: alone, a thread takes the active copies in order; claimers interleaving
+    their claims (simulated in turn here) take disjoint sets that cover the active copies, each in
+    chunks of ``CLAIM_CHUNK`` consecutive copies."""
+    from tokenbatch_env.engine import kernel as K
+    rng = np.random.default_rng(1)
+    for n in (1, 7, K.CLAIM_CHUNK, 5 * K.CLAIM_CHUNK + 3):
+        active = rng.random(n) < 0.7
+        claim = np.zeros(1, np.int64)
+        c, end, seq = *K.next_copy(active, claim, -1, 0), []
+        while c < n:
+            seq.append(c)
+            c, end = K.next_copy(active, claim, c, end)
+        assert seq == np.flatnonzero(active).tolist()
+        claim[0] = 0   # three claimers taking turns
+        state, got = [(-1, 0)] * 3, [[], [], []]
+        live = [0, 1, 2]
+        while live:
+            for t in list(live):
+                c, end = K.next_copy(active, claim, *state[t])
+                if c >= n:
+                    live.remove(t)
+                    continue
+                state[t] = (c, end)
+                got[t].append(c)
+        assert sorted(sum(got, [])) == np.flatnonzero(active).tolist()
+        chunks = [{c // K.CLAIM_CHUNK for c in g} for g in got]   # whole chunks, one claimer each
+        assert all(g == sorted(g) for g in got) and sum(map(len, chunks)) == len(set().union(*chunks))
+
+
+def test_engine_threads_share_out_the_copies():
+    """Two kernel calls started together on one claim counter (as ``EngineRun`` runs them) run each
+    active copy exactly once between them (their ``mine`` masks: disjoint, covering the active
+    copies, both non-empty with this much work), with the results of one call running them all."""
+    import threading
+
+    from tokenbatch_env.engine import kernel as K
+    from tokenbatch_env.engine.simulate import EngineRun
+    from tokenbatch_env.traces.suites import load_suite
+    units = load_suite("seed-200").traces("train")
+    n = 8 * K.CLAIM_CHUNK
+    traces = [units[i % len(units)] for i in range(n)]
+    active = np.random.default_rng(2).random(n) < 0.8
+    runs = [EngineRun(traces, "stress-512", "fcfs") for _ in range(2)]
+    ref = runs[0]
+    ref.advance(until_ns=np.full(n, 40 * 10**9), active=active)
+    run, A = runs[1], runs[1].arrays
+    until = np.full(n, 40 * 10**9, np.int64)
+    claim, start = np.zeros(1, np.int64), threading.Barrier(2)
+    mines = [np.zeros(n, bool), np.zeros(n, bool)]
+
+    def go(i):
+        start.wait()
+        K.run_copies(A, run.cfg, run.fcfg, run.theta, run.shed_margin, run.mrl, run.tier, run.score,
+                     run._no_shed, active, 50_000_000, until, claim=claim, mine=mines[i])
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not (mines[0] & mines[1]).any() and ((mines[0] | mines[1]) == active).all()
+    assert mines[0].any() and mines[1].any()
+    assert all(getattr(A, f).tobytes() == getattr(ref.arrays, f).tobytes() for f in A._fields)
+
+
+def test_map_groups_meanwhile():
+    """``EngineRun.map_groups(meanwhile=...)`` (how new episodes are laid out while the engine runs):
+    ``meanwhile`` runs once, in the pool thread, before that thread's group; a nested call from it
+    runs inline (never waiting on its own pool); with one thread it runs first; its error raises."""
+    import threading
+
+    from tokenbatch_env.engine.simulate import EngineRun
+    from tokenbatch_env.traces.suites import load_suite
+    traces = load_suite("seed-200").traces("train")[:4]
+    act = np.ones(4, bool)
+    for threads in (1, 2):
+        run = EngineRun(traces, "stress-512", "fcfs", threads=threads)
+        events = []
+
+        def fn(g):
+            events.append(("fn", threading.current_thread().name))
+            return int(g.sum())
+
+        def meanwhile():
+            nested = run.map_groups(lambda g: threading.current_thread().name, act)
+            events.append(("meanwhile", threading.current_thread().name, nested))
+        assert run.map_groups(fn, act, split=False, meanwhile=meanwhile) == [4] * threads
+        main = threading.current_thread().name
+        mw = [e for e in events if e[0] == "meanwhile"]
+        assert len(mw) == 1 and len(events) == threads + 1
+        if threads == 1:
+            assert events[0] == ("meanwhile", main, [main]) and events[1] == ("fn", main)
+        else:
+            pool = mw[0][1]
+            assert pool != main and mw[0][2] == [pool]
+            assert events.index(mw[0]) < events.index(("fn", pool)) and ("fn", main) in events
+
+        def bad():
+            raise ValueError("layout failed")
+        with pytest.raises(ValueError, match="layout failed"):
+            run.map_groups(fn, act, split=False, meanwhile=bad)
+        run.close()
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.0, "4", True])

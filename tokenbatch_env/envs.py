@@ -596,6 +596,29 @@ def _splice(A, cols: dict, rows, extent: Optional[dict] = None):
     return A._replace(**changes) if changes else A
 
 
+@njit
+def _window_chain_ids(units, start, count, n_ids, ids, out, n_uniq):
+    """``traces.trace.subset_prefix_ids`` of each window e at once: the chain entries
+    ``ids[units[e], start[e]:start[e] + count[e]]`` (unit u's dense prefix ids, ``n_ids[u]`` of
+    them) re-ranked densely into ``out[e]``, their number of distinct ids into ``n_uniq[e]``."""
+    m_max = 0
+    for e in range(units.shape[0]):
+        m_max = max(m_max, n_ids[units[e]])
+    rank = np.zeros(m_max, np.int64)
+    for e in range(units.shape[0]):
+        u, a, k, m = units[e], start[e], count[e], n_ids[units[e]]
+        rank[:m] = 0
+        for j in range(k):
+            rank[ids[u, a + j]] = 1
+        s = 0
+        for i in range(m):
+            s += rank[i]
+            rank[i] = s
+        n_uniq[e] = s
+        for j in range(k):
+            out[e, j] = rank[ids[u, a + j]] - 1
+
+
 class _EpisodeTable:
     """The workload's units as stacked arrays, so that a batch of episode windows is laid out with a
     few array operations and no Trace objects: ``columns`` gives exactly ``build_arrays`` of the
@@ -624,7 +647,9 @@ class _EpisodeTable:
         self.h_best = stack(lambda u, t: best_case_hits(t, profile.block_size, engine_config.prefix_caching))
         self.prefix_len = stack(lambda u, t: t.prefix_lengths)
         self.offsets = stack(lambda u, t: t.prefix_offsets, width=L + 1)
-        self.ids = [t.prefix_ids() for t in units]
+        ids = [t.prefix_ids() for t in units]   # each unit's dense prefix ids, stacked
+        self.n_ids = np.array([m for m, _ in ids], np.int64)
+        self.chain_ids = stack(lambda u, t: ids[u][1], width=max(1, max(len(v) for _, v in ids)))
         self.lens = np.array([len(t) for t in units], np.int64)
         self.profile, self.engine_config = profile, engine_config
 
@@ -649,7 +674,6 @@ class _EpisodeTable:
         by ``factors`` (one Fraction per window): for ``_splice``, the fields a trace sets, then
         ``fresh`` (the [1, ...] rows of a batch as ``build_arrays`` left them) for the others."""
         from .engine.state import capped_outputs, unique_block_bases
-        from .traces.trace import subset_prefix_ids
         from .traces.windows import scale_rows
         E, bs, i64 = len(units), self.profile.block_size, np.int64
         u = units[:, None]
@@ -660,11 +684,9 @@ class _EpisodeTable:
         off = self.offsets[u, lo[:, None] + np.arange(n + 1)]
         off -= off[:, :1]
         chain_val = np.zeros((E, max(1, int(off[:, -1].max()))), i64)
-        n_uniq = np.zeros(E, i64)
-        for e in range(E):   # the window's dense prefix ids, as Trace.subset derives them
-            a = int(self.offsets[units[e], lo[e]])
-            n_uniq[e], inv = subset_prefix_ids(*self.ids[units[e]], a, a + int(off[e, -1]))
-            chain_val[e, :inv.size] = inv
+        n_uniq = np.zeros(E, i64)   # the windows' dense prefix ids, as Trace.subset derives them
+        _window_chain_ids(np.ascontiguousarray(units, i64), self.offsets[units, lo], off[:, -1].copy(), self.n_ids,
+                          self.chain_ids, chain_val, n_uniq)
         uniq_base = np.zeros((E, n), i64)
         W = 1
         if self.engine_config.prefix_caching and n:
@@ -861,10 +883,13 @@ class _Core:
         self.run.map_groups(lambda g: observe(self.run, g, self.obs, self.k, self.ocfg), mask,
                             min_group=_MIN_GROUP)
 
-    def step(self, live: np.ndarray, theta: np.ndarray, margin: np.ndarray):
+    def step(self, live: np.ndarray, theta: np.ndarray, margin: np.ndarray, reset_rows=None):
         """Apply the (held) parameters of the ``live`` copies and advance each to its next decision
         epoch (skipping epochs that need no decision) or the end of its episode; each engine thread
-        then observes and rewards the copies it advanced (one pass over the threads, not three)."""
+        then observes and rewards the copies it advanced (one pass over the threads, not three).
+        ``reset_rows`` (copies not live): new episodes laid out meanwhile by an engine thread
+        before it joins the others (``reset_copies``, serial Python, so the other cores advance
+        the live copies in the meantime; every write is to those rows alone)."""
         run = self.run
         self.params_theta[live] = theta
         self.params_margin[live] = margin
@@ -880,7 +905,17 @@ class _Core:
             trunc[g] = (st != K.STOP_ENDED) & ((st == K.STOP_CAP) | (self.steps[g] >= self.config.max_steps))
             self._rewards(g, trunc, reward)
 
-        stop = run.advance_to_decision(live, then=then)
+        meanwhile = None
+        if reset_rows is not None and len(reset_rows):
+            assert not live[reset_rows].any()
+
+            def meanwhile():
+                arrays = run.arrays
+                self.reset_copies(reset_rows)
+                # the hash widths are sized for any window at construction, so a reset never
+                # replaces the arrays the engine threads are writing
+                assert run.arrays is arrays
+        stop = run.advance_to_decision(live, then=then, meanwhile=meanwhile)
         term = live & (stop == K.STOP_ENDED)
         self.ep_return[live] += reward[live]
         return reward, term, trunc
@@ -963,9 +998,9 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
     ``self.metadata``; with DISABLED, reset finished copies with ``reset(options={"reset_mask": m})``.
     Episode metrics appear in ``info`` (arrays over copies with ``_key`` masks) at episode end.
 
-    ``threads`` (keyword, not part of the MDP config): the engine advances the copies in this many
-    contiguous groups at once (the compiled kernel releases the GIL); results are identical for any
-    value. Default (None): the available cores from 64 copies on, else 1."""
+    ``threads`` (keyword, not part of the MDP config): the engine advances the copies on this many
+    threads at once, which share them out as they go (the compiled kernel releases the GIL); results
+    are identical for any value. Default (None): the available cores from 64 copies on, else 1."""
 
     metadata = {"render_modes": [], "autoreset_mode": AutoresetMode.NEXT_STEP}
 
@@ -1068,14 +1103,13 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
             raise ConfigError("call reset() before step()")
         live = ~reset_now & ~self._done
         theta, margin = core.map_actions(a[live])
-        reward, term, trunc = core.step(live, theta, margin)
+        rows = np.flatnonzero(reset_now)   # (NEXT_STEP) laid out while the engine advances the live copies
+        reward, term, trunc = core.step(live, theta, margin, reset_rows=rows)
         infos: dict = {}
         ended = np.flatnonzero(term | trunc)
         if ended.size:
             _add(infos, core.episode_infos(ended, trunc), ended, n)
-        if reset_now.any():
-            rows = np.flatnonzero(reset_now)
-            core.reset_copies(rows)
+        if rows.size:
             _add(infos, core.reset_infos(rows), rows, n)
             self._done[reset_now] = False
         obs = core.obs.copy()

@@ -9,9 +9,11 @@ cached machine code of the given dispatchers whenever any engine source file cha
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 
 _REGISTRY: list = []
+_FETCH_ADD_LOCK = threading.Lock()   # the interpreted ``fetch_add``
 
 try:  # numba is a runtime dependency; without it the same functions run interpreted
     from numba import njit as _numba_njit
@@ -84,9 +86,38 @@ try:  # numba is a runtime dependency; without it the same functions run interpr
     def _prefetch_impl(arr, i, j):
         if isinstance(arr, _types.Array) and arr.ndim == 2:
             return lambda arr, i, j: _prefetch(arr, i, j)
+
+    def fetch_add(arr, i, v):
+        """Atomically ``old = arr[i]; arr[i] += v; return old`` (int64 ``arr``): how the engine
+        threads share out copies (``kernel.next_copy``). Interpreted: under a lock."""
+        with _FETCH_ADD_LOCK:
+            old = int(arr[i])
+            arr[i] = old + v
+        return old
+
+    @_intrinsic
+    def _fetch_add(typingctx, arr, i, v):
+        def codegen(context, builder, sig, args):
+            aryty = sig.args[0]
+            ary = context.make_array(aryty)(context, builder, value=args[0])
+            ptr = _cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+            val = context.cast(builder, args[2], sig.args[2], _types.int64)
+            return builder.atomic_rmw("add", ptr, val, "seq_cst")
+        return _types.int64(arr, i, v), codegen
+
+    @_overload(fetch_add)
+    def _fetch_add_impl(arr, i, v):
+        if isinstance(arr, _types.Array) and arr.ndim == 1 and arr.dtype == _types.int64:
+            return lambda arr, i, v: _fetch_add(arr, i, v)
 except ImportError:  # pragma: no cover
     def prefetch(arr, i, j):
         return None
+
+    def fetch_add(arr, i, v):
+        with _FETCH_ADD_LOCK:
+            old = int(arr[i])
+            arr[i] = old + v
+        return old
 
     def njit(fn):
         fn.py_func = fn

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._jit import borrow, guard_stale_cache, helper, njit, prefetch
+from ._jit import borrow, fetch_add, guard_stale_cache, helper, njit, prefetch
 from .scoring import (P_EXTERNAL, P_GITTINS, P_INDEX, clip_z, gittins_score, idle_prefill_ns, index_log_dynamic,
                       index_log_static, policy_score, service_ms)
 
@@ -762,6 +762,33 @@ def next_active(mask, c):
     return c
 
 
+#: copies claimed at a time by an engine thread (``next_copy``): whole cache lines of the per-copy
+#: scalars (8 int64 each) are then written by one thread (claims of 8 copies, whose lines straddle
+#: two threads' claims as numpy aligns arrays to 16 bytes, were no faster than fixed halves: ad hoc)
+CLAIM_CHUNK = 32
+
+
+@helper
+def next_copy(active, claim, c, end):
+    """The next active copy after c among those this thread has claimed (up to ``end``), and the end
+    of its claim. When none is left there, the next ``CLAIM_CHUNK`` copies are claimed from the
+    counter ``claim[0]``, which every thread of a kernel call shares (``fetch_add``): work is
+    shared out as it goes, so no thread idles while another still has copies. ``active.shape[0]``
+    when every copy is claimed. One thread alone takes the active copies in order."""
+    n = active.shape[0]
+    c += 1
+    while True:
+        while c < end:
+            if active[c]:
+                return c, end
+            c += 1
+        lo = fetch_add(claim, 0, CLAIM_CHUNK)
+        if lo >= n:
+            return n, n
+        c = lo
+        end = min(lo + CLAIM_CHUNK, n)
+
+
 @helper
 def latest_rows(hi, n):
     """Rows [lo, hi] (both included) of a copy's latest requests, up to its next arrival ``hi`` and
@@ -817,7 +844,8 @@ def _prefetch_copy(c, hi, n, ref, bhash, hnext, fq_prev, fq_next, arrival, promp
 
 # ---------------------------------------------------------------------------------- one iteration
 @njit
-def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed, active, max_steps, until_ns,
+def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed, active, claim, mine, max_steps,
+                until_ns,
                 n_req, arrival, prompt, out_len, prio, capped, t1, est, chain_off, chain_val,
                 uniq_base, now, it, next_arr, n_ended, key_hi, key_lo, n_run,
                 n_wait, n_free, n_slot_free, n_pend, n_iter_rec, status, end_state, computed,
@@ -843,6 +871,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     score = borrow(score)
     shed = borrow(shed)
     active = borrow(active)
+    claim = borrow(claim)
+    mine = borrow(mine)
     until_ns = borrow(until_ns)
     n_req = borrow(n_req)
     arrival = borrow(arrival)
@@ -946,17 +976,18 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     queues_t = (key_lo, wait_ids, n_wait, pend_ids, n_pend, swap_ids, n_swap, host_free, swapped)
     total = 0
     n_copies = now.shape[0]
-    c_next = 0   # the next active copy: prefetched as this one starts (``_prefetch_copy``)
-    for c in range(n_copies):
-        if not active[c]:
-            continue
-        if c_next <= c:
-            c_next = next_active(active, c)
-            if c_next < n_copies:
-                _prefetch_copy(c_next, next_arr[c_next], n_req[c_next], ref, bhash, hnext, fq_prev, fq_next, arrival,
-                               prompt, out_len, t1, est, status, end_state, computed, gen, qkey, slot_of, held,
-                               n_cached, emit_it, first_sched, first_token, finish, uniq_base, chain_off, run_ids,
-                               wait_ids)
+    # the active copies are shared out between the engine threads as they go (``next_copy``); the
+    # next one is prefetched as this one starts (``_prefetch_copy``)
+    c_next, claimed_to = next_copy(active, claim, -1, 0)
+    while c_next < n_copies:
+        c = c_next
+        c_next, claimed_to = next_copy(active, claim, c, claimed_to)
+        if c_next < n_copies:
+            _prefetch_copy(c_next, next_arr[c_next], n_req[c_next], ref, bhash, hnext, fq_prev, fq_next, arrival,
+                           prompt, out_len, t1, est, status, end_state, computed, gen, qkey, slot_of, held,
+                           n_cached, emit_it, first_sched, first_token, finish, uniq_base, chain_off, run_ids,
+                           wait_ids)
+        mine[c] = True
         n = n_req[c]
         # FCFS: index in wait_ids of the head of the queue (smallest queue key), -1 if unknown. The
         # cache stays exact: arrivals get larger keys, FCFS victims the smallest (and in FCFS
@@ -1684,7 +1715,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
 
 
 def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns,
-               gtab=None):
+               gtab=None, claim=None, mine=None):
     """Advance every active copy by up to ``max_steps`` iterations, stopping a copy once its clock
     reaches ``until_ns[c]`` or its iteration cap. Returns iterations run. With ``cfg[C_DECIDE]``
     (``EngineRun.advance_to_decision``) ``until_ns`` is unused: each copy runs to its next decision
@@ -1698,12 +1729,20 @@ def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active,
     ``mrl`` is the residual-life table; ``gtab`` the empirical-Gittins table built from it
     (``scoring.gittins_table``; None: built here, cached per table, when the policy needs it).
 
+    Threads: calls running at once with the same ``active`` mask and one ``claim`` counter
+    (``np.zeros(1, np.int64)``) share out its copies as they go (``next_copy``); each marks the
+    copies it ran in its own ``mine`` (bool, one per copy). Without ``claim``, this call runs them all.
+
     The struct of arrays is unpacked here, in Python, so the compiled code sees plain arrays."""
+    if claim is None:
+        claim = np.zeros(1, np.int64)
+    if mine is None:
+        mine = np.zeros(active.shape[0], np.bool_)
     if gtab is None:
         gtab = _gittins_table_for(mrl) if int(cfg[C_PID]) == P_GITTINS and int(cfg[C_MODE]) == MODE_SCORE \
             else _NO_GTAB
     nan_score = np.full(2, -1, np.int64)
-    total = _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed, active,
+    total = _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed, active, claim, mine,
                         max_steps, until_ns, *A, gtab)
     if total < 0:
         from ..errors import PolicyError

@@ -7,6 +7,7 @@ the envs and tuning. Policies that need fresh scores every iteration pass a ``Sc
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -18,6 +19,8 @@ from .outcomes import request_metrics
 from .profiles import Profile, load_profile
 from .scoring import N_THETA, P_EXTERNAL
 from .state import NEVER, EngineConfig, build_arrays, make_cfg, make_fcfg
+
+_POOL_PREFIX = "tokenbatch-engine"   # the engine threads' names (``EngineRun.map_groups``)
 
 BUILTIN_MODES = {"fcfs": K.MODE_FCFS, "priority": K.MODE_PRIORITY}
 
@@ -159,9 +162,11 @@ class EngineRun:
         ``SimResult.records``), the rest when ``result()`` marks them ``unfinished``: files of any
         length are written with bounded buffers.
 
-        ``threads``: each kernel call splits the active copies into this many contiguous groups,
-        run concurrently (the compiled kernel releases the GIL; copies are independent rows, so
-        results are identical for any value). With an iteration or record sink it runs one group."""
+        ``threads``: each kernel call runs on this many threads at once, which share out the active
+        copies as they go, a chunk of consecutive copies at a time (``kernel.next_copy``: no thread
+        idles while another has copies left; the compiled kernel releases the GIL; copies are
+        independent rows, so results are identical for any value). With an iteration or record
+        sink it runs on one."""
         if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or int(threads) < 1:
             raise ConfigError(f"threads: must be an integer >= 1, got {threads!r}")
         self.threads = int(threads)
@@ -253,25 +258,31 @@ class EngineRun:
         ep[rows, K.EP_STOP] = K.STOP_NONE
 
     def advance_to_decision(self, active=None, *, chunk_steps: int = 20_000,
-                            then: Optional[Callable[[np.ndarray], None]] = None) -> np.ndarray:
+                            then: Optional[Callable[[np.ndarray], None]] = None,
+                            meanwhile: Optional[Callable[[], None]] = None) -> np.ndarray:
         """Run each ``active`` copy (default all) to its next decision: the first iteration boundary
         at or after a decision epoch where a decision is needed or every scored request has ended,
         or the end of all its requests, or its iteration cap; epochs in between are skipped with the
         parameters held. Returns each copy's stop reason (``K.STOP_*``; STOP_NONE if not active).
         ``then(mask)``, if given, is called once for every copy as soon as it has stopped, with a
         mask of such copies, in the thread that ran them (for per-copy work on the rows just
-        advanced, such as the env's observations, without another pass over the threads)."""
+        advanced, such as the env's observations, without another pass over the threads).
+        ``meanwhile()``, if given, runs once in an engine thread before it joins the first kernel
+        call (``map_groups``): for work on rows not ``active``, such as laying out new episodes."""
         A, C = self.arrays, self.n_copies
         act = np.ones(C, bool) if active is None else np.array(active, bool)
         if (A.epoch[act, K.EP_DT] < 1).any():
             raise ConfigError("advance_to_decision: call start_epochs for these copies first")
         A.epoch[:, K.EP_STOP] = K.STOP_NONE
         while act.any():
-            self._run(self._cfg_decide, act, A.now, chunk_steps, None, then)  # (until_ns unused when deciding)
+            self._run(self._cfg_decide, act, A.now, chunk_steps, None, then, meanwhile)  # (until_ns unused)
+            meanwhile = None
             act &= A.epoch[:, K.EP_STOP] == K.STOP_NONE
+        if meanwhile is not None:
+            meanwhile()
         return A.epoch[:, K.EP_STOP].copy()
 
-    def _run(self, cfg, act, until, chunk_steps, bar, then=None) -> int:
+    def _run(self, cfg, act, until, chunk_steps, bar, then=None, meanwhile=None) -> int:
         """One kernel call over the ``act`` copies, then the sinks and the no-progress check;
         deciding, ``then`` on each group's copies that stopped, right after the group's call."""
         A = self.arrays
@@ -282,17 +293,22 @@ class EngineRun:
         before = int(A.n_ended.sum())
         snap = (A.now.copy(), A.it.copy(), A.n_ended.copy(), A.n_wait.copy(), A.n_run.copy())
 
+        claim = np.zeros(1, np.int64)   # the threads share out the copies of ``act`` as they go
+
         def run(g):
+            mine = np.zeros_like(g)
             total = K.run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, tier, score, shed, g,
-                                 steps, until)
+                                 steps, until, claim=claim, mine=mine)
             if then is not None:
-                stopped = g & (A.epoch[:, K.EP_STOP] != K.STOP_NONE)
+                stopped = mine & (A.epoch[:, K.EP_STOP] != K.STOP_NONE)
                 if stopped.any():
                     then(stopped)
             return total
         if self.iteration_sink is None and self.record_sink is None:
-            total = sum(self.map_groups(run, act))
+            total = sum(self.map_groups(run, act, split=False, meanwhile=meanwhile))
         else:   # the sinks see the buffers of one call
+            if meanwhile is not None:
+                meanwhile()
             total = run(act)
         if self.iteration_sink is not None:
             self.flush_iterations()
@@ -309,29 +325,42 @@ class EngineRun:
             bar.update(int(A.n_ended.sum()) - before)
         return total
 
-    def map_groups(self, fn: Callable[[np.ndarray], object], act: np.ndarray, min_group: int = 1) -> list:
+    def map_groups(self, fn: Callable[[np.ndarray], object], act: np.ndarray, min_group: int = 1,
+                   split: bool = True, meanwhile: Optional[Callable[[], None]] = None) -> list:
         """``[fn(g) for g in groups]`` run concurrently, where the groups split the copies of the mask
         ``act`` into at most ``threads`` contiguous disjoint masks of about equal size, at least
         ``min_group`` copies each (one group, ``act`` itself, when that leaves one). For functions
         that touch only the rows of their group and release the GIL (the compiled kernels): the
         calling thread runs the first group, a pool made on first use the others; all have
-        finished when this returns, and the first group (in copy order) that raised raises."""
+        finished when this returns, and the first group (in copy order) that raised raises.
+        ``split=False``: every call gets ``act`` itself (for the kernel, whose concurrent calls share
+        the copies out among themselves as they go: no thread idles while another has copies left).
+        ``meanwhile()``: run first by the pool thread of the second group (or inline, before a single
+        group); with ``split=False`` the others have claimed its share of the copies by the time
+        it joins. Called from a pool thread (nested), this runs inline: never waits on its own pool."""
         act = np.asarray(act, bool)
         n_groups = 1
-        if self.threads > 1:
+        if self.threads > 1 and not threading.current_thread().name.startswith(_POOL_PREFIX):
             n_active = int(np.count_nonzero(act))
             n_groups = min(self.threads, n_active // max(1, int(min_group)))
         if n_groups <= 1:
+            if meanwhile is not None:
+                meanwhile()
             return [fn(act)]
-        groups = []
-        for part in np.array_split(np.flatnonzero(act), n_groups):
-            g = np.zeros_like(act)
-            g[part] = True
-            groups.append(g)
+        groups = [act] * n_groups
+        if split:
+            for i, part in enumerate(np.array_split(np.flatnonzero(act), n_groups)):
+                groups[i] = np.zeros_like(act)
+                groups[i][part] = True
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="tokenbatch-engine")
-        futures = [self._pool.submit(fn, g) for g in groups[1:]]
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix=_POOL_PREFIX)
+
+        def after_meanwhile(g):
+            meanwhile()
+            return fn(g)
+        futures = [self._pool.submit(after_meanwhile if i == 0 and meanwhile is not None else fn, g)
+                   for i, g in enumerate(groups[1:])]
         try:
             first = fn(groups[0])
         finally:
