@@ -238,6 +238,44 @@ def test_episode_layout_is_build_arrays_of_the_window(suite, profile):
     assert np.array_equal(t2, np.stack([w.trace.tpot_slo_ns for w in wins]))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_next_step_lays_out_the_new_episodes_during_the_step(threads, monkeypatch):
+    """NEXT_STEP: the copies that ended are given new episodes in the next step (laid out while the
+    engine advances the others, ``_Core.step(reset_rows=)``): after that step their rows hold exactly
+    ``build_arrays`` of the windows their reset infos name (block table and epochs aside)."""
+    from tokenbatch_env import envs as E
+    from tokenbatch_env.engine.state import build_arrays
+    monkeypatch.setattr(E, "_OVERLAP_LIVE_PER_RESET", 0)
+    n = 16
+    env = TokenBatchVectorEnv(n, rho=(1.5, 2.5), window=32, warmup=8, cooldown=8, seed=4, threads=threads)
+    env.reset()
+    core, cfg = env.core, env.config
+    rng = np.random.default_rng(0)
+    checked = 0
+    for _ in range(200):
+        _, _, _, _, info = env.step(rng.uniform(-1, 1, (n, core.action_dim)))
+        if "_rho" not in info:
+            continue
+        rows = np.flatnonzero(info["_rho"])
+        wins = [core.workload.window_at(int(info["trace_index"][c]), float(info["rho"][c]),
+                                        int(info["window_start"][c]), cfg.window, cfg.warmup, cfg.cooldown)
+                for c in rows]
+        ref = build_arrays([w.trace for w in wins], core.run.profile, core.engine_config,
+                           [core.estimates[int(info["trace_index"][c])][w.parent_start:w.parent_start + len(w.trace)]
+                            for c, w in zip(rows, wins)], block_table=False)
+        A = core.run.arrays
+        for f in ref._fields:
+            if f in ("table", "epoch"):
+                continue
+            got, want = getattr(A, f)[rows], getattr(ref, f)
+            pad = got.shape[1] - want.shape[1] if want.ndim == 2 else 0
+            if pad > 0:
+                want = np.concatenate([want, np.full((want.shape[0], pad), {"hash_head": -1}.get(f, 0), want.dtype)], 1)
+            assert np.array_equal(got, want, equal_nan=f == "est"), f
+        checked += rows.size
+    assert checked >= n
+
+
 # ---------------------------------------------------------------------------- rewards
 @pytest.mark.parametrize("mode", ["certain_miss", "met"])
 def test_episode_reward_sums(mode):
@@ -653,13 +691,16 @@ def _same_tree(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("threads, mode", [(2, "NEXT_STEP"), (3, "SAME_STEP"), (7, "NEXT_STEP")])
-def test_threads_do_not_change_results(threads, mode, monkeypatch):
+@pytest.mark.parametrize("threads, mode, overlap", [(2, "NEXT_STEP", 0), (2, "NEXT_STEP", 10**9),
+                                                    (3, "SAME_STEP", 0), (7, "NEXT_STEP", 0)])
+def test_threads_do_not_change_results(threads, mode, overlap, monkeypatch):
     """Lockstep over a rollout with many episode ends: 1 thread vs ``threads`` (more threads than
     copies too), observations, rewards, flags, infos (final observations included) and records.
-    Observations and rewards are split too (their minimum group size lowered to 1 copy)."""
+    Observations and rewards are split too (their minimum group size lowered to 1 copy); NEXT_STEP's
+    new episodes laid out while the engine runs (``overlap`` 0) or before it (a large threshold)."""
     from tokenbatch_env import envs as E
     monkeypatch.setattr(E, "_MIN_GROUP", 1)
+    monkeypatch.setattr(E, "_OVERLAP_LIVE_PER_RESET", overlap)
     n = 6 if threads == 7 else 12
     kw = dict(rho=(0.8, 2.0), autoreset_mode=mode, **SMALL)
     one = TokenBatchVectorEnv(n, threads=1, **kw)

@@ -702,6 +702,9 @@ class _EpisodeTable:
 
 #: copies per thread below which observations outside a step (new episodes; a few us per copy) are not split
 _MIN_GROUP = 128
+#: live copies per new episode from which a step lays out the new episodes while the engine runs (a
+#: layout costs ~10 copy-steps of engine work at the default config)
+_OVERLAP_LIVE_PER_RESET = 16
 
 
 class _Core:
@@ -915,6 +918,11 @@ class _Core:
                 # the hash widths are sized for any window at construction, so a reset never
                 # replaces the arrays the engine threads are writing
                 assert run.arrays is arrays
+            if np.count_nonzero(live) < _OVERLAP_LIVE_PER_RESET * len(reset_rows):
+                # too little engine work to hide the layout (serial Python, holding the GIL that an
+                # engine thread done early would wait for): lay out first, as without threads
+                meanwhile()
+                meanwhile = None
         stop = run.advance_to_decision(live, then=then, meanwhile=meanwhile)
         term = live & (stop == K.STOP_ENDED)
         self.ep_return[live] += reward[live]
