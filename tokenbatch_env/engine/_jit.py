@@ -15,6 +15,21 @@ from pathlib import Path
 _REGISTRY: list = []
 _FETCH_ADD_LOCK = threading.Lock()   # the interpreted ``fetch_add``
 
+def prefetch(arr, i, j):
+    """A hint that ``arr[i, j]``'s cache line will be read soon (LLVM's ``prefetch``: it never
+    faults and changes no result). Interpreted (``NUMBA_DISABLE_JIT``): nothing."""
+    return None
+
+
+def fetch_add(arr, i, v):
+    """Atomically ``old = arr[i]; arr[i] += v; return old`` (int64 ``arr``): how the engine threads
+    share out copies (``kernel.next_copy``). Interpreted: under a lock."""
+    with _FETCH_ADD_LOCK:
+        old = int(arr[i])
+        arr[i] = old + v
+    return old
+
+
 try:  # numba is a runtime dependency; without it the same functions run interpreted
     from numba import njit as _numba_njit
 
@@ -56,20 +71,19 @@ try:  # numba is a runtime dependency; without it the same functions run interpr
         if isinstance(arr, _types.Array):
             return lambda arr: _borrowed(arr)
 
-    def prefetch(arr, i, j):
-        """A hint that ``arr[i, j]``'s cache line will be read soon (LLVM's ``prefetch``: it never
-        faults and changes no result). Interpreted (``NUMBA_DISABLE_JIT``): nothing."""
-        return None
-
     from llvmlite import ir as _ir
     from numba.core import cgutils as _cgutils
+
+    def _item_pointer(context, builder, sig, args, ndim):
+        """The address of ``arr[args[1:1 + ndim]]`` for an intrinsic whose first argument is ``arr``."""
+        ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+        return _cgutils.get_item_pointer(context, builder, sig.args[0], ary, list(args[1:1 + ndim]),
+                                         wraparound=False)
 
     @_intrinsic
     def _prefetch(typingctx, arr, i, j):
         def codegen(context, builder, sig, args):
-            aryty = sig.args[0]
-            ary = context.make_array(aryty)(context, builder, value=args[0])
-            ptr = _cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]], wraparound=False)
+            ptr = _item_pointer(context, builder, sig, args, 2)
             if getattr(ptr.type, "is_opaque", False):   # LLVM with opaque pointers
                 name = "llvm.prefetch.p0"
             else:
@@ -87,20 +101,10 @@ try:  # numba is a runtime dependency; without it the same functions run interpr
         if isinstance(arr, _types.Array) and arr.ndim == 2:
             return lambda arr, i, j: _prefetch(arr, i, j)
 
-    def fetch_add(arr, i, v):
-        """Atomically ``old = arr[i]; arr[i] += v; return old`` (int64 ``arr``): how the engine
-        threads share out copies (``kernel.next_copy``). Interpreted: under a lock."""
-        with _FETCH_ADD_LOCK:
-            old = int(arr[i])
-            arr[i] = old + v
-        return old
-
     @_intrinsic
     def _fetch_add(typingctx, arr, i, v):
         def codegen(context, builder, sig, args):
-            aryty = sig.args[0]
-            ary = context.make_array(aryty)(context, builder, value=args[0])
-            ptr = _cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+            ptr = _item_pointer(context, builder, sig, args, 1)
             val = context.cast(builder, args[2], sig.args[2], _types.int64)
             return builder.atomic_rmw("add", ptr, val, "seq_cst")
         return _types.int64(arr, i, v), codegen
@@ -110,15 +114,6 @@ try:  # numba is a runtime dependency; without it the same functions run interpr
         if isinstance(arr, _types.Array) and arr.ndim == 1 and arr.dtype == _types.int64:
             return lambda arr, i, v: _fetch_add(arr, i, v)
 except ImportError:  # pragma: no cover
-    def prefetch(arr, i, j):
-        return None
-
-    def fetch_add(arr, i, v):
-        with _FETCH_ADD_LOCK:
-            old = int(arr[i])
-            arr[i] = old + v
-        return old
-
     def njit(fn):
         fn.py_func = fn
         return fn
