@@ -15,6 +15,7 @@ from pathlib import Path
 _REGISTRY: list = []
 _FETCH_ADD_LOCK = threading.Lock()   # the interpreted ``fetch_add``
 
+
 def prefetch(arr, i, j):
     """A hint that ``arr[i, j]``'s cache line will be read soon (LLVM's ``prefetch``: it never
     faults and changes no result). Interpreted (``NUMBA_DISABLE_JIT``): nothing."""

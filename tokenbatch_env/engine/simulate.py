@@ -283,8 +283,9 @@ class EngineRun:
         return A.epoch[:, K.EP_STOP].copy()
 
     def _run(self, cfg, act, until, chunk_steps, bar, then=None, meanwhile=None) -> int:
-        """One kernel call over the ``act`` copies, then the sinks and the no-progress check;
-        deciding, ``then`` on each group's copies that stopped, right after the group's call."""
+        """One kernel call over the ``act`` copies (on each engine thread, sharing them out), then the
+        sinks and the no-progress check; deciding, ``then`` on each thread's copies that stopped,
+        right after its call; ``meanwhile`` in one of the threads before its call."""
         A = self.arrays
         tier, score, shed, steps = self.tier, self.score, self._no_shed, chunk_steps
         if self.scorer is not None:
