@@ -4,6 +4,7 @@
     python agents/train_ppo.py                                  # index mode, MLP, small default budget
     python agents/train_ppo.py --policy set --timesteps 500000 --base-params runs/tune/best_params.json
     python agents/train_ppo.py --action-mode weights --out runs/ppo-weights
+    python agents/train_ppo.py --no-shed-action                 # the shed margin stays theta*'s
 
 The native vector env (one engine batch, no subprocesses) runs through the SB3 adapter
 (tokenbatch_env.sb3) with VecMonitor and, by default, VecNormalize (observations only; saved with
@@ -54,6 +55,7 @@ class TrainConfig:
     decision_interval_ms: float = 100.0
     k: int = 8
     reward_mode: str = "certain_miss"
+    shed_action: bool = True             # False: no shed-margin action (the margin stays theta*'s)
     n_envs: int = 256
     timesteps: int = 100_000
     n_steps: int = 32                    # rollout length per env: batch = n_envs * n_steps
@@ -98,7 +100,7 @@ class TrainConfig:
                 "window": self.window, "warmup": self.warmup, "cooldown": self.cooldown,
                 "decision_interval_ms": self.decision_interval_ms, "k": self.k,
                 "action_mode": self.action_mode, "reward_mode": self.reward_mode,
-                "base_params": self.base_params, "seed": self.seed}
+                "base_params": self.base_params, "seed": self.seed, "shed_action": self.shed_action}
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -187,7 +189,7 @@ class Validator:
         mode = self.cfg.action_mode
         base = core.base_params if mode == "index" else core.base_weights
         spec = policy_spec("agent", mode, base, core.base_margin, self.cfg.k, self.cfg.decision_interval_ms,
-                           lambda: predict)
+                           lambda: predict, shed_action=self.cfg.shed_action)
         return self._goodput(run_controlled(self.traces, self.profile, self.engine, spec, estimates=self.est,
                                             residual_life=self.wl.residual_life, t_ref_ms=self.wl.t_ref_ms,
                                             lambda_sat=self.wl.lambda_sat))

@@ -110,7 +110,7 @@ def test_set_extractor_is_permutation_and_padding_invariant():
         request_set_extractor_class()(env.single_observation_space, k=5)
 
 
-@pytest.mark.parametrize("extra", [["--policy", "set"], ["--action-mode", "weights"]])
+@pytest.mark.parametrize("extra", [["--policy", "set"], ["--action-mode", "weights"], ["--no-shed-action"]])
 def test_set_policy_and_weights_mode_train(tmp_path, extra):
     out = tmp_path / "run"
     assert train_ppo.main(TINY + ["--timesteps", "256", "--eval-every", "0", "--out", str(out)] + extra) == 0
@@ -125,6 +125,10 @@ def test_set_policy_and_weights_mode_train(tmp_path, extra):
     obs, _ = env.reset(seed=0)
     theta, margin = ctrl(obs)
     assert theta.shape == (3, 9) and np.isfinite(theta).all() and margin.shape == (3,)
+    assert cfg["env"]["shed_action"] == ("--no-shed-action" not in extra)
+    if "--no-shed-action" in extra:   # the agent acts on 7 dimensions; the margin is the base one
+        assert spec.make(1000.0) and env.single_action_space.shape == (7,)
+        assert (margin == env.core.base_margin).all()
 
 
 def test_scripts_run_from_the_command_line(trained):

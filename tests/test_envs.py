@@ -641,6 +641,34 @@ def test_advance_to_decision_then_sees_each_copy_once_stopped(threads, chunk_ste
         assert (stop[active] != K.STOP_NONE).all()
 
 
+@pytest.mark.parametrize("mode", ["index", "weights"])
+def test_without_the_shed_action_the_margin_stays_at_the_base(mode):
+    """``shed_action=False``: the action loses its last (shed margin) dimension and the env steps
+    exactly as the full action with that dimension at 0 (the base margin); check_env passes; a full
+    width action is refused with the names of the dimensions."""
+    from gymnasium.utils.env_checker import check_env
+    kw = dict(rho=(1.0, 2.0), action_mode=mode, **SMALL)
+    full, short = TokenBatchVectorEnv(4, **kw), TokenBatchVectorEnv(4, shed_action=False, **kw)
+    d = full.core.action_dim
+    assert short.core.action_dim == d - 1 and short.single_action_space.shape == (d - 1,)
+    assert "shed_margin" not in short.core.action_names
+    assert _same_tree(full.reset(seed=2), short.reset(seed=2))
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        a = rng.uniform(-1, 1, (4, d))
+        a[:, -1] = 0.0
+        assert _same_tree(full.step(a), short.step(a[:, :-1]))
+    theta, margin = short.core.map_actions(np.zeros((2, d - 1)))
+    assert np.array_equal(theta, np.tile(short.core.theta_star, (2, 1))) and (margin == short.core.base_margin).all()
+    with pytest.raises(ActionError, match="kappa|w_"):
+        short.step(np.zeros((4, d)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_env(gym.make("TokenBatch-v0", shed_action=False, action_mode=mode, **SMALL).unwrapped)
+    with pytest.raises(ConfigError, match="shed_action"):
+        TokenBatchVectorEnv(1, shed_action="no", **SMALL)
+
+
 # ---------------------------------------------------------------------------- weights action mode
 def test_weights_mode_spaces_check_env_and_mapping(tmp_path):
     from gymnasium.utils.env_checker import check_env

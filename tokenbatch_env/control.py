@@ -138,17 +138,18 @@ def agent_spec(model_path: str, label: Optional[str] = None) -> ControlSpec:
         return load_agent(str(model), None if norm is None else str(norm), obs_space, act_space)
 
     return policy_spec(label or f"ppo:{d.name}", mode, base, base_margin, env_cfg.k, env_cfg.decision_interval_ms,
-                       load, digests)
+                       load, digests, shed_action=env_cfg.shed_action)
 
 
 def policy_spec(label: str, mode: str, base, base_margin, k: int, decision_interval_ms: float,
-                load_predict: Callable, evidence: tuple = ()) -> ControlSpec:
+                load_predict: Callable, evidence: tuple = (), shed_action: bool = True) -> ControlSpec:
     """A controller from an action policy: ``load_predict()`` gives ``predict(obs) -> actions`` in
-    the env's action space (``mode``), mapped around ``base`` like the env does (``envs.map_actions``)."""
+    the env's action space (``mode``; without the shed-margin column unless ``shed_action``), mapped
+    around ``base`` like the env does (``envs.map_actions``)."""
     def make(t_ref_ms):
         from .envs import map_actions
         ts = base.theta_vector(t_ref_ms)
         predict = load_predict()
-        return lambda obs: map_actions(np.clip(predict(obs), -1.0, 1.0), mode, ts, base_margin)
+        return lambda obs: map_actions(np.clip(predict(obs), -1.0, 1.0), mode, ts, base_margin, shed_action)
 
     return ControlSpec(label, mode, base, base_margin, k, decision_interval_ms, make, evidence)

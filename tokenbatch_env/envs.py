@@ -103,7 +103,8 @@ class TokenBatchConfig:
     ``{kind, sigma, seed}``. ``base_params``: a tuned-parameters JSON (the evaluator's ``--params``
     format) giving theta*; else ``IndexParams()`` defaults and ``shed_margin``. ``shed_margin``:
     the base shed margin when the JSON gives none (None or inf = no shedding; the shed action
-    dimension is then ignored). ``max_steps``: decision-step cap per episode (truncation);
+    dimension is then ignored). ``shed_action``: False drops the shed-margin dimension from the
+    action, which then stays at the base margin. ``max_steps``: decision-step cap per episode (truncation);
     ``max_iterations``: engine iteration cap per episode (truncation)."""
 
     suite: str = "seed-200"
@@ -123,6 +124,7 @@ class TokenBatchConfig:
     base_params: Optional[str] = None
     shed_margin: Optional[float] = 0.0
     clip_actions: bool = False
+    shed_action: bool = True
     max_steps: int = 20_000
     max_iterations: int = 2_000_000
 
@@ -171,8 +173,10 @@ class TokenBatchConfig:
             if not _is_num(m) or math.isnan(float(m)) or not (0 <= float(m) <= 2 or float(m) == math.inf):
                 raise ConfigError(f"shed_margin: must be None, inf or a number in [0, 2], got {m!r}")
             set_("shed_margin", None if math.isinf(float(m)) else float(m))
-        if not isinstance(self.clip_actions, (bool, np.bool_)):
-            raise ConfigError(f"clip_actions: must be a bool, got {self.clip_actions!r}")
+        for f in ("clip_actions", "shed_action"):
+            if not isinstance(getattr(self, f), (bool, np.bool_)):
+                raise ConfigError(f"{f}: must be a bool, got {getattr(self, f)!r}")
+            set_(f, bool(getattr(self, f)))
         if self.predictor is not None:
             from .predictors import PredictorSpec
             try:
@@ -186,7 +190,8 @@ class TokenBatchConfig:
 
     @property
     def action_names(self) -> tuple:
-        return ACTION_NAMES if self.action_mode == "index" else WEIGHT_ACTION_NAMES
+        names = ACTION_NAMES if self.action_mode == "index" else WEIGHT_ACTION_NAMES
+        return names if self.shed_action else names[:-1]
 
 
 # ------------------------------------------------------------------ observation kernel
@@ -532,10 +537,12 @@ def observe(run, mask, obs, k: int, ocfg) -> None:
              A.chain_off, A.chain_val, A.uniq_base, A.epoch)
 
 
-def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: Optional[float]):
+def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: Optional[float],
+                shed_action: bool = True):
     """[n, A] actions in [-1, 1] -> (theta [n, N_THETA], shed margin [n]); a = 0 gives theta*.
     ``index``: per-parameter residuals (see ``TokenBatchEnv``); ``weights``: w = w* + a (only the
-    direction w/|w| matters to the score). Margin -1 = shedding off."""
+    direction w/|w| matters to the score). Margin -1 = shedding off. Without ``shed_action`` the
+    actions have no last (margin) column and the margin is the base one."""
     from .policies import INDEX_RANGES, SHED_RANGE
     a = np.asarray(a, np.float64)
     theta = np.tile(theta_star, (a.shape[0], 1))
@@ -552,7 +559,7 @@ def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: O
             else:
                 v = base + x * (hi - lo)
             theta[:, col] = np.where(x == 0.0, base, np.clip(v, lo, hi))
-    x = a[:, -1]
+    x = a[:, -1] if shed_action else np.zeros(a.shape[0])
     if base_margin is None:
         return theta, np.full(x.shape[0], -1.0)
     lo, hi = SHED_RANGE
@@ -825,7 +832,7 @@ class _Core:
         return len(self.action_names)
 
     def map_actions(self, a: np.ndarray):
-        return map_actions(a, self.config.action_mode, self.theta_star, self.base_margin)
+        return map_actions(a, self.config.action_mode, self.theta_star, self.base_margin, self.config.shed_action)
 
     # -------------------------------------------------------------- episodes
     def seed_copies(self, rows: Sequence[int], seeds: Sequence[Optional[int]]) -> None:
@@ -1188,7 +1195,8 @@ class TokenBatchEnv(gym.Env):
     z/10, queue_key/key_hi, prefix ratio, blocks needed/usable, (deadline - now)/T_ref, slack/T_ref,
     first token out), ``w = w* + a`` around the base weights (the ``weights`` entry of
     ``base_params``, else -e0: SJF's order), then the shed margin as above. The family contains
-    sjf (-e0), edf (-e5), llf (-e6) and the FCFS queue order (-e2).
+    sjf (-e0), edf (-e5), llf (-e6) and the FCFS queue order (-e2). ``shed_action=False``: either
+    mode without its last (shed margin) dimension, ``(7,)`` or ``(8,)``; the margin stays at the base.
 
     ## Observation Space
     ``Box(-10, 10, (18 + 11*K,), float32)``, K = ``k`` (default 8, so 106 entries), never NaN/inf
@@ -1245,7 +1253,7 @@ class TokenBatchEnv(gym.Env):
     warmup (32), cooldown (32), decision_interval_ms (100), k (8), action_mode ("index"),
     predictor (None = the suite's), reward_mode ("certain_miss"), autoreset_mode (NEXT_STEP; used
     by the vector env), seed (None), base_params (None), shed_margin (0.0), clip_actions (False),
-    max_steps (20000), max_iterations (2000000). ``gym.make_vec("TokenBatch-v0", num_envs=N,
+    shed_action (True), max_steps (20000), max_iterations (2000000). ``gym.make_vec("TokenBatch-v0", num_envs=N,
     vectorization_mode="vector_entry_point", **config)`` gives ``TokenBatchVectorEnv`` (which also
     takes ``threads``, engine threads: same results for any value). Seeding:
     ``reset(seed=s)`` seeds copy i with s + i (like ``SyncVectorEnv``); ``seed`` in the config is
@@ -1253,7 +1261,8 @@ class TokenBatchEnv(gym.Env):
 
     ## Version History
     * v0: initial version (``index`` and ``weights`` action modes; ``certain_miss`` counts a TTFT
-      as lost once unreachable on an idle engine).
+      as lost once unreachable on an idle engine). Later added, defaults unchanged: ``shed_action``
+      (session 7).
     """
 
     metadata = {"render_modes": []}
