@@ -603,29 +603,6 @@ def _splice(A, cols: dict, rows, extent: Optional[dict] = None):
     return A._replace(**changes) if changes else A
 
 
-@njit
-def _window_chain_ids(units, start, count, n_ids, ids, out, n_uniq):
-    """``traces.trace.subset_prefix_ids`` of each window e at once: the chain entries
-    ``ids[units[e], start[e]:start[e] + count[e]]`` (unit u's dense prefix ids, ``n_ids[u]`` of
-    them) re-ranked densely into ``out[e]``, their number of distinct ids into ``n_uniq[e]``."""
-    m_max = 0
-    for e in range(units.shape[0]):
-        m_max = max(m_max, n_ids[units[e]])
-    rank = np.zeros(m_max, np.int64)
-    for e in range(units.shape[0]):
-        u, a, k, m = units[e], start[e], count[e], n_ids[units[e]]
-        rank[:m] = 0
-        for j in range(k):
-            rank[ids[u, a + j]] = 1
-        s = 0
-        for i in range(m):
-            s += rank[i]
-            rank[i] = s
-        n_uniq[e] = s
-        for j in range(k):
-            out[e, j] = rank[ids[u, a + j]] - 1
-
-
 class _EpisodeTable:
     """The workload's units as stacked arrays, so that a batch of episode windows is laid out with a
     few array operations and no Trace objects: ``columns`` gives exactly ``build_arrays`` of the
@@ -680,7 +657,7 @@ class _EpisodeTable:
         """(engine columns, t2, h_best) of the windows rows ``[lo, lo + n)`` of ``units``, times scaled
         by ``factors`` (one Fraction per window): for ``_splice``, the fields a trace sets, then
         ``fresh`` (the [1, ...] rows of a batch as ``build_arrays`` left them) for the others."""
-        from .engine.state import capped_outputs, unique_block_bases
+        from .engine.state import capped_outputs, unique_block_bases, window_prefix_ids
         from .traces.windows import scale_rows
         E, bs, i64 = len(units), self.profile.block_size, np.int64
         u = units[:, None]
@@ -692,7 +669,7 @@ class _EpisodeTable:
         off -= off[:, :1]
         chain_val = np.zeros((E, max(1, int(off[:, -1].max()))), i64)
         n_uniq = np.zeros(E, i64)   # the windows' dense prefix ids, as Trace.subset derives them
-        _window_chain_ids(np.ascontiguousarray(units, i64), self.offsets[units, lo], off[:, -1].copy(), self.n_ids,
+        window_prefix_ids(np.ascontiguousarray(units, i64), self.offsets[units, lo], off[:, -1].copy(), self.n_ids,
                           self.chain_ids, chain_val, n_uniq)
         uniq_base = np.zeros((E, n), i64)
         W = 1

@@ -10,6 +10,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..traces.trace import Trace
 from . import kernel as K
+from ._jit import njit
 from .profiles import Profile
 
 NEVER = np.iinfo(np.int64).max // 4
@@ -132,6 +133,30 @@ def unique_block_bases(prompt, out_len, prefix_lengths, n_uniq, bs: int):
     base[..., 1:] = csum[..., :-1]
     base += n_uniq[..., None]
     return base, n_uniq + csum[..., -1]
+
+
+@njit
+def window_prefix_ids(units, start, count, n_ids, ids, out, n_uniq):
+    """``traces.trace.subset_prefix_ids`` of many windows at once (the env lays out a batch of
+    episodes): window e's chain entries ``ids[units[e], start[e]:start[e] + count[e]]`` (unit u's
+    dense prefix ids, ``n_ids[u]`` of them) re-ranked densely into ``out[e]``, their number of
+    distinct ids into ``n_uniq[e]``."""
+    m_max = 0
+    for e in range(units.shape[0]):
+        m_max = max(m_max, n_ids[units[e]])
+    rank = np.zeros(m_max, np.int64)
+    for e in range(units.shape[0]):
+        u, a, k, m = units[e], start[e], count[e], n_ids[units[e]]
+        rank[:m] = 0
+        for j in range(k):
+            rank[ids[u, a + j]] = 1
+        s = 0
+        for i in range(m):
+            s += rank[i]
+            rank[i] = s
+        n_uniq[e] = s
+        for j in range(k):
+            out[e, j] = rank[ids[u, a + j]] - 1
 
 
 def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig,

@@ -116,11 +116,12 @@ def _check_range(name: str, arr: np.ndarray, lo: int, hi: int, what: str) -> Non
 def subset_prefix_ids(n_ids: int, ids: np.ndarray, a: int, b: int) -> tuple:
     """``prefix_ids`` of the chain entries ``[a, b)`` of a trace whose ids are ``(n_ids, ids)``: the
     parent's ranks keep the hashes' order, so the ones present are re-ranked densely."""
-    sub = ids[a:b]
-    present = np.zeros(n_ids, np.int64)
-    present[sub] = 1
-    rank = np.cumsum(present)
-    return (int(rank[-1]) if rank.size else 0), rank[sub] - 1
+    from ..engine.state import window_prefix_ids   # (compiled; imported here: ``import`` stays light)
+    out, n_uniq = np.zeros((1, b - a), np.int64), np.zeros(1, np.int64)
+    window_prefix_ids(np.zeros(1, np.int64), np.array([a], np.int64), np.array([b - a], np.int64),
+                      np.array([n_ids], np.int64), np.asarray(ids, np.int64)[None, :], out, n_uniq)
+    return int(n_uniq[0]), out[0]
+
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
