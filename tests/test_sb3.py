@@ -119,22 +119,46 @@ def test_ppo_smoke():
     assert act.shape == (4, A) and np.isfinite(act).all()
 
 
+def _split_one(infos: dict, c: int) -> dict:
+    """Reference: copy c's entries of a vector-info dict, one key at a time (what the adapter's
+    one-pass ``_unbatch_all`` must give each copy)."""
+    out = {}
+    for k, v in infos.items():
+        if k.startswith("_") or k in ("final_obs", "final_info"):
+            continue
+        mask = infos.get(f"_{k}")
+        if isinstance(v, dict):
+            sub = _split_one(v, c)
+            if sub:
+                out[k] = sub
+        elif mask is None or mask[c]:
+            x = v[c]
+            out[k] = x.item() if isinstance(x, np.generic) else (x.copy() if isinstance(x, np.ndarray) else x)
+    return out
+
+
 def test_unbatch_all_equals_per_copy_unbatch():
-    """The adapter's one-pass info split gives each copy exactly ``_unbatch(infos, c)`` (same keys,
-    same order, same values), on steps with and without episode ends and resets."""
+    """The adapter's one-pass info split gives each copy exactly its own entries (same keys, same
+    order, same values), on steps with and without episode ends and resets; with the mask ``only``
+    (the adapter passes the copies that ended) the copies outside it get ``{}``."""
     from tokenbatch_env.envs import TokenBatchVectorEnv
-    from tokenbatch_env.sb3 import _unbatch, _unbatch_all
+    from tokenbatch_env.sb3 import _unbatch_all
     n = 6
     env = TokenBatchVectorEnv(n, autoreset_mode="SAME_STEP", rho=(1.5, 2.5), **SMALL)
     _, infos = env.reset(seed=1)
     rng = np.random.default_rng(0)
-    seen_end = 0
+    seen_end = dropped = 0
     for _ in range(400):
         for part in (infos, infos.get("final_info", {})):
             fast = _unbatch_all(part, n)
+            sel = rng.random(n) < 0.5
+            only = _unbatch_all(part, n, sel)
             for c in range(n):
-                slow = _unbatch(part, c)
+                slow = _split_one(part, c)
                 assert list(fast[c]) == list(slow) and repr(fast[c]) == repr(slow)
+                assert repr(only[c]) == (repr(slow) if sel[c] else "{}")
+                dropped += bool(slow) and not sel[c]
         _, _, te, tr, infos = env.step(rng.uniform(-1, 1, (n, len(ACTION_NAMES))))
         seen_end += int((te | tr).sum())
+    assert dropped > 5
     assert seen_end > 5

@@ -195,6 +195,7 @@ class TokenBatchConfig:
 
 
 # ------------------------------------------------------------------ observation kernel
+_N_REQ_FEATS = 10  # features per observed request (``_observe``)
 _SMALL_SORT = 15  # numba's quicksort sorts up to this many items by insertion
 
 
@@ -241,11 +242,19 @@ def _argsort_stable(x, out):
 
 @njit
 def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, next_arr, wait_ids, run_ids,
-             prompt, gen, computed, arrival, t1, est, hash_head, chain_off, chain_val, uniq_base, epoch):
+             prompt, gen, computed, arrival, t1, est, hash_head, chain_off, chain_val, uniq_base, epoch,
+             zs_buf, ls_buf, zsort, lsort, order, feats):
     """Observation rows of the ``active`` copies (see ``TokenBatchEnv``). The per-request entries are
     the engine's own index inputs (``kernel.request_inputs``); ``cfg``/``fcfg`` are the engine's,
-    ``ocfg`` = [t_ref_ms, lambda_sat, rate_window_ns]; the episode start is ``epoch[c, EP_T0]``."""
+    ``ocfg`` = [t_ref_ms, lambda_sat, rate_window_ns]; the episode start is ``epoch[c, EP_T0]``.
+    The last six are scratch (``observe`` allocates them, so that they are borrowed too)."""
     # borrowed views (``engine._jit.borrow``): no reference counting per helper call
+    zs_buf = borrow(zs_buf)
+    ls_buf = borrow(ls_buf)
+    zsort = borrow(zsort)
+    lsort = borrow(lsort)
+    order = borrow(order)
+    feats = borrow(feats)
     active = borrow(active)
     mrl = borrow(mrl)
     cfg = borrow(cfg)
@@ -284,15 +293,8 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
     win_ns = ocfg[2]
     nq = 5
     qs = (0.0, 0.25, 0.5, 0.75, 1.0)
-    nfeat = 10
+    nfeat = _N_REQ_FEATS
     base_req = 6 + 2 * nq + 2
-    R = wait_ids.shape[1]
-    zs_buf = np.empty(R)
-    ls_buf = np.empty(R)
-    zsort = np.empty(R)
-    lsort = np.empty(R)
-    order = np.empty(R, np.int64)
-    feats = np.empty((R, nfeat))
     n_copies = active.shape[0]
     c_next = 0
     for c in range(n_copies):
@@ -534,7 +536,14 @@ def observe(run, mask, obs, k: int, ocfg) -> None:
     A = run.arrays
     _observe(mask, k, run.mrl, run.cfg, run.fcfg, ocfg, obs, A.now, A.n_wait, A.n_run, A.n_free, A.next_arr,
              A.wait_ids, A.run_ids, A.prompt, A.gen, A.computed, A.arrival, A.t1, A.est, A.hash_head,
-             A.chain_off, A.chain_val, A.uniq_base, A.epoch)
+             A.chain_off, A.chain_val, A.uniq_base, A.epoch, *_observe_scratch(A.wait_ids.shape[1]))
+
+
+def _observe_scratch(R: int):
+    """``_observe``'s scratch for queues of up to R requests (z, ln S and their sorted copies, an
+    order, the per-request features)."""
+    return (np.empty(R), np.empty(R), np.empty(R), np.empty(R), np.empty(R, np.int64),
+            np.empty((R, _N_REQ_FEATS)))
 
 
 def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: Optional[float],

@@ -31,35 +31,22 @@ def __getattr__(name):  # the lazily built classes, importable by name (so saved
     raise AttributeError(name)
 
 
-def _unbatch(infos: dict, c: int) -> dict:
-    """Copy c's entries of a gymnasium vector-info dict (keys with their ``_key`` mask set)."""
-    out = {}
-    for k, v in infos.items():
-        if k.startswith("_") or k in ("final_obs", "final_info"):
-            continue
-        mask = infos.get(f"_{k}")
-        if isinstance(v, dict):
-            sub = _unbatch(v, c)
-            if sub:
-                out[k] = sub
-        elif mask is None or mask[c]:
-            x = v[c]
-            out[k] = x.item() if isinstance(x, np.generic) else (x.copy() if isinstance(x, np.ndarray) else x)
-    return out
-
-
-def _unbatch_all(infos: dict, n: int) -> list:
-    """``[_unbatch(infos, c) for c in range(n)]``, one pass per key over the copies it is set for."""
+def _unbatch_all(infos: dict, n: int, only: Optional[np.ndarray] = None) -> list:
+    """Per copy, its entries of a gymnasium vector-info dict (keys with their ``_key`` mask set; nested
+    dicts likewise; numpy scalars as Python ones, arrays copied): one pass per key over the copies
+    it is set for (and, given the mask ``only``, that ``only`` selects; the others get ``{}``)."""
     out = [{} for _ in range(n)]
     for k, v in infos.items():
         if k.startswith("_") or k in ("final_obs", "final_info"):
             continue
         if isinstance(v, dict):
-            for c, sub in enumerate(_unbatch_all(v, n)):
+            for c, sub in enumerate(_unbatch_all(v, n, only)):
                 if sub:
                     out[c][k] = sub
             continue
         mask = infos.get(f"_{k}")
+        if only is not None:
+            mask = only if mask is None else mask & only
         for c in (range(n) if mask is None else np.flatnonzero(mask).tolist()):
             x = v[c]
             out[c][k] = x.item() if isinstance(x, np.generic) else (x.copy() if isinstance(x, np.ndarray) else x)
@@ -111,11 +98,11 @@ def sb3_vec_env_class():
             self._actions = None
             dones = term | trunc
             out = _unbatch_all(infos, self.num_envs)
-            final = infos.get("final_info", {})
+            final = _unbatch_all(infos.get("final_info", {}), self.num_envs, dones)
             final_obs = infos.get("final_obs")
             for c in np.flatnonzero(dones).tolist():
                 d = out[c]
-                d.update(_unbatch(final, c))
+                d.update(final[c])
                 d["terminal_observation"] = np.array(final_obs[c], copy=True)
                 d["TimeLimit.truncated"] = bool(trunc[c] and not term[c])
             return (np.array(obs, copy=True), np.asarray(rew, np.float32).copy(), dones.copy(), out)
