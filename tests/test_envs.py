@@ -749,6 +749,76 @@ def test_threads_do_not_change_results(threads, mode, overlap, monkeypatch):
     assert _same_tree(one.step(a), many.step(a))   # usable after close (threads restart)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_same_step_prepared_episodes_equal_drawn_at_reset(threads, monkeypatch):
+    """SAME_STEP draws and cuts each copy's next episode ahead, while the engine runs
+    (``_Core.prepare_ahead``): lockstep against the same env drawing each episode at its reset, over
+    a rollout with many episode ends, a full reseed and a partial one (seeded copies' prepared
+    episodes discarded, the others' kept). The prepared path is checked to be the one taken."""
+    from tokenbatch_env import envs as E
+    n = 12
+    kw = dict(rho=(0.8, 2.0), autoreset_mode="SAME_STEP", threads=threads, **SMALL)
+    monkeypatch.setattr(E, "_PREPARE_AHEAD", False)
+    ref = TokenBatchVectorEnv(n, **kw)
+    monkeypatch.setattr(E, "_PREPARE_AHEAD", True)
+    monkeypatch.setattr(E, "_OVERLAP_LIVE_PER_RESET", 2)   # up to n / 2 copies prepared per step
+    env = TokenBatchVectorEnv(n, **kw)
+    assert ref.core._prep is None and env.core._prep is not None
+    took = []
+    take = env.core._take_prepared
+    env.core._take_prepared = lambda rows: (took.append(int(env.core._ready[rows].sum())), take(rows))[1]
+    assert _same_tree(ref.reset(seed=3), env.reset(seed=3))
+    rng = np.random.default_rng(4)
+    ended = 0
+    for i in range(300):
+        if i == 100:
+            assert _same_tree(ref.reset(seed=11), env.reset(seed=11))
+        if i == 200:
+            mask = np.arange(n) % 3 == 0
+            seeds = [None if c % 2 else 50 + c for c in range(n)]   # some reset copies keep their generator
+            kw = dict(seed=seeds, options={"reset_mask": mask})
+            assert _same_tree(ref.reset(**kw), env.reset(**kw))
+        a = rng.uniform(-1, 1, (n, len(ACTION_NAMES)))
+        s1, s2 = ref.step(a), env.step(a)
+        assert _same_tree(s1, s2)
+        ended += int((s1[2] | s1[3]).sum())
+    assert ended >= 3 * n
+    assert sum(took) >= ended // 2   # most new episodes were prepared ahead
+
+
+def test_same_step_prepared_episode_error_raises_at_its_reset(monkeypatch):
+    """A drawn episode that cannot be cut (its scaled trace out of range) raises at the reset of its
+    copy, the same step as when drawn there, not when it was prepared ahead."""
+    from tokenbatch_env import envs as E
+    from tokenbatch_env.evaluate import Workload
+    n = 8
+    kw = dict(rho=(1.5, 2.5), autoreset_mode="SAME_STEP", threads=2, **SMALL)
+    monkeypatch.setattr(E, "_OVERLAP_LIVE_PER_RESET", 1)
+    envs = []
+    for prep in (False, True):
+        monkeypatch.setattr(E, "_PREPARE_AHEAD", prep)
+        envs.append(TokenBatchVectorEnv(n, **kw))
+    for env in envs:
+        env.reset(seed=5)
+    bad = envs[0].core.units[0]
+
+    def window_at(self, *a, **k):
+        raise ConfigError("window out of range (test)")
+    monkeypatch.setattr(Workload, "scaled_in_range", lambda self, u, f: u != bad)
+    monkeypatch.setattr(Workload, "window_at", window_at)
+    raised, deferred = [], 0
+    for env in envs:
+        rng = np.random.default_rng(1)
+        steps = 0
+        with pytest.raises(ConfigError, match="out of range"):
+            for steps in range(1, 400):
+                env.step(rng.uniform(-1, 1, (n, len(ACTION_NAMES))))
+                if env.core._prep is not None:
+                    deferred += len(env.core._prep_error)   # drawn ahead, kept for the copy's reset
+        raised.append(steps)
+    assert raised[0] == raised[1] > 1 and deferred > 0
+
+
 def test_engine_run_threads_identical_and_validated():
     from tokenbatch_env.engine.simulate import EngineRun
     from tokenbatch_env.traces.suites import load_suite

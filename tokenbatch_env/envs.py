@@ -698,12 +698,16 @@ _MIN_GROUP = 128
 #: live copies per new episode from which a step lays out the new episodes while the engine runs (a
 #: layout costs ~10 copy-steps of engine work at the default config)
 _OVERLAP_LIVE_PER_RESET = 16
+#: SAME_STEP: draw and cut each copy's next episode ahead, while the engine runs (``_Core.prepare_ahead``)
+_PREPARE_AHEAD = True
 
 
 class _Core:
     """N copies of the MDP as one batch (all arrays [N, ...])."""
 
-    def __init__(self, config: TokenBatchConfig, num_envs: int, threads: int = 1):
+    def __init__(self, config: TokenBatchConfig, num_envs: int, threads: int = 1, prepare_ahead: bool = False):
+        """``prepare_ahead`` (SAME_STEP): each copy's next episode is drawn and cut while the engine
+        runs (``prepare_ahead``), so that a reset after the engine call only lays it out."""
         from .engine.profiles import load_profile
         from .engine.simulate import EngineRun
         from .engine.state import EngineConfig
@@ -797,6 +801,11 @@ class _Core:
         self.s0, self.s1 = cfg.warmup, cfg.warmup + cfg.window
         # per-copy episode state
         self.rngs = [np.random.default_rng(None if cfg.seed is None else cfg.seed + i) for i in range(N)]
+        # prepared next episodes (``prepare_ahead``): field -> [N, ...]; which copies have one; a copy
+        # whose drawn episode could not be cut -> its error (raised at its reset)
+        self._prep: Optional[dict] = {} if prepare_ahead else None
+        self._ready = np.zeros(N, bool)
+        self._prep_error: dict = {}
         self.obs = np.zeros((N, self.obs_dim), np.float32)
         self.t2 = np.zeros((N, R), np.int64)
         self.h_best = np.zeros((N, R), np.int64)   # best-case prefix hits (bounds.best_case_hits)
@@ -827,16 +836,17 @@ class _Core:
                 if not _is_int(s) or s < 0:
                     raise ConfigError(f"seed: must be an integer >= 0 or None, got {s!r}")
                 self.rngs[c] = np.random.default_rng(int(s))
+                if self._prep is not None:   # its prepared episode came from the old generator
+                    self._ready[c] = False
+                    self._prep_error.pop(int(c), None)
 
-    def reset_copies(self, rows: np.ndarray) -> None:
-        """Draw a new episode (trace, window, rho) for each copy in ``rows`` and lay it out."""
+    def _draw(self, rows: np.ndarray) -> tuple:
+        """Each copy's next episode (suite trace, window start, rho and its exact time factor), drawn
+        from the copy's own generator. With ``errors`` (a dict) a copy whose scaled trace is out of
+        range is recorded there (copy -> error) and left out; else the error raises."""
         cfg, wl = self.config, self.workload
-        rows = np.asarray(rows, np.int64)
-        if rows.size == 0:
-            return
-        E = rows.size
-        units, starts, factors = np.zeros(E, np.int64), np.zeros(E, np.int64), []
-        for e, c in enumerate(rows):
+        units, starts, rhos, factors, kept = [], [], [], [], []
+        for c in rows.tolist():
             rng = self.rngs[c]
             u = self.units[int(rng.integers(len(self.units)))]
             n = len(wl.units[u])
@@ -845,12 +855,92 @@ class _Core:
             rho = float(lo if lo == hi else rng.uniform(lo, hi))
             f = wl.scale_factor(rho)
             if not wl.scaled_in_range(u, f):
-                wl.window_at(u, rho, start, cfg.window, cfg.warmup, cfg.cooldown)   # raises its error
-            units[e], starts[e] = u, start
+                try:
+                    wl.window_at(u, rho, start, cfg.window, cfg.warmup, cfg.cooldown)   # raises its error
+                except ConfigError as e:
+                    if self._prep is None:
+                        raise
+                    self._prep_error[c] = e   # raised when the copy is reset, as without preparation
+                    continue
+            units.append(u)
+            starts.append(start)
+            rhos.append(rho)
             factors.append(f)
-            self.rho[c], self.trace_index[c], self.window_start[c] = rho, u, start
-        cols, self.t2[rows], self.h_best[rows] = self.episodes.columns(units, starts - cfg.warmup, cfg.n_req,
-                                                                       factors, self.fresh)
+            kept.append(c)
+        return (np.array(kept, np.int64), np.array(units, np.int64), np.array(starts, np.int64),
+                np.array(rhos, np.float64), factors)
+
+    def prepare_ahead(self, limit: int) -> None:
+        """(SAME_STEP) Draw and cut the next episodes of up to ``limit`` copies that have none ready:
+        the expensive half of a reset, done while the engine runs (``step``'s ``meanwhile``) rather
+        than after it. A copy's generator serves only its episodes, in order, so drawing one episode
+        ahead gives the same episodes (a new seed discards it)."""
+        todo = np.flatnonzero(~self._ready)
+        if self._prep_error:
+            todo = todo[~np.isin(todo, list(self._prep_error))]
+        self._prepare(todo[:limit])
+
+    def _prepare(self, rows: np.ndarray) -> None:
+        """``_draw`` and ``columns`` of these copies' next episodes into ``_prep`` (one row per copy)."""
+        if rows.size == 0:
+            return
+        rows, units, starts, rhos, factors = self._draw(rows)
+        if rows.size == 0:
+            return
+        cfg = self.config
+        cols, t2, h_best = self.episodes.columns(units, starts - cfg.warmup, cfg.n_req, factors, {})
+        P = self._prep
+        if not P:   # allocated on first use (chain_val as wide as any window's)
+            for k, v in cols.items():
+                if k != "hash_head":
+                    width = self.run.arrays.chain_val.shape[1:] if k == "chain_val" else v.shape[1:]
+                    P[k] = np.zeros((self.n, *width), v.dtype)
+            P.update(t2=np.zeros_like(self.t2), h_best=np.zeros_like(self.h_best), unit=np.zeros(self.n, np.int64),
+                     start=np.zeros(self.n, np.int64), rho=np.zeros(self.n), ids=np.zeros(self.n, np.int64))
+        for k, v in cols.items():
+            if k == "chain_val":
+                P[k][rows, :v.shape[1]] = v
+                P[k][rows, v.shape[1]:] = 0
+            elif k == "hash_head":
+                P["ids"][rows] = v.shape[1]   # (at least) the window's id space, for the reset's check
+            else:
+                P[k][rows] = v
+        P["t2"][rows], P["h_best"][rows] = t2, h_best
+        P["unit"][rows], P["start"][rows], P["rho"][rows] = units, starts, rhos
+        self._ready[rows] = True
+
+    def _take_prepared(self, rows: np.ndarray) -> tuple:
+        """What ``_draw`` and ``columns`` would give for these copies' next episodes, from ``_prep``
+        (prepared now where not ready): each window's columns are its own, chain_val as wide as the
+        widest of these windows'."""
+        for attempt in range(2):
+            for c in rows.tolist():
+                if c in self._prep_error:
+                    raise self._prep_error.pop(c)
+            if attempt == 0:
+                self._prepare(rows[~self._ready[rows]])
+        P = self._prep
+        self._ready[rows] = False
+        meta = ("chain_val", "t2", "h_best", "unit", "start", "rho", "ids")
+        cols = {k: v[rows] for k, v in P.items() if k not in meta}
+        cols["chain_val"] = P["chain_val"][rows, :max(1, int(P["chain_off"][rows, -1].max()))]
+        cols["hash_head"] = np.full((1, int(P["ids"][rows].max())), -1, np.int32)
+        return P["unit"][rows], P["start"][rows], P["rho"][rows], cols, P["t2"][rows], P["h_best"][rows]
+
+    def reset_copies(self, rows: np.ndarray) -> None:
+        """Draw a new episode (trace, window, rho) for each copy in ``rows`` and lay it out."""
+        cfg = self.config
+        rows = np.asarray(rows, np.int64)
+        if rows.size == 0:
+            return
+        if self._prep is not None:
+            units, starts, rhos, cols, t2, h_best = self._take_prepared(rows)
+            cols = {**self.fresh, **cols}
+        else:
+            _, units, starts, rhos, factors = self._draw(rows)
+            cols, t2, h_best = self.episodes.columns(units, starts - cfg.warmup, cfg.n_req, factors, self.fresh)
+        self.rho[rows], self.trace_index[rows], self.window_start[rows] = rhos, units, starts
+        self.t2[rows], self.h_best[rows] = t2, h_best
         A = self.run.arrays
         if cols["hash_head"].shape[1] <= A.hash_head.shape[1]:
             # the cache's hash map is -1 except at the ids its blocks hold (``bhash``, reset below):
@@ -902,6 +992,13 @@ class _Core:
             self._rewards(g, trunc, reward)
 
         meanwhile = None
+        if self._prep is not None:
+            # the next episodes of the copies reset lately, drawn and cut while the engine runs (as
+            # many as the live copies can hide; the rest when they are reset)
+            n_live = int(np.count_nonzero(live))
+            limit = n_live // _OVERLAP_LIVE_PER_RESET if _OVERLAP_LIVE_PER_RESET > 0 else n_live
+            if limit and not self._ready.all():
+                meanwhile = lambda: self.prepare_ahead(limit)   # noqa: E731
         if reset_rows is not None and len(reset_rows):
             assert not live[reset_rows].any()
 
@@ -1001,7 +1098,12 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
 
     ``threads`` (keyword, not part of the MDP config): the engine advances the copies on this many
     threads at once, which share them out as they go (the compiled kernel releases the GIL); results
-    are identical for any value. Default (None): the available cores from 64 copies on, else 1."""
+    are identical for any value. Default (None): the available cores from 64 copies on, else 1.
+
+    New episodes are laid out while the engine runs where the mode allows: NEXT_STEP lays out the
+    episodes of the copies that ended in the previous step; SAME_STEP draws and cuts each copy's next
+    episode ahead (one more row per copy of the window's columns), so that only its layout follows
+    the engine. Either way the episodes are those each copy's generator gives, in order."""
 
     metadata = {"render_modes": [], "autoreset_mode": AutoresetMode.NEXT_STEP}
 
@@ -1026,7 +1128,8 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
             raise ConfigError(f"threads: must be None (automatic) or an integer >= 1, got {threads!r}")
         self.config = config
         self.threads = (default_threads(num_envs) if _is_int(num_envs) else 1) if threads is None else int(threads)
-        self.core = _Core(config, num_envs, self.threads)
+        self.core = _Core(config, num_envs, self.threads,
+                          prepare_ahead=_PREPARE_AHEAD and config.autoreset_mode == AutoresetMode.SAME_STEP)
         self.num_envs = self.core.n
         self.metadata = {**type(self).metadata, "autoreset_mode": config.autoreset_mode}
         self.autoreset_mode = config.autoreset_mode
