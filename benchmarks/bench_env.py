@@ -6,6 +6,7 @@
     python benchmarks/bench_env.py --rho 2 3 --interval-ms 20   # less simulation per step
     python benchmarks/bench_env.py --threads 1 --no-sync --no-adapter   # native env, one engine thread
     python benchmarks/bench_env.py --breakdown --no-sync --no-adapter   # where (a)'s time goes
+    python benchmarks/bench_env.py --paired 10 --no-sync --no-adapter   # (a)/(b) alternated in 10 rounds
 
 Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
   (a) native ``TokenBatchVectorEnv`` env-steps/s (copies x steps / wall seconds);
@@ -13,6 +14,8 @@ Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
       (so the very same trajectories: checked), env-steps/s, and the speed-up (a)/(b);
   (c) the SB3 adapter (``tokenbatch_env.sb3``, SAME_STEP) over the native env vs the raw native env
       in SAME_STEP mode: env-steps/s and the adapter's overhead.
+  --paired R: (a) and (b) again, alternated in R rounds (both see the same phases of the machine):
+      both rates, their ratio, and the ratio's median and range over the rounds;
   --breakdown: (a)'s wall time per copy-step split into the engine with the observations and
       rewards of the copies it advanced (``advance_to_decision``: each engine thread observes and
       rewards its copies right after advancing them; one thread first lays out the new episodes of
@@ -119,6 +122,39 @@ def bench_sync(n: int, steps: int, warm: int) -> dict:
                     n, steps, warm)
 
 
+def bench_paired(n: int, rounds: int, native_steps: int, sync_steps: int, warm: int) -> dict:
+    """(a) and (b) alternated in rounds (``native_steps`` native steps, then ``sync_steps``
+    SyncVectorEnv steps), both envs built, reset and warmed up first: each sees the same phases of
+    the machine, whose speed drifts by tens of percent over seconds on a shared VM, so their ratio
+    is measured paired. Returns both rates over all rounds, the ratio per round, and whether the
+    rewards agree on the steps both took."""
+    import gymnasium as gym
+
+    from tokenbatch_env.envs import TokenBatchEnv, TokenBatchVectorEnv
+    nat = TokenBatchVectorEnv(n, **CONFIG, **ENV_KW)
+    syn = gym.vector.SyncVectorEnv([lambda: TokenBatchEnv(**CONFIG) for _ in range(n)],
+                                   autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+    acts = _actions(n, warm + rounds * max(native_steps, sync_steps))
+    rew = {}
+    for name, env in (("native", nat), ("sync", syn)):
+        env.reset(seed=0)
+        rew[name] = [np.asarray(env.step(a)[1]).copy() for a in acts[:warm]]
+    spent = {"native": [], "sync": []}
+    for r in range(rounds):
+        for name, env, k in (("native", nat, native_steps), ("sync", syn, sync_steps)):
+            i = len(rew[name])
+            t0 = time.perf_counter()
+            for a in acts[i:i + k]:
+                rew[name].append(np.asarray(env.step(a)[1]).copy())
+            spent[name].append(time.perf_counter() - t0)
+    m = min(len(rew["native"]), len(rew["sync"]))
+    rate = {k: n * (native_steps if k == "native" else sync_steps) / np.array(v) for k, v in spent.items()}
+    return {"native_sps": n * native_steps * rounds / sum(spent["native"]),
+            "sync_sps": n * sync_steps * rounds / sum(spent["sync"]),
+            "round_ratios": rate["native"] / rate["sync"],
+            "same_rewards": all(np.array_equal(a, b) for a, b in zip(rew["native"][:m], rew["sync"][:m]))}
+
+
 def bench_adapter(n: int, steps: int, warm: int) -> dict:
     from tokenbatch_env.sb3 import make_sb3_vec_env
     venv = make_sb3_vec_env(n, **CONFIG, **ENV_KW)
@@ -142,6 +178,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sync", action="store_true")
     ap.add_argument("--no-adapter", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="also split (a)'s time per copy-step into parts")
+    ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                    help="also measure (a) and (b) alternated in ROUNDS rounds of --steps / ROUNDS native steps "
+                         "and --sync-steps-per-round SyncVectorEnv steps (their ratio under the same machine "
+                         "phases; --no-sync skips the sequential (b))")
+    ap.add_argument("--sync-steps-per-round", type=int, default=2)
     ap.add_argument("--rho", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                     help="load range (default 0.8 1.5)")
     ap.add_argument("--interval-ms", type=float, default=None, help="decision_interval_ms (default 100)")
@@ -179,6 +220,14 @@ def main(argv=None) -> int:
               f"reset {sy['reset_s']:.2f} s); same rewards as (a): {same if ns == n else 'n/a'}")
         print(f"    speed-up native / sync at {ns} copies: {ref['steps_per_s'] / sy['steps_per_s']:.1f}x "
               f"(target >= 30x)")
+    if a.paired:
+        k = max(1, T // a.paired)
+        pr = bench_paired(n, a.paired, k, a.sync_steps_per_round, W)
+        rr = pr["round_ratios"]
+        print(f"(a)/(b) paired, {a.paired} rounds of {k} native and {a.sync_steps_per_round} SyncVectorEnv steps "
+              f"({n} copies): native {pr['native_sps']:,.0f}, sync {pr['sync_sps']:,.0f} env-steps/s, speed-up "
+              f"{pr['native_sps'] / pr['sync_sps']:.1f}x (rounds: median {np.median(rr):.1f}x, "
+              f"{rr.min():.1f}-{rr.max():.1f}x; target >= 30x); same rewards: {pr['same_rewards']}")
     if not a.no_adapter:
         raw = bench_native(n, T, W, mode="SAME_STEP")
         ad = bench_adapter(n, T, W)

@@ -24,3 +24,16 @@ def test_bench_env_tiny(capsys):
     parts = dict(p.rsplit(" ", 1) for p in line.split(": ", 1)[1].split("; "))
     total = float(parts.pop("total"))
     assert total > 0 and abs(sum(float(v) for v in parts.values()) - total) <= 0.05   # (printed to 0.01)
+
+
+def test_bench_env_paired_tiny(capsys):
+    """``--paired``: native and SyncVectorEnv alternated in rounds, on the same actions (rewards
+    checked on the steps both took); both rates and the per-round ratios printed."""
+    bench = _load()
+    assert bench.main(["--copies", "3", "--steps", "6", "--warm", "1", "--paired", "3", "--no-sync",
+                       "--no-adapter", "--sync-steps-per-round", "1"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "paired" in ln)
+    assert "3 rounds of 2 native and 1 SyncVectorEnv steps" in line and line.endswith("same rewards: True")
+    r = bench.bench_paired(3, 2, 2, 1, 1)
+    assert len(r["round_ratios"]) == 2 and r["native_sps"] > 0 and r["sync_sps"] > 0 and r["same_rewards"]
