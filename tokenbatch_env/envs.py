@@ -842,8 +842,9 @@ class _Core:
 
     def _draw(self, rows: np.ndarray) -> tuple:
         """Each copy's next episode (suite trace, window start, rho and its exact time factor), drawn
-        from the copy's own generator. With ``errors`` (a dict) a copy whose scaled trace is out of
-        range is recorded there (copy -> error) and left out; else the error raises."""
+        from the copy's own generator, as (copies drawn, units, starts, rhos, factors). A copy whose
+        scaled trace is out of range raises its error here, or, preparing ahead, is left out with
+        the error kept for its reset (``_prep_error``)."""
         cfg, wl = self.config, self.workload
         units, starts, rhos, factors, kept = [], [], [], [], []
         for c in rows.tolist():
@@ -913,12 +914,13 @@ class _Core:
         """What ``_draw`` and ``columns`` would give for these copies' next episodes, from ``_prep``
         (prepared now where not ready): each window's columns are its own, chain_val as wide as the
         widest of these windows'."""
-        for attempt in range(2):
+        def raise_kept():
             for c in rows.tolist():
                 if c in self._prep_error:
                     raise self._prep_error.pop(c)
-            if attempt == 0:
-                self._prepare(rows[~self._ready[rows]])
+        raise_kept()
+        self._prepare(rows[~self._ready[rows]])
+        raise_kept()
         P = self._prep
         self._ready[rows] = False
         meta = ("chain_val", "t2", "h_best", "unit", "start", "rho", "ids")
