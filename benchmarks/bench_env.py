@@ -190,6 +190,9 @@ def main(argv=None) -> int:
                     help="engine threads of the native env, (a) and (c) (default: the env's, the available "
                          "cores from 64 copies on); SyncVectorEnv's single envs use 1")
     a = ap.parse_args(argv)
+    if a.paired < 0 or a.sync_steps_per_round < 1:
+        ap.error(f"--paired must be >= 0 (0: off) and --sync-steps-per-round >= 1, got {a.paired} and "
+                 f"{a.sync_steps_per_round}")
     if a.threads is not None:
         ENV_KW["threads"] = a.threads
     if a.rho is not None:

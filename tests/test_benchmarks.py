@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_env.py"
 
 
@@ -37,3 +39,12 @@ def test_bench_env_paired_tiny(capsys):
     assert "3 rounds of 2 native and 1 SyncVectorEnv steps" in line and line.endswith("same rewards: True")
     r = bench.bench_paired(3, 2, 2, 1, 1)
     assert len(r["round_ratios"]) == 2 and r["native_sps"] > 0 and r["sync_sps"] > 0 and r["same_rewards"]
+
+
+def test_bench_env_paired_bad_input(capsys):
+    bench = _load()
+    for args in (["--paired", "-1"], ["--paired", "2", "--sync-steps-per-round", "0"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(args + ["--no-sync", "--no-adapter"])
+        assert e.value.code == 2
+        assert "--paired must be >= 0" in capsys.readouterr().err

@@ -994,14 +994,7 @@ class _Core:
             self._rewards(g, trunc, reward)
 
         meanwhile = None
-        if self._prep is not None:
-            # the next episodes of the copies reset lately, drawn and cut while the engine runs (as
-            # many as the live copies can hide; the rest when they are reset)
-            n_live = int(np.count_nonzero(live))
-            limit = n_live // _OVERLAP_LIVE_PER_RESET if _OVERLAP_LIVE_PER_RESET > 0 else n_live
-            if limit and not self._ready.all():
-                meanwhile = lambda: self.prepare_ahead(limit)   # noqa: E731
-        if reset_rows is not None and len(reset_rows):
+        if reset_rows is not None and len(reset_rows):   # NEXT_STEP
             assert not live[reset_rows].any()
 
             def meanwhile():
@@ -1015,6 +1008,13 @@ class _Core:
                 # engine thread done early would wait for): lay out first, as without threads
                 meanwhile()
                 meanwhile = None
+        elif self._prep is not None:   # SAME_STEP (whose resets follow the engine call)
+            # the next episodes of the copies reset lately, drawn and cut while the engine runs (as
+            # many as the live copies can hide; the rest when they are reset)
+            n_live = int(np.count_nonzero(live))
+            limit = n_live // _OVERLAP_LIVE_PER_RESET if _OVERLAP_LIVE_PER_RESET > 0 else n_live
+            if limit and not self._ready.all():
+                meanwhile = lambda: self.prepare_ahead(limit)   # noqa: E731
         stop = run.advance_to_decision(live, then=then, meanwhile=meanwhile)
         term = live & (stop == K.STOP_ENDED)
         self.ep_return[live] += reward[live]
