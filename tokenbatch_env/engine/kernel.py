@@ -173,23 +173,26 @@ def _fq_remove(fq_prev, fq_next, n_free, c, b):
 
 
 @helper
-def _fq_append(fq_prev, fq_next, n_free, c, b, tail):
-    p = fq_prev[c, tail]
+def _fq_link_after(fq_prev, fq_next, c, b, p):
+    """Link b into the free queue right after p (the front sentinel or a block in the queue); the
+    caller counts it in ``n_free``."""
+    n = fq_next[c, p]
     fq_next[c, p] = b
     fq_prev[c, b] = p
-    fq_next[c, b] = tail
-    fq_prev[c, tail] = b
+    fq_next[c, b] = n
+    fq_prev[c, n] = b
+
+
+@helper
+def _fq_append(fq_prev, fq_next, n_free, c, b, tail):
+    _fq_link_after(fq_prev, fq_next, c, b, fq_prev[c, tail])
     n_free[c] += 1
 
 
 @helper
 def _fq_prepend(fq_prev, fq_next, n_free, c, b, head):
     """Insert b right after ``head`` (the queue's front sentinel, or a block already in the queue)."""
-    n = fq_next[c, head]
-    fq_next[c, head] = b
-    fq_prev[c, b] = head
-    fq_next[c, b] = n
-    fq_prev[c, n] = b
+    _fq_link_after(fq_prev, fq_next, c, b, head)
     n_free[c] += 1
 
 
@@ -215,24 +218,43 @@ def _uncache(bhash, hash_head, hnext, c, b):
 
 @helper
 def _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held, c, r, k, head):
-    """Pop k blocks from the free queue's front (evicting cached ones lazily) into r's table."""
+    """Pop k blocks from the free queue's front (evicting cached ones lazily) into r's table. The
+    popped run is unlinked as one piece (the same links as k ``_fq_remove`` of the front), with the
+    counters kept in registers: every store to an array may alias any other for the compiler, so
+    per-block updates of ``held``/``n_free`` would reload all of them at each block."""
     s = slot_of[c, r]
+    h = held[c, r]
+    b = fq_next[c, head]
     for _ in range(k):
-        b = fq_next[c, head]
-        _fq_remove(fq_prev, fq_next, n_free, c, b)
+        nxt = fq_next[c, b]
+        fq_prev[c, b] = -1
+        fq_next[c, b] = -1
         _uncache(bhash, hash_head, hnext, c, b)
         ref[c, b] = 1
-        table[c, s, held[c, r]] = b
-        held[c, r] += 1
+        table[c, s, h] = b
+        h += 1
+        b = nxt
+    fq_next[c, head] = b
+    fq_prev[c, b] = head
+    held[c, r] = h
+    n_free[c] -= k
 
 
 @helper
-def _block_hash_id(chain_off, chain_val, uniq_base, c, r, j):
+def _hash_ids(chain_off, uniq_base, c, r):
+    """Where r's block hash ids come from, for ``_hash_id``: (start of its shared prefix chain in
+    ``chain_val``, the chain's length n, and its own (unique) ids' base less n). Read once per walk
+    over r's blocks: inside a loop that stores to any array the compiler must reload them."""
     lo = chain_off[c, r]
     n = chain_off[c, r + 1] - lo
-    if j < n:
-        return chain_val[c, lo + j]
-    return uniq_base[c, r] + (j - n)
+    return lo, n, uniq_base[c, r] - n
+
+
+@helper
+def _hash_id(chain_val, c, lo, n, ub, j):
+    """The dense hash id of block j of the request whose ``_hash_ids`` are (lo, n, ub): its shared
+    chain's ids first, then its own consecutive ones."""
+    return chain_val[c, lo + j] if j < n else ub + j
 
 
 @helper
@@ -244,10 +266,11 @@ def _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, 
     if j >= full:
         return
     s = slot_of[c, r]
+    lo, n, ub = _hash_ids(chain_off, uniq_base, c, r)
     while j < full:
         b = table[c, s, j]
         if bhash[c, b] < 0:
-            h = _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)
+            h = _hash_id(chain_val, c, lo, n, ub, j)
             bhash[c, b] = h
             # append to the hash's block list (the first inserted is returned on lookup)
             cur = hash_head[c, h]
@@ -270,15 +293,19 @@ def _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq
     ``BlockPool.free_blocks``: ``prepend_n`` then ``append_n``)."""
     s = slot_of[c, r]
     cursor = head  # hashless blocks are inserted after the previous one
+    freed = 0
     for j in range(held[c, r] - 1, -1, -1):
         b = table[c, s, j]
-        ref[c, b] -= 1
-        if ref[c, b] == 0:
+        left = ref[c, b] - 1
+        ref[c, b] = left
+        if left == 0:
+            freed += 1
             if bhash[c, b] < 0:
-                _fq_prepend(fq_prev, fq_next, n_free, c, b, cursor)
+                _fq_link_after(fq_prev, fq_next, c, b, cursor)
                 cursor = b
             else:
-                _fq_append(fq_prev, fq_next, n_free, c, b, tail)
+                _fq_link_after(fq_prev, fq_next, c, b, fq_prev[c, tail])
+    n_free[c] += freed
     held[c, r] = 0
     n_cached[c, r] = 0
     slot_free[c, n_slot_free[c]] = s
@@ -302,9 +329,10 @@ def _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev,
 def _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs, bsh=-1):
     """Cached leading blocks of r: a contiguous chain from block 0, capped at num_tokens - 1."""
     max_blocks = _bdiv(num_tokens - 1, bs, bsh)
+    lo, n, ub = _hash_ids(chain_off, uniq_base, c, r)
     k = 0
     while k < max_blocks:
-        if hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, k)] < 0:
+        if hash_head[c, _hash_id(chain_val, c, lo, n, ub, k)] < 0:
             break
         k += 1
     return k
@@ -459,10 +487,11 @@ def _hits_evictable(hash_head, chain_off, chain_val, uniq_base, ref, c, r, num_t
     has room. Returns (hits, evictable)."""
     max_blocks = _bdiv(num_tokens - 1, bs, bsh)
     room = ev_blocks.shape[0] - n_ev
+    lo, n, ub = _hash_ids(chain_off, uniq_base, c, r)
     k = 0
     ev = 0
     while k < max_blocks:
-        b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, k)]
+        b = hash_head[c, _hash_id(chain_val, c, lo, n, ub, k)]
         if b < 0:
             break
         if ref[c, b] == 0:
@@ -1559,8 +1588,9 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     n_slot_free[c] -= 1
                     sl = slot_free[c, n_slot_free[c]]
                     slot_of[c, r] = sl
+                    lo, n_ch, ub = _hash_ids(chain_off, uniq_base, c, r)
                     for j in range(hits):  # touch the hit blocks
-                        b = hash_head[c, _block_hash_id(chain_off, chain_val, uniq_base, c, r, j)]
+                        b = hash_head[c, _hash_id(chain_val, c, lo, n_ch, ub, j)]
                         if ref[c, b] == 0:
                             _fq_remove(fq_prev, fq_next, n_free, c, b)
                         ref[c, b] += 1
