@@ -184,12 +184,6 @@ def _fq_link_after(fq_prev, fq_next, c, b, p):
 
 
 @helper
-def _fq_append(fq_prev, fq_next, n_free, c, b, tail):
-    _fq_link_after(fq_prev, fq_next, c, b, fq_prev[c, tail])
-    n_free[c] += 1
-
-
-@helper
 def _fq_prepend(fq_prev, fq_next, n_free, c, b, head):
     """Insert b right after ``head`` (the queue's front sentinel, or a block already in the queue)."""
     _fq_link_after(fq_prev, fq_next, c, b, head)

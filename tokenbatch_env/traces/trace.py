@@ -123,7 +123,6 @@ def subset_prefix_ids(n_ids: int, ids: np.ndarray, a: int, b: int) -> tuple:
     return int(n_uniq[0]), out[0]
 
 
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Trace:
     """A validated, immutable request trace. Build with ``Trace.build(...)`` (validates, copies)."""
