@@ -201,11 +201,12 @@ def test_zero_action_reproduces_evaluator_policy(mode, shed, tmp_path):
 
 @pytest.mark.parametrize("suite, profile", [("seed-200", "stress-512"), ("mooncake-like", "llama3-8b-h100")])
 def test_episode_layout_is_build_arrays_of_the_window(suite, profile):
-    """A batch of new episodes laid out from the stacked units (``_EpisodeTable.columns`` spliced into
-    rows that held other episodes) equals ``build_arrays`` of the traces ``Workload.window_at`` cuts,
-    field by field (the block table aside: it is never read above a request's held blocks)."""
+    """A batch of new episodes laid out from the stacked units (``_EpisodeTable.columns`` laid out by
+    ``_lay_out`` into rows that held other episodes) equals ``build_arrays`` of the traces
+    ``Workload.window_at`` cuts, field by field (the block table aside: it is never read above a
+    request's held blocks)."""
     from tokenbatch_env.engine.state import build_arrays
-    from tokenbatch_env.envs import _splice
+    from tokenbatch_env.envs import _lay_out
     env = TokenBatchVectorEnv(6, suite=suite, profile=profile, rho=(0.5, 2.0), window=64, warmup=16,
                               cooldown=16, seed=5)
     env.reset()
@@ -225,8 +226,10 @@ def test_episode_layout_is_build_arrays_of_the_window(suite, profile):
                        [core.estimates[u][w.parent_start:w.parent_start + len(w.trace)] for u, w in zip(units, wins)],
                        block_table=False)
     cols, t2, h_best = core.episodes.columns(units, starts - cfg.warmup, cfg.n_req,
-                                             [wl.scale_factor(r) for r in rhos], core.fresh)
-    A = _splice(core.run.arrays, cols, rows)
+                                             [wl.scale_factor(r) for r in rhos])
+    # window j into row rows[j], given in another order (the prepared path reads rows of its columns)
+    order = np.array([3, 1, 0, 2])
+    A = _lay_out(core.run.arrays, core.fresh, rows[order], cols, order, core.cv_extent)
     for f in ref._fields:
         if f == "table":
             continue
@@ -1029,8 +1032,8 @@ def test_hash_widths_sized_once_and_stale_entries_cleared():
         u = int(rng.choice(core.units))
         lo = int(rng.integers(0, len(wl.units[u]) - core.config.n_req + 1))
         cols, _, _ = core.episodes.columns(np.array([u]), np.array([lo]), core.config.n_req,
-                                           [wl.scale_factor(1.0)], core.fresh)
-        assert cols["chain_val"].shape[1] <= H and cols["hash_head"].shape[1] <= W
+                                           [wl.scale_factor(1.0)])
+        assert cols["chain_val"].shape[1] <= H and cols["ids"].max() <= W
     resets = 0
     for _ in range(120):
         _, _, term, trunc, _ = env.step(np.zeros((8, core.action_dim)))
@@ -1042,5 +1045,5 @@ def test_hash_widths_sized_once_and_stale_entries_cleared():
             set_ids = np.flatnonzero(A.hash_head[c] != -1)
             assert set(set_ids.tolist()) == set(A.bhash[c][A.bhash[c] >= 0].tolist())
             assert (A.bhash[c, A.hash_head[c, set_ids]] == set_ids).all()
-            assert (A.chain_val[c, core.extent["chain_val"][c]:] == 0).all()
+            assert (A.chain_val[c, core.cv_extent[c]:] == 0).all()
     assert resets > 8

@@ -583,33 +583,118 @@ _GROW_FILL = {"hash_head": -1, "chain_val": 0}
 _WORKLOADS: dict = {}
 
 
-def _splice(A, cols: dict, rows, extent: Optional[dict] = None):
-    """Write ``cols`` (field name -> [len(rows), ...], or [1, ...] for the same values in every row)
-    into rows ``rows`` of ``A``, padding the per-copy hash dimensions with their fill value and
-    growing them when the new windows need more. Fields not in ``cols`` are kept (the block table: a
-    request's entries are written before they are read). ``extent`` (name -> k) says that these rows
-    of a hash field hold its fill value from column k on (nothing was written there since): only the
-    first max(k, new width) columns are written."""
-    changes = {}
-    for name, b in cols.items():
+#: the engine fields a new episode's window sets (``_EpisodeTable.columns``); ``_lay_out_rows`` resets
+#: every other field but ``table`` (never read above a request's held blocks) and ``hash_head`` (-1
+#: except at the ids the copy's blocks hold: cleared there) to the fresh values of a batch as built
+TRACE_FIELDS = ("n_req", "arrival", "prompt", "out_len", "prio", "capped", "t1", "est", "chain_off", "chain_val",
+                "uniq_base", "now")
+
+
+@njit
+def _lay_out_rows(A, F, rows, src, n_req, arrival, prompt, out_len, prio, capped, t1, est, chain_off, chain_val,
+                  cv_width, uniq_base, now, extent):
+    """New episodes into rows ``rows`` of ``A``: row ``src[i]`` of the window columns into row
+    ``rows[i]``, every other field (but ``table``) from ``F``'s row 0; ``chain_val`` up to
+    ``cv_width`` columns, zeros past it up to the row's ``extent`` (nothing was written beyond that)."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        s = src[i]
+        for b in range(A.bhash.shape[1]):   # (before bhash is reset) the ids this row's blocks hold
+            h = A.bhash[r, b]
+            if h >= 0:
+                A.hash_head[r, h] = -1
+        A.it[r] = F.it[0]
+        A.next_arr[r] = F.next_arr[0]
+        A.n_ended[r] = F.n_ended[0]
+        A.key_hi[r] = F.key_hi[0]
+        A.key_lo[r] = F.key_lo[0]
+        A.n_run[r] = F.n_run[0]
+        A.n_wait[r] = F.n_wait[0]
+        A.n_free[r] = F.n_free[0]
+        A.n_slot_free[r] = F.n_slot_free[0]
+        A.n_pend[r] = F.n_pend[0]
+        A.n_iter_rec[r] = F.n_iter_rec[0]
+        A.status[r] = F.status[0]
+        A.end_state[r] = F.end_state[0]
+        A.computed[r] = F.computed[0]
+        A.gen[r] = F.gen[0]
+        A.qkey[r] = F.qkey[0]
+        A.slot_of[r] = F.slot_of[0]
+        A.held[r] = F.held[0]
+        A.n_cached[r] = F.n_cached[0]
+        A.first_sched[r] = F.first_sched[0]
+        A.first_token[r] = F.first_token[0]
+        A.first_token_it[r] = F.first_token_it[0]
+        A.finish[r] = F.finish[0]
+        A.finish_it[r] = F.finish_it[0]
+        A.n_preempt[r] = F.n_preempt[0]
+        A.recomputed[r] = F.recomputed[0]
+        A.resumed[r] = F.resumed[0]
+        A.run_ids[r] = F.run_ids[0]
+        A.wait_ids[r] = F.wait_ids[0]
+        A.slot_free[r] = F.slot_free[0]
+        A.pend_ids[r] = F.pend_ids[0]
+        A.ref[r] = F.ref[0]
+        A.bhash[r] = F.bhash[0]
+        A.hnext[r] = F.hnext[0]
+        A.fq_prev[r] = F.fq_prev[0]
+        A.fq_next[r] = F.fq_next[0]
+        A.sched_r[r] = F.sched_r[0]
+        A.sched_new[r] = F.sched_new[0]
+        A.sched_cb[r] = F.sched_cb[0]
+        A.iter_rec[r] = F.iter_rec[0]
+        A.jump_ids[r] = F.jump_ids[0]
+        A.jump_off[r] = F.jump_off[0]
+        A.emit_it[r] = F.emit_it[0]
+        A.swapped[r] = F.swapped[0]
+        A.swap_ids[r] = F.swap_ids[0]
+        A.n_swap[r] = F.n_swap[0]
+        A.host_free[r] = F.host_free[0]
+        A.epoch[r] = F.epoch[0]
+        A.n_req[r] = n_req[s]
+        A.arrival[r] = arrival[s]
+        A.prompt[r] = prompt[s]
+        A.out_len[r] = out_len[s]
+        A.prio[r] = prio[s]
+        A.capped[r] = capped[s]
+        A.t1[r] = t1[s]
+        A.est[r] = est[s]
+        A.chain_off[r] = chain_off[s]
+        A.chain_val[r, :cv_width] = chain_val[s, :cv_width]
+        if extent[r] > cv_width:
+            A.chain_val[r, cv_width:extent[r]] = 0
+        extent[r] = cv_width
+        A.uniq_base[r] = uniq_base[s]
+        A.now[r] = now[s]
+
+
+def _grow(A, widths: dict):
+    """``A`` with its per-copy hash dimensions (``_GROW_FILL``) at least ``widths`` (name -> columns)
+    wide, the new columns holding the fill value (the same arrays if wide enough)."""
+    grown = {}
+    for name, w in widths.items():
         a = getattr(A, name)
-        if name in _GROW_FILL and a.ndim == 2 and a.shape[1:] != b.shape[1:]:
-            fill = _GROW_FILL[name]
-            if b.shape[1] > a.shape[1]:
-                na = np.full((a.shape[0], b.shape[1]), fill, a.dtype)
-                na[:, :a.shape[1]] = a
-                a = changes[name] = na
-            k = a.shape[1] if not extent or name not in extent else min(a.shape[1], max(int(extent[name]), b.shape[1]))
-            if k > b.shape[1]:
-                nb = np.full((b.shape[0], k), fill, b.dtype)
-                nb[:, :b.shape[1]] = b
-                b = nb
-            a[rows, :k] = b
-            continue
-        if a.shape[1:] != b.shape[1:]:
+        if w > a.shape[1]:
+            grown[name] = np.full((a.shape[0], w), _GROW_FILL[name], a.dtype)
+            grown[name][:, :a.shape[1]] = a
+    return A._replace(**grown) if grown else A
+
+
+def _lay_out(A, F, rows: np.ndarray, cols: dict, src: np.ndarray, extent: np.ndarray):
+    """``_lay_out_rows`` of the windows ``cols`` (``TRACE_FIELDS`` and ``ids``, each window's id space,
+    as ``_EpisodeTable.columns`` gives them; their rows ``src``) into rows ``rows`` of ``A``, growing
+    the per-copy hash dimensions first if these windows need more (their new columns hold the fill
+    value). ``F``: the fresh values (an ``EngineArrays`` of one row); ``extent``: per copy, the
+    columns of chain_val past which it holds zeros (updated). Returns the arrays (new if grown)."""
+    rows, src = np.asarray(rows, np.int64), np.asarray(src, np.int64)
+    cv = max(1, int(cols["chain_off"][src, -1].max()))
+    A = _grow(A, {"chain_val": cv, "hash_head": int(cols["ids"][src].max())})
+    for name in TRACE_FIELDS:
+        a, b = getattr(A, name), cols[name]
+        if a.shape[1:] != b.shape[1:] and name != "chain_val":
             raise RuntimeError(f"engine array {name}: shape {b.shape[1:]} does not fit {a.shape[1:]}")
-        a[rows] = b
-    return A._replace(**changes) if changes else A
+    _lay_out_rows(A, F, rows, src, *(cols[f] for f in TRACE_FIELDS[:10]), cv, cols["uniq_base"], cols["now"], extent)
+    return A
 
 
 class _EpisodeTable:
@@ -662,10 +747,10 @@ class _EpisodeTable:
             W = max(W, int((room[u, n:n + m] - room[u, :m]).max()))
         return H, W
 
-    def columns(self, units: np.ndarray, lo: np.ndarray, n: int, factors, fresh: dict) -> tuple:
+    def columns(self, units: np.ndarray, lo: np.ndarray, n: int, factors) -> tuple:
         """(engine columns, t2, h_best) of the windows rows ``[lo, lo + n)`` of ``units``, times scaled
-        by ``factors`` (one Fraction per window): for ``_splice``, the fields a trace sets, then
-        ``fresh`` (the [1, ...] rows of a batch as ``build_arrays`` left them) for the others."""
+        by ``factors`` (one Fraction per window): for ``_lay_out``, the fields a trace sets
+        (``TRACE_FIELDS``) and ``ids``, each window's id space (``hash_head`` width)."""
         from .engine.state import capped_outputs, unique_block_bases, window_prefix_ids
         from .traces.windows import scale_rows
         E, bs, i64 = len(units), self.profile.block_size, np.int64
@@ -681,15 +766,14 @@ class _EpisodeTable:
         window_prefix_ids(np.ascontiguousarray(units, i64), self.offsets[units, lo], off[:, -1].copy(), self.n_ids,
                           self.chain_ids, chain_val, n_uniq)
         uniq_base = np.zeros((E, n), i64)
-        W = 1
+        ids = np.ones(E, i64)
         if self.engine_config.prefix_caching and n:
             uniq_base, ids = unique_block_bases(prompt, out_len, self.prefix_len[u, idx], n_uniq, bs)
-            W = max(1, int(ids.max()))
-        cols = dict(fresh)
-        cols.update(
+            ids = np.maximum(ids, 1)
+        cols = dict(
             n_req=np.full(E, n, i64), arrival=arrival, prompt=prompt, out_len=out_len, prio=self.prio[u, idx],
             capped=capped, t1=self.t1[u, idx], est=self.est[u, idx], chain_off=off, chain_val=chain_val,
-            uniq_base=uniq_base, now=arrival[:, 0].copy(), hash_head=np.full((1, W), -1, np.int32))
+            uniq_base=uniq_base, now=arrival[:, 0].copy(), ids=ids)
         return cols, self.t2[u, idx], self.h_best[u, idx]
 
 
@@ -774,20 +858,13 @@ class _Core:
         self.pol = pol
         # the fresh engine state of a copy, as built (the fields a new episode resets that its trace
         # does not set; the block table is never reset)
-        self.fresh = {f: getattr(self.run.arrays, f)[:1].copy() for f in self.run.arrays._fields if f != "table"}
+        self.fresh = K.EngineArrays(*(a[:1].copy() for a in self.run.arrays))
         # the per-copy hash dimensions sized once for any window (no growth, i.e. no copy of the
-        # whole arrays, at resets); ``extent``: each chain_val row holds the fill value from there on
+        # whole arrays, at resets); ``cv_extent``: each chain_val row holds zeros from there on
         # (hash_head rows are -1 except at the ids the copy's blocks hold: resets clear just those)
-        A = self.run.arrays
-        self.extent = {"chain_val": np.full(N, A.chain_val.shape[1], np.int64)}
-        need = dict(zip(("chain_val", "hash_head"), self.episodes.max_widths(cfg.n_req)))
-        grown = {}
-        for f, w in need.items():
-            a = getattr(A, f)
-            if w > a.shape[1]:
-                grown[f] = np.full((N, w), _GROW_FILL[f], a.dtype)
-                grown[f][:, :a.shape[1]] = a
-        self.run.arrays = A._replace(**grown)
+        self.cv_extent = np.full(N, self.run.arrays.chain_val.shape[1], np.int64)
+        self.run.arrays = _grow(self.run.arrays, dict(zip(("chain_val", "hash_head"),
+                                                          self.episodes.max_widths(cfg.n_req))))
         # constants for observations and certain-miss detection
         self.k = cfg.k
         self.obs_dim = obs_dim(cfg.k)
@@ -889,21 +966,17 @@ class _Core:
         if rows.size == 0:
             return
         cfg = self.config
-        cols, t2, h_best = self.episodes.columns(units, starts - cfg.warmup, cfg.n_req, factors, {})
+        cols, t2, h_best = self.episodes.columns(units, starts - cfg.warmup, cfg.n_req, factors)
         P = self._prep
         if not P:   # allocated on first use (chain_val as wide as any window's)
             for k, v in cols.items():
-                if k != "hash_head":
-                    width = self.run.arrays.chain_val.shape[1:] if k == "chain_val" else v.shape[1:]
-                    P[k] = np.zeros((self.n, *width), v.dtype)
+                width = self.run.arrays.chain_val.shape[1:] if k == "chain_val" else v.shape[1:]
+                P[k] = np.zeros((self.n, *width), v.dtype)
             P.update(t2=np.zeros_like(self.t2), h_best=np.zeros_like(self.h_best), unit=np.zeros(self.n, np.int64),
-                     start=np.zeros(self.n, np.int64), rho=np.zeros(self.n), ids=np.zeros(self.n, np.int64))
+                     start=np.zeros(self.n, np.int64), rho=np.zeros(self.n))
         for k, v in cols.items():
             if k == "chain_val":
-                P[k][rows, :v.shape[1]] = v
-                P[k][rows, v.shape[1]:] = 0
-            elif k == "hash_head":
-                P["ids"][rows] = v.shape[1]   # (at least) the window's id space, for the reset's check
+                P[k][rows, :v.shape[1]] = v   # (_lay_out copies each row's entries, not the zeros past them)
             else:
                 P[k][rows] = v
         P["t2"][rows], P["h_best"][rows] = t2, h_best
@@ -912,8 +985,8 @@ class _Core:
 
     def _take_prepared(self, rows: np.ndarray) -> tuple:
         """What ``_draw`` and ``columns`` would give for these copies' next episodes, from ``_prep``
-        (prepared now where not ready): each window's columns are its own, chain_val as wide as the
-        widest of these windows'."""
+        (prepared now where not ready): (units, starts, rhos, columns, t2, h_best), the columns
+        those of ``_prep`` itself, its rows ``rows``."""
         def raise_kept():
             for c in rows.tolist():
                 if c in self._prep_error:
@@ -923,11 +996,7 @@ class _Core:
         raise_kept()
         P = self._prep
         self._ready[rows] = False
-        meta = ("chain_val", "t2", "h_best", "unit", "start", "rho", "ids")
-        cols = {k: v[rows] for k, v in P.items() if k not in meta}
-        cols["chain_val"] = P["chain_val"][rows, :max(1, int(P["chain_off"][rows, -1].max()))]
-        cols["hash_head"] = np.full((1, int(P["ids"][rows].max())), -1, np.int32)
-        return P["unit"][rows], P["start"][rows], P["rho"][rows], cols, P["t2"][rows], P["h_best"][rows]
+        return P["unit"][rows], P["start"][rows], P["rho"][rows], P, P["t2"][rows], P["h_best"][rows]
 
     def reset_copies(self, rows: np.ndarray) -> None:
         """Draw a new episode (trace, window, rho) for each copy in ``rows`` and lay it out."""
@@ -937,23 +1006,14 @@ class _Core:
             return
         if self._prep is not None:
             units, starts, rhos, cols, t2, h_best = self._take_prepared(rows)
-            cols = {**self.fresh, **cols}
+            src = rows
         else:
             _, units, starts, rhos, factors = self._draw(rows)
-            cols, t2, h_best = self.episodes.columns(units, starts - cfg.warmup, cfg.n_req, factors, self.fresh)
+            cols, t2, h_best = self.episodes.columns(units, starts - cfg.warmup, cfg.n_req, factors)
+            src = np.arange(rows.size)
         self.rho[rows], self.trace_index[rows], self.window_start[rows] = rhos, units, starts
         self.t2[rows], self.h_best[rows] = t2, h_best
-        A = self.run.arrays
-        if cols["hash_head"].shape[1] <= A.hash_head.shape[1]:
-            # the cache's hash map is -1 except at the ids its blocks hold (``bhash``, reset below):
-            # clear those (at most a pool's worth per copy) instead of the episode's whole id space
-            held = A.bhash[rows]
-            r_i, b_i = np.nonzero(held >= 0)
-            A.hash_head[rows[r_i], held[r_i, b_i]] = -1
-            del cols["hash_head"]
-        self.run.arrays = _splice(self.run.arrays, cols, rows, {f: self.extent[f][rows].max() for f in self.extent})
-        for f in self.extent:
-            self.extent[f][rows] = cols[f].shape[1]
+        self.run.arrays = _lay_out(self.run.arrays, self.fresh, rows, cols, src, self.cv_extent)
         self.run.tier[rows] = 0
         self.run.score[rows] = 0.0
         self.run.start_epochs(rows, interval_ns=self.dt_ns, scored=(self.s0, self.s1),
@@ -1218,23 +1278,21 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
         if rows.size:
             _add(infos, core.reset_infos(rows), rows, n)
             self._done[reset_now] = False
-        obs = core.obs.copy()
         if mode == AutoresetMode.SAME_STEP and ended.size:
             final_obs = np.full(n, None, dtype=object)
-            for c in ended:
-                final_obs[c] = obs[c].copy()
-            final_info = infos
-            infos = {"final_obs": final_obs, "_final_obs": np.isin(np.arange(n), ended),
-                     "final_info": final_info, "_final_info": np.isin(np.arange(n), ended)}
+            for c in ended.tolist():
+                final_obs[c] = core.obs[c].copy()
+            done = term | trunc
+            infos = {"final_obs": final_obs, "_final_obs": done,
+                     "final_info": infos, "_final_info": done.copy()}
             core.reset_copies(ended)
             _add(infos, core.reset_infos(ended), ended, n)
-            obs = core.obs.copy()
         elif mode == AutoresetMode.NEXT_STEP:
             self._needs_reset = term | trunc
             self._done |= term | trunc
         else:
             self._done |= term | trunc
-        return obs, reward.astype(np.float64), term.copy(), trunc.copy(), infos
+        return core.obs.copy(), reward, term, trunc, infos
 
     # -------------------------------------------------------------- helpers
     def episode_records(self, copy: int = 0) -> Optional[dict]:

@@ -94,18 +94,21 @@ def sb3_vec_env_class():
         def step_wait(self):
             if self._actions is None:
                 raise ConfigError("step_wait() called without step_async()")
+            # (the native step returns fresh arrays, not its buffers: no further copies needed)
             obs, rew, term, trunc, infos = self.venv.step(self._actions)
             self._actions = None
             dones = term | trunc
             out = _unbatch_all(infos, self.num_envs)
-            final = _unbatch_all(infos.get("final_info", {}), self.num_envs, dones)
-            final_obs = infos.get("final_obs")
-            for c in np.flatnonzero(dones).tolist():
-                d = out[c]
-                d.update(final[c])
-                d["terminal_observation"] = np.array(final_obs[c], copy=True)
-                d["TimeLimit.truncated"] = bool(trunc[c] and not term[c])
-            return (np.array(obs, copy=True), np.asarray(rew, np.float32).copy(), dones.copy(), out)
+            ended = np.flatnonzero(dones).tolist()
+            if ended:
+                final = _unbatch_all(infos["final_info"], self.num_envs, dones)
+                final_obs = infos["final_obs"]
+                for c in ended:
+                    d = out[c]
+                    d.update(final[c])
+                    d["terminal_observation"] = np.array(final_obs[c], copy=True)
+                    d["TimeLimit.truncated"] = bool(trunc[c] and not term[c])
+            return obs, rew.astype(np.float32), dones, out
 
         def close(self) -> None:
             self.venv.close()
