@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenbatch_env.bounds import (best_case_hits, interval_bound, min_prefill_ps2, request_parts,
-                                   upper_bound)
+from tokenbatch_env.bounds import (best_case_hits, interval_bound, min_prefill_exceeds, min_prefill_ps2,
+                                   min_prefill_ps2_one, request_parts, upper_bound)
 from tokenbatch_env.engine.cost_model import CostModel
 from tokenbatch_env.engine.profiles import load_profile
 from tokenbatch_env.engine.simulate import simulate
@@ -242,6 +242,19 @@ def test_min_prefill_matches_brute_force(coef):
                 assert got <= min_over_h  # a lower bound for every pass from h' <= h
                 if 2 * ps[2] >= ps[3]:
                     assert got == exact   # and exact when alpha >= 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(N=st.integers(1, 20_000), frac=st.floats(0.0, 1.0), B=st.sampled_from([16, 512, 2048, 8192]),
+       c0=st.sampled_from([0, 1, 7_176_038_041]), cp=st.integers(0, 10**8), cc2=st.integers(0, 10**4),
+       cat=st.integers(0, 10**4), delta=st.integers(-3, 3), scale=st.sampled_from([1, 10, 1000, 10**6]))
+def test_min_prefill_exceeds_is_the_exact_comparison(N, frac, B, c0, cp, cc2, cat, delta, scale):
+    """The env's TTFT-lost test: the bounds shortcut gives exactly the exact value's comparison, for
+    limits just around the exact value (where only the exact value decides) and far from it."""
+    h = int(frac * (N - 1))
+    exact = (int(min_prefill_ps2_one(N, h, c0, cp, cc2, cat, B)) + 1999) // 2000
+    for limit in (exact + delta, exact + delta * scale, -1, 0):
+        assert bool(min_prefill_exceeds(N, h, c0, cp, cc2, cat, B, limit)) == (exact > limit), limit
 
 
 def test_idle_prefill_at_B_is_not_a_lower_bound_on_stress():

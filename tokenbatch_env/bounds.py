@@ -187,6 +187,28 @@ def min_prefill_ps2_one(N, h, c0, cp, cc2, cat, B):
 
 
 @nb.njit(cache=True)
+def min_prefill_exceeds(N, h, c0, cp, cc2, cat, B, limit_ns):
+    """``(min_prefill_ps2_one(N, h, ...) + 1999) // 2000 > limit_ns`` (the shortest prefill of [h, N),
+    rounded up to ns, exceeds a limit), settled where possible by bounds that cost one division:
+    with c0, alpha >= 0 the minimum lies between the cost of ceil(P/B) chunks (one of the
+    candidates) and that cost without its alpha term (every candidate has at least that many)."""
+    P = N - h
+    alpha2 = 2 * cc2 - cat
+    if alpha2 < 0 or c0 < 0:
+        return (min_prefill_ps2_one(N, h, c0, cp, cc2, cat, B) + 1999) // 2000 > limit_ns
+    m_lo = (P + B - 1) // B
+    if m_lo < 1:
+        m_lo = 1
+    base = 2 * cp * P + cat * (N * N - h * h) + 2 * c0 * m_lo
+    q, r = P // m_lo, P % m_lo
+    if (base + alpha2 * (r * (q + 1) ** 2 + (m_lo - r) * q * q) + 1999) // 2000 <= limit_ns:
+        return False
+    if (base + 1999) // 2000 > limit_ns:
+        return True
+    return (min_prefill_ps2_one(N, h, c0, cp, cc2, cat, B) + 1999) // 2000 > limit_ns
+
+
+@nb.njit(cache=True)
 def _min_prefill_ps2_all(N, h, c0, cp, cc2, cat, B, out):
     for i in range(N.shape[0]):
         out[i] = min_prefill_ps2_one(N[i], h[i], c0, cp, cc2, cat, B)

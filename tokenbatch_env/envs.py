@@ -26,7 +26,7 @@ from gymnasium.vector import AutoresetMode
 
 from .engine import kernel as K
 from .engine import scoring as S
-from .bounds import min_prefill_ps2_one
+from .bounds import min_prefill_exceeds
 from .engine._jit import borrow, njit, prefetch
 from .errors import ConfigError, TokenBatchError
 
@@ -492,8 +492,7 @@ def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token,
                     h = n_tok - 1
                 if h < 0:
                     h = 0
-                ps2 = min_prefill_ps2_one(n_tok, h, ps[0], ps[1], ps[2], ps[3], budget)
-                ttft_lost = t + (ps2 + 1999) // 2000 > arr + t1[c, j]
+                ttft_lost = min_prefill_exceeds(n_tok, h, ps[0], ps[1], ps[2], ps[3], budget, arr + t1[c, j] - t)
             tpot_lost = (ft >= 0 and not ended and o > 1
                          and t + (o - gen[c, j]) * t_min - ft > t2[c, j] * (o - 1))
             lost = ((ended and not met) or ttft_lost or tpot_lost or (capped[c, j] and arr <= t)
