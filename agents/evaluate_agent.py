@@ -12,6 +12,12 @@ script's best_params.json) the index, the shed margins, ``weights+shed`` (weight
 goodput_vs_load.png / ttft_cdf.png, evidence id inside) and agent_vs.md / agent_vs.json: the
 agent's paired goodput differences (95% bootstrap CI, win rate) against the tuned index+shed,
 index-scheduled, weights+shed and EDF+shed at every load.
+
+With ``--pool`` and several ``--model`` (e.g. one recipe trained with different seeds), the rows
+also hold their mean: per trace, the agents' mean goodput, paired against each comparator with the
+report's bootstrap (a CI over traces for these agents as a group; it does not sample new seeds).
+
+    python agents/evaluate_agent.py --pool --model runs/s0/best --model runs/s1/best --model runs/s2/best
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-b", default="10000", help="bootstrap resamples (default 10000)")
     p.add_argument("--seed", default="0", help="bootstrap seed (default 0)")
     p.add_argument("--out", default=None, help="output directory (default <model dir>/test)")
+    p.add_argument("--pool", action="store_true",
+                   help="with several --model: also their mean goodput per trace as one agent, paired the same way")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -54,6 +64,29 @@ def agent_rows(data: dict, labels) -> list:
                     out.append({"rho": load["rho"], "agent": lab, "vs": b, "agent_goodput": r["goodput"]["mean"],
                                 "other_goodput": rows[b]["goodput"]["mean"], "diff": v["diff"],
                                 "ci": list(v["ci95"]), "win_rate": v["win_rate"]})
+    return out
+
+
+POOLED = "mean of agents"
+
+
+def pooled_rows(data: dict, labels) -> list:
+    """Per load: the agents' mean goodput per unit as one agent (``POOLED``), paired against the
+    comparators of ``agent_rows`` with the report's bootstrap (B, seed, block)."""
+    from tokenbatch_env.evaluate import CONTROL_COMPARATORS
+    from tokenbatch_env.metrics import paired_difference, win_rate
+    bs = data["evidence_inputs"]["bootstrap"]
+    out = []
+    for load in data["loads"]:
+        rows = {r["label"]: r for r in load["rows"]}
+        mean = np.mean([rows[lab]["goodput_per_unit"] for lab in labels], axis=0)
+        for b in ("edf+shed",) + CONTROL_COMPARATORS:
+            if b in rows[labels[0]]["vs"]:
+                other = np.asarray(rows[b]["goodput_per_unit"], np.float64)
+                m, lo, hi = paired_difference(mean, other, B=bs["B"], seed=bs["seed"], block=bs["block"])
+                out.append({"rho": load["rho"], "agent": f"{POOLED} ({len(labels)})", "vs": b,
+                            "agent_goodput": float(mean.mean()), "other_goodput": rows[b]["goodput"]["mean"],
+                            "diff": m, "ci": [lo, hi], "win_rate": win_rate(mean, other)})
     return out
 
 
@@ -106,6 +139,8 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else (m0 if m0.is_dir() else m0.parent) / "test"
     report.write(out)
     rows = agent_rows(report.data, [s.label for s in specs])
+    if args.pool and len(specs) > 1:
+        rows += pooled_rows(report.data, [s.label for s in specs])
     with atomic_path(out / "agent_vs.json") as tmp:
         Path(tmp).write_text(json.dumps({"evidence_id": report.evidence_id, "rows": rows}, indent=1) + "\n")
     md = agent_markdown(rows, report.evidence_id)

@@ -75,6 +75,33 @@ def test_evaluate_agent_through_the_evaluator_is_deterministic(trained, tmp_path
     assert (tmp_path / "a" / "agent_vs.md").read_text().startswith("# Agent vs comparators")
 
 
+def test_evaluate_agent_pools_several_agents(trained, tmp_path):
+    """--pool: the agents' mean goodput per trace as one more agent, paired with the report's own
+    bootstrap (one agent pooled alone gives exactly the evaluator's paired numbers)."""
+    out = tmp_path / "pool"
+    assert evaluate_agent.main(["--model", str(trained / "best"), "--model", str(trained / "final"), "--pool",
+                                "--max-traces", "3", "--loads", "1.2", "--bootstrap-b", "200", "--no-progress",
+                                "--out", str(out)]) == 0
+    data = json.loads((out / "report.json").read_text())
+    rows = json.loads((out / "agent_vs.json").read_text())["rows"]
+    labels = sorted({r["agent"] for r in rows if not r["agent"].startswith(evaluate_agent.POOLED)})
+    assert len(labels) == 2
+    pooled = [r for r in rows if r["agent"] == f"{evaluate_agent.POOLED} (2)"]
+    assert {r["vs"] for r in pooled} >= {"edf+shed", "index+shed"}
+    by = {r["label"]: r for r in data["loads"][0]["rows"]}
+    mean = np.mean([by[lab]["goodput_per_unit"] for lab in labels], axis=0)
+    for r in pooled:
+        assert r["diff"] == pytest.approx(float(np.mean(mean - np.asarray(by[r["vs"]]["goodput_per_unit"]))))
+        assert r["ci"][0] <= r["diff"] <= r["ci"][1]
+    for lab in labels:   # one agent "pooled" alone: the evaluator's own paired difference, CI and win rate
+        own = {(r["rho"], r["vs"]): r for r in evaluate_agent.agent_rows(data, [lab])}
+        for r in evaluate_agent.pooled_rows(data, [lab]):
+            o = own[(r["rho"], r["vs"])]
+            # (the report stores its numbers rounded to 1e-6)
+            assert (r["diff"], *r["ci"], r["win_rate"]) == pytest.approx((o["diff"], *o["ci"], o["win_rate"]),
+                                                                         abs=1e-6)
+
+
 def test_evaluate_agent_bad_model_is_a_clear_error(tmp_path, capsys):
     assert evaluate_agent.main(["--model", str(tmp_path)]) == 2
     assert "no model file" in capsys.readouterr().err
