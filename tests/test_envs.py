@@ -241,6 +241,21 @@ def test_episode_layout_is_build_arrays_of_the_window(suite, profile):
     assert np.array_equal(t2, np.stack([w.trace.tpot_slo_ns for w in wins]))
 
 
+def test_layout_resets_every_engine_field():
+    """``_lay_out_rows`` names its fields one by one (compiled code): every field of the engine's
+    struct of arrays is either a window column, reset from the fresh row, or one of the two that a
+    reset deliberately leaves (the block table; hash_head, cleared at the ids its blocks held)."""
+    import inspect
+    import re
+    from tokenbatch_env.engine.kernel import EngineArrays
+    from tokenbatch_env.envs import TRACE_FIELDS, _lay_out_rows
+    src = inspect.getsource(_lay_out_rows.py_func)
+    fresh = set(re.findall(r"A\.(\w+)\[r\] = F\.\1\[0\]", src))
+    trace = set(re.findall(r"A\.(\w+)\[r(?:, :cv_width)?\] = \1\[s", src))
+    assert trace == set(TRACE_FIELDS) and not fresh & trace
+    assert fresh | trace | {"table", "hash_head"} == set(EngineArrays._fields)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_next_step_lays_out_the_new_episodes_during_the_step(threads, monkeypatch):
     """NEXT_STEP: the copies that ended are given new episodes in the next step (laid out while the
