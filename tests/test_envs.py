@@ -251,21 +251,25 @@ def test_layout_resets_every_engine_field():
     from tokenbatch_env.envs import TRACE_FIELDS, _lay_out_rows
     src = inspect.getsource(_lay_out_rows.py_func)
     fresh = set(re.findall(r"A\.(\w+)\[r\] = F\.\1\[0\]", src))
-    trace = set(re.findall(r"A\.(\w+)\[r(?:, :cv_width)?\] = \1\[s", src))
+    trace = set(re.findall(r"A\.(\w+)\[r(?:, :own)?\] = \1\[s", src))
     assert trace == set(TRACE_FIELDS) and not fresh & trace
     assert fresh | trace | {"table", "hash_head"} == set(EngineArrays._fields)
 
 
+@pytest.mark.parametrize("mode", ["NEXT_STEP", "SAME_STEP"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_next_step_lays_out_the_new_episodes_during_the_step(threads, monkeypatch):
+def test_new_episodes_are_laid_out_as_built(threads, mode, monkeypatch):
     """NEXT_STEP: the copies that ended are given new episodes in the next step (laid out while the
-    engine advances the others, ``_Core.step(reset_rows=)``): after that step their rows hold exactly
-    ``build_arrays`` of the windows their reset infos name (block table and epochs aside)."""
+    engine advances the others, ``_Core.step(reset_rows=)``); SAME_STEP: in the same step, after
+    the engine call, from episodes prepared meanwhile (whose rows in ``_prep`` are reused). Either
+    way, after that step their rows hold exactly ``build_arrays`` of the windows their reset infos
+    name (block table and epochs aside; chain_val's padding included)."""
     from tokenbatch_env import envs as E
     from tokenbatch_env.engine.state import build_arrays
     monkeypatch.setattr(E, "_OVERLAP_LIVE_PER_RESET", 0)
     n = 16
-    env = TokenBatchVectorEnv(n, rho=(1.5, 2.5), window=32, warmup=8, cooldown=8, seed=4, threads=threads)
+    env = TokenBatchVectorEnv(n, rho=(1.5, 2.5), window=32, warmup=8, cooldown=8, seed=4, threads=threads,
+                              autoreset_mode=mode)
     env.reset()
     core, cfg = env.core, env.config
     rng = np.random.default_rng(0)
@@ -1060,5 +1064,5 @@ def test_hash_widths_sized_once_and_stale_entries_cleared():
             set_ids = np.flatnonzero(A.hash_head[c] != -1)
             assert set(set_ids.tolist()) == set(A.bhash[c][A.bhash[c] >= 0].tolist())
             assert (A.bhash[c, A.hash_head[c, set_ids]] == set_ids).all()
-            assert (A.chain_val[c, core.cv_extent[c]:] == 0).all()
+            assert (A.chain_val[c, core.cv_extent[c]:] == 0).all() and core.cv_extent[c] == A.chain_off[c, -1]
     assert resets > 8

@@ -591,10 +591,11 @@ TRACE_FIELDS = ("n_req", "arrival", "prompt", "out_len", "prio", "capped", "t1",
 
 @njit
 def _lay_out_rows(A, F, rows, src, n_req, arrival, prompt, out_len, prio, capped, t1, est, chain_off, chain_val,
-                  cv_width, uniq_base, now, extent):
+                  uniq_base, now, extent):
     """New episodes into rows ``rows`` of ``A``: row ``src[i]`` of the window columns into row
-    ``rows[i]``, every other field (but ``table``) from ``F``'s row 0; ``chain_val`` up to
-    ``cv_width`` columns, zeros past it up to the row's ``extent`` (nothing was written beyond that)."""
+    ``rows[i]``, every other field (but ``table``) from ``F``'s row 0; ``chain_val``: the window's
+    own entries, then zeros up to the row's ``extent`` (nothing was written beyond that), which
+    becomes the window's length: each row as ``build_arrays`` would leave it."""
     for i in range(rows.shape[0]):
         r = rows[i]
         s = src[i]
@@ -659,10 +660,11 @@ def _lay_out_rows(A, F, rows, src, n_req, arrival, prompt, out_len, prio, capped
         A.t1[r] = t1[s]
         A.est[r] = est[s]
         A.chain_off[r] = chain_off[s]
-        A.chain_val[r, :cv_width] = chain_val[s, :cv_width]
-        if extent[r] > cv_width:
-            A.chain_val[r, cv_width:extent[r]] = 0
-        extent[r] = cv_width
+        own = chain_off[s, chain_off.shape[1] - 1]
+        A.chain_val[r, :own] = chain_val[s, :own]
+        if extent[r] > own:
+            A.chain_val[r, own:extent[r]] = 0
+        extent[r] = own
         A.uniq_base[r] = uniq_base[s]
         A.now[r] = now[s]
 
@@ -684,15 +686,14 @@ def _lay_out(A, F, rows: np.ndarray, cols: dict, src: np.ndarray, extent: np.nda
     as ``_EpisodeTable.columns`` gives them; their rows ``src``) into rows ``rows`` of ``A``, growing
     the per-copy hash dimensions first if these windows need more (their new columns hold the fill
     value). ``F``: the fresh values (an ``EngineArrays`` of one row); ``extent``: per copy, the
-    columns of chain_val past which it holds zeros (updated). Returns the arrays (new if grown)."""
+    column of chain_val from which it holds zeros (updated). Returns the arrays (new if grown)."""
     rows, src = np.asarray(rows, np.int64), np.asarray(src, np.int64)
-    cv = max(1, int(cols["chain_off"][src, -1].max()))
-    A = _grow(A, {"chain_val": cv, "hash_head": int(cols["ids"][src].max())})
+    A = _grow(A, {"chain_val": int(cols["chain_off"][src, -1].max()), "hash_head": int(cols["ids"][src].max())})
     for name in TRACE_FIELDS:
         a, b = getattr(A, name), cols[name]
         if a.shape[1:] != b.shape[1:] and name != "chain_val":
             raise RuntimeError(f"engine array {name}: shape {b.shape[1:]} does not fit {a.shape[1:]}")
-    _lay_out_rows(A, F, rows, src, *(cols[f] for f in TRACE_FIELDS[:10]), cv, cols["uniq_base"], cols["now"], extent)
+    _lay_out_rows(A, F, rows, src, *(cols[f] for f in TRACE_FIELDS), extent)
     return A
 
 
