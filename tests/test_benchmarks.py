@@ -22,6 +22,8 @@ def test_bench_env_tiny(capsys):
     assert bench.main(["--copies", "3", "--steps", "4", "--warm", "1", "--breakdown"]) == 0
     out = capsys.readouterr().out
     assert "same rewards as (a): True" in out and "(same rewards: True)" in out
+    adapter = next(ln for ln in out.splitlines() if ln.startswith("(c)"))
+    assert "alternated step by step" in adapter and "median per step" in adapter
     line = next(ln for ln in out.splitlines() if "per copy-step" in ln)
     parts = dict(p.rsplit(" ", 1) for p in line.split(": ", 1)[1].split("; "))
     total = float(parts.pop("total"))
