@@ -63,9 +63,9 @@ def _measure(make, n: int, steps: int, warm: int) -> dict:
             "rewards": rew}
 
 
-def bench_native(n: int, steps: int, warm: int, mode: str = "NEXT_STEP") -> dict:
+def bench_native(n: int, steps: int, warm: int) -> dict:
     from tokenbatch_env.envs import TokenBatchVectorEnv
-    return _measure(lambda: TokenBatchVectorEnv(n, autoreset_mode=mode, **CONFIG, **ENV_KW), n, steps, warm)
+    return _measure(lambda: TokenBatchVectorEnv(n, **CONFIG, **ENV_KW), n, steps, warm)
 
 
 #: (object path in the native env, label, nested) of the parts ``--breakdown`` times; a nested part

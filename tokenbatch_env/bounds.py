@@ -194,17 +194,16 @@ def min_prefill_exceeds(N, h, c0, cp, cc2, cat, B, limit_ns):
     candidates) and that cost without its alpha term (every candidate has at least that many)."""
     P = N - h
     alpha2 = 2 * cc2 - cat
-    if alpha2 < 0 or c0 < 0:
-        return (min_prefill_ps2_one(N, h, c0, cp, cc2, cat, B) + 1999) // 2000 > limit_ns
-    m_lo = (P + B - 1) // B
-    if m_lo < 1:
-        m_lo = 1
-    base = 2 * cp * P + cat * (N * N - h * h) + 2 * c0 * m_lo
-    q, r = P // m_lo, P % m_lo
-    if (base + alpha2 * (r * (q + 1) ** 2 + (m_lo - r) * q * q) + 1999) // 2000 <= limit_ns:
-        return False
-    if (base + 1999) // 2000 > limit_ns:
-        return True
+    if alpha2 >= 0 and c0 >= 0:
+        m_lo = (P + B - 1) // B
+        if m_lo < 1:
+            m_lo = 1
+        base = 2 * cp * P + cat * (N * N - h * h) + 2 * c0 * m_lo
+        q, r = P // m_lo, P % m_lo
+        if (base + alpha2 * (r * (q + 1) ** 2 + (m_lo - r) * q * q) + 1999) // 2000 <= limit_ns:
+            return False
+        if (base + 1999) // 2000 > limit_ns:
+            return True
     return (min_prefill_ps2_one(N, h, c0, cp, cc2, cat, B) + 1999) // 2000 > limit_ns
 
 
