@@ -338,8 +338,29 @@ def test_workload_window_equals_window_of_the_scaled_unit():
         assert a.trace.digest == b.trace.digest and a.trace.name == b.trace.name
         assert (a.scored_start, a.scored_stop, a.parent_start) == (b.scored_start, b.scored_stop, b.parent_start)
         n, ids = a.trace.prefix_ids()
-        u, inv = np.unique(b.trace.prefix_hashes, return_inverse=True)
-        assert n == len(u) and np.array_equal(ids, inv)
+        assert (n, ids.tolist()) == _first_appearance(b.trace.prefix_hashes)
+
+
+def _first_appearance(values) -> tuple:
+    """The engine's dense prefix ids, by their definition: numbered in order of first appearance."""
+    seen: dict = {}
+    ids = [seen.setdefault(int(v), len(seen)) for v in values]
+    return len(seen), ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 6), max_size=40), st.data())
+def test_prefix_ids_by_first_appearance(values, data):
+    """Dense prefix ids number the hashes in order of first appearance (so a chain's ids are
+    neighbours in the engine's hash map), and a subset derives its own from its parent's exactly."""
+    from tokenbatch_env.traces.trace import first_appearance_ids, subset_prefix_ids
+    h = np.array(values, np.int64) * 7919 - 3   # any hash values, not in their order of appearance
+    n, ids = first_appearance_ids(h)
+    assert (n, ids.tolist()) == _first_appearance(h)
+    a = data.draw(st.integers(0, len(values)))
+    b = data.draw(st.integers(a, len(values)))
+    m, sub = subset_prefix_ids(n, ids, a, b)
+    assert (m, sub.tolist()) == _first_appearance(h[a:b])
 
 
 def test_subset_rows_share_validation_and_prefix_ids():
@@ -356,8 +377,7 @@ def test_subset_rows_share_validation_and_prefix_ids():
                         prefix_hashes=np.concatenate([t.prefix_chain(i) for i in np.arange(len(t))[sl]] or [[]]))
         assert a.digest == b.digest and not a.arrival_ns.flags.writeable
         n, ids = a.prefix_ids()
-        u, inv = np.unique(a.prefix_hashes, return_inverse=True)
-        assert n == len(u) and np.array_equal(ids, inv)
+        assert (n, ids.tolist()) == _first_appearance(a.prefix_hashes)
     with pytest.raises(Exception, match="decrease"):   # time scaling still validates its result
         t.subset(slice(0, 5))._with_arrivals(np.array([5, 4, 3, 2, 1]))
 

@@ -139,24 +139,24 @@ def unique_block_bases(prompt, out_len, prefix_lengths, n_uniq, bs: int):
 def window_prefix_ids(units, start, count, n_ids, ids, out, n_uniq):
     """``traces.trace.subset_prefix_ids`` of many windows at once (the env lays out a batch of
     episodes): window e's chain entries ``ids[units[e], start[e]:start[e] + count[e]]`` (unit u's
-    dense prefix ids, ``n_ids[u]`` of them) re-ranked densely into ``out[e]``, their number of
-    distinct ids into ``n_uniq[e]``."""
+    dense prefix ids, ``n_ids[u]`` of them) re-ranked by first appearance into ``out[e]``, their number
+    of distinct ids into ``n_uniq[e]``."""
     m_max = 0
     for e in range(units.shape[0]):
         m_max = max(m_max, n_ids[units[e]])
-    rank = np.zeros(m_max, np.int64)
+    rank = np.zeros(m_max, np.int64)   # 1 + an id's rank in this window, 0 if not seen yet
     for e in range(units.shape[0]):
-        u, a, k, m = units[e], start[e], count[e], n_ids[units[e]]
-        rank[:m] = 0
-        for j in range(k):
-            rank[ids[u, a + j]] = 1
+        u, a, k = units[e], start[e], count[e]
         s = 0
-        for i in range(m):
-            s += rank[i]
-            rank[i] = s
+        for j in range(k):
+            i = ids[u, a + j]
+            if rank[i] == 0:
+                s += 1
+                rank[i] = s
+            out[e, j] = rank[i] - 1
         n_uniq[e] = s
         for j in range(k):
-            out[e, j] = rank[ids[u, a + j]] - 1
+            rank[ids[u, a + j]] = 0
 
 
 def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig,
@@ -217,7 +217,7 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
         n = len(t)
         chain_off[c, :n + 1] = t.prefix_offsets
         chain_off[c, n + 1:] = t.prefix_offsets[-1]
-        n_uniq, inv = t.prefix_ids()   # np.unique(t.prefix_hashes, return_inverse=True), cached
+        n_uniq, inv = t.prefix_ids()   # dense ids by first appearance, cached
         chain_val[c, :len(inv)] = inv
         if config.prefix_caching and n:
             uniq_base[c, :n], ids = unique_block_bases(prompt[c, :n], out_len[c, :n], t.prefix_lengths, n_uniq, bs)

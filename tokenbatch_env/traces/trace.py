@@ -113,9 +113,18 @@ def _check_range(name: str, arr: np.ndarray, lo: int, hi: int, what: str) -> Non
         raise TraceError(f"{what} (got {int(arr[row])}, allowed {lo}..{hi})", row=row, column=name)
 
 
+def first_appearance_ids(values: np.ndarray) -> tuple:
+    """``(n, ids)``: the number of distinct values and each entry's rank by first appearance (the
+    first value seen gets 0, the next new one 1, ...)."""
+    uniq, first, inv = np.unique(np.asarray(values), return_index=True, return_inverse=True)
+    remap = np.empty(len(uniq), np.int64)
+    remap[np.argsort(first)] = np.arange(len(uniq))
+    return int(len(uniq)), remap[inv.reshape(-1)]
+
+
 def subset_prefix_ids(n_ids: int, ids: np.ndarray, a: int, b: int) -> tuple:
     """``prefix_ids`` of the chain entries ``[a, b)`` of a trace whose ids are ``(n_ids, ids)``: the
-    parent's ranks keep the hashes' order, so the ones present are re-ranked densely."""
+    parent's ids of the entries present, re-ranked by first appearance (no sorting)."""
     from ..engine.state import window_prefix_ids   # (compiled; imported here: ``import`` stays light)
     out, n_uniq = np.zeros((1, b - a), np.int64), np.zeros(1, np.int64)
     window_prefix_ids(np.zeros(1, np.int64), np.array([a], np.int64), np.array([b - a], np.int64),
@@ -250,14 +259,17 @@ class Trace:
         return np.diff(self.prefix_offsets)
 
     def prefix_ids(self) -> tuple:
-        """``(n, ids)``: the number of distinct prefix hashes and each hash's rank among them
-        (``np.unique(prefix_hashes, return_inverse=True)``: dense ids for the engine's tables).
-        Cached; a subset of a trace whose ids are cached derives its own without sorting."""
+        """``(n, ids)``: the number of distinct prefix hashes and each entry's dense id, the rank of
+        its hash by first appearance in ``prefix_hashes`` (``first_appearance_ids``). The engine's
+        hash map is indexed by these ids (they are only keys: any numbering gives the same
+        schedule); numbered in chain order, a chain's ids are mostly neighbours, so its prefix-hit
+        walks touch fewer cache lines than with ids numbered by hash value.
+        Cached; a subset of a trace whose ids are cached derives its own from them."""
         cached = self.__dict__.get("_prefix_ids")
         if cached is None:
-            uniq, inv = np.unique(self.prefix_hashes, return_inverse=True)
+            n, inv = first_appearance_ids(self.prefix_hashes)
             inv.setflags(write=False)
-            cached = (int(len(uniq)), inv)
+            cached = (n, inv)
             object.__setattr__(self, "_prefix_ids", cached)
         return cached
 
