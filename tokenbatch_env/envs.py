@@ -47,17 +47,6 @@ WEIGHT_ACTION_NAMES = tuple(f"w_{f}" for f in S.LINEAR_FEATURES) + ("shed_margin
 _THETA_COL = {"kappa": S.I_KAPPA, "slope": S.I_SLOPE, "gamma": S.I_GAMMA, "theta": S.I_THETA,
               "beta": S.I_BETA, "w_prefix": S.I_W_PREFIX, "a_edf": S.I_A_EDF}
 
-
-def _linear_actions() -> tuple:
-    """(action columns, theta columns, lows, highs) of the index parameters on a linear scale."""
-    from .policies import INDEX_RANGES
-    names = [n for n in ACTION_NAMES[:-1] if INDEX_RANGES[n][2] == "linear"]
-    return (np.array([ACTION_NAMES.index(n) for n in names]), np.array([_THETA_COL[n] for n in names]),
-            np.array([INDEX_RANGES[n][0] for n in names]), np.array([INDEX_RANGES[n][1] for n in names]))
-
-
-_LINEAR_ACTIONS = _linear_actions()
-
 # ------------------------------------------------------------------ fixed normalisation constants
 OBS_CLIP = 10.0              # every observation entry lies in [-10, 10]
 Z_SCALE = 10.0               # z / 10  (z itself is clipped to [-50, 50] as in the index)
@@ -568,10 +557,6 @@ def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: O
     if mode == "weights":
         theta[:, :S.N_WEIGHTS] += a[:, :S.N_WEIGHTS]
     else:
-        # the linear-scale parameters as one [n, k] block (the same element-wise operations)
-        j_lin, col, lo, hi = _LINEAR_ACTIONS
-        x, base = a[:, j_lin], theta_star[col]
-        theta[:, col] = np.where(x == 0.0, base, np.clip(base + x * (hi - lo), lo, hi))
         for j, name in enumerate(ACTION_NAMES[:-1]):
             lo, hi, scale = INDEX_RANGES[name]
             col, x, base = _THETA_COL[name], a[:, j], theta_star[_THETA_COL[name]]
@@ -580,7 +565,7 @@ def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: O
             elif scale == "log1p":
                 v = np.expm1(np.log1p(base) + x * math.log1p(hi))
             else:
-                continue
+                v = base + x * (hi - lo)
             theta[:, col] = np.where(x == 0.0, base, np.clip(v, lo, hi))
     x = a[:, -1] if shed_action else np.zeros(a.shape[0])
     if base_margin is None:
