@@ -22,10 +22,9 @@ What it does
   scaled exactly as the evaluator scales them (``evaluate.prepare_workload``: the suite manifest's
   ``lambda_sat``, ``scale_to_rate`` with the suite's nominal rate), and every trial sees the same
   length estimates (the suite's predictor: common random numbers).
-* **k trials per engine run**: ``study.ask()`` k times, the units x k parameter sets as copies of one
-  simulate call (``evaluate.evaluate_param_vectors``: one theta row and shed margin per copy), then
-  ``study.tell``. The copies
-  are split over ``threads`` threads (the compiled kernel releases the GIL; each copy's result does
+* **k trials per engine run**: ``claim_trial`` (``study.ask()`` with its owner recorded) k times,
+  the units x k parameter sets as copies of one simulate call (``evaluate.evaluate_param_vectors``:
+  one theta row and shed margin per copy), then ``study.tell``. The copies are split over ``threads`` threads (the compiled kernel releases the GIL; each copy's result does
   not depend on which batch it ran in, so results are identical for any thread count).
 * **Pruning** (``pruner="median"``): the units are cut into 4 quarters; after each quarter every
   live trial reports its running mean and pruned trials leave the remaining quarters.
@@ -35,8 +34,9 @@ What it does
 * **Trial cap** (``trials``) is global across workers: a trial counts if it is COMPLETE, PRUNED,
   RUNNING or FAILED by the objective; a trial asked beyond the cap by a racing worker is marked FAIL
   with ``fail_reason = "over_cap"`` at once (never evaluated, never counted).
-* **Stale-trial recovery**: every trial records ``host``, ``pid`` and the process start time as
-  user attributes. On start, RUNNING trials of this host whose process is gone (or a zombie, or a
+* **Stale-trial recovery**: every trial records its owner (``host``, ``pid`` and the process start
+  time) as user attributes, written so that no kill can leave a RUNNING trial without one
+  (``claim_trial``). On start, RUNNING trials of this host whose owner is gone (or a zombie, or a
   reused pid) are marked FAIL (``fail_reason = "stale"``) and their parameters re-enqueued.
   RUNNING trials of other hosts are left alone (their liveness cannot be checked from here).
 * **Storage**: ``None`` -> an embedded SQLite file ``<out>/study.db`` (one process, resumable), or
@@ -430,18 +430,68 @@ def _me() -> dict:
     return {"host": socket.gethostname(), "pid": pid, "pid_start": process_start_ticks(pid)}
 
 
+CLAIM_PREFIX = "claim:"
+
+
+def _claim_key(me: dict) -> str:
+    return f"{CLAIM_PREFIX}{me['host']}:{me['pid']}:{me['pid_start']}"
+
+
+def claim_trial(study, me: dict):
+    """``study.ask()`` with the owner ``me`` recorded so that a kill at any moment leaves no RUNNING
+    trial without one (``ask`` then ``set_user_attr`` did: such an orphan was never recovered).
+
+    A new trial is created RUNNING with its owner attributes in one storage write. An enqueued
+    (WAITING) trial is first marked with a claim attribute named after the claimant, then taken
+    (WAITING -> RUNNING, the storage's atomic test-and-set, as ``ask`` does); a claimant that loses
+    the race leaves its claim behind, so the claims of a RUNNING trial always include its owner,
+    which is dead only if all of them are."""
+    import datetime
+
+    import optuna
+    from optuna.exceptions import UpdateFinishedTrialError
+    from optuna.trial import FrozenTrial, TrialState
+    storage, key = study._storage, _claim_key(me)
+    study._thread_local.cached_all_trials = None        # as ask(): see the other workers' trials
+    for w in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
+        try:
+            storage.set_trial_user_attr(w._trial_id, key, dict(me))
+            if not storage.set_trial_state_values(w._trial_id, state=TrialState.RUNNING):
+                continue                                 # another worker took it first
+        except UpdateFinishedTrialError:
+            continue
+        for k, v in me.items():
+            storage.set_trial_user_attr(w._trial_id, k, v)
+        return optuna.Trial(study, w._trial_id)
+    template = FrozenTrial(number=-1, state=TrialState.RUNNING, value=None,
+                           datetime_start=datetime.datetime.now(), datetime_complete=None, params={},
+                           distributions={}, user_attrs={**me, key: dict(me)}, system_attrs={},
+                           intermediate_values={}, trial_id=-1)
+    return optuna.Trial(study, storage.create_new_trial(study._study_id, template_trial=template))
+
+
+def _owners(user_attrs: dict) -> list:
+    """The (host, pid, pid_start) of every process that owns or claimed a trial."""
+    out = [(v.get("host"), v.get("pid"), v.get("pid_start")) for k, v in user_attrs.items()
+           if k.startswith(CLAIM_PREFIX) and isinstance(v, dict)]
+    if "pid" in user_attrs:                              # trials of studies from before claims
+        out.append((user_attrs.get("host"), user_attrs["pid"], user_attrs.get("pid_start")))
+    return out
+
+
 def recover_stale_trials(study) -> list:
-    """Mark RUNNING trials of dead processes on this host FAIL and re-enqueue their parameters.
-    Returns the numbers of the recovered trials."""
+    """Mark RUNNING trials of dead processes on this host FAIL and re-enqueue their parameters: a
+    trial is stale when it has an owner and every process that owns or claimed it ran on this host
+    and is gone. Returns the numbers of the recovered trials."""
     from optuna.trial import TrialState
     host = socket.gethostname()
     storage = study._storage
     out = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        ua = t.user_attrs
-        if ua.get("host") != host or not isinstance(ua.get("pid"), int):
+        owners = _owners(t.user_attrs)
+        if not owners or any(h != host or not isinstance(pid, int) for h, pid, _ in owners):
             continue
-        if process_alive(ua["pid"], ua.get("pid_start")):
+        if any(process_alive(pid, start) for _, pid, start in owners):
             continue
         try:
             storage.set_trial_user_attr(t._trial_id, "fail_reason", STALE)
@@ -657,9 +707,7 @@ def _ask_batch(study, row: str, cfg: TuneConfig, me: dict, objective: TrainObjec
         return None
     trials, configs = [], []
     for _ in range(min(cfg.k, left)):   # other workers may take some of ``left`` meanwhile: see below
-        t = study.ask()
-        for key, v in me.items():
-            t.set_user_attr(key, v)
+        t = claim_trial(study, me)
         # rank of this trial among the counted ones (by number): beyond the cap -> never evaluated
         rank = sum(1 for ft in study.get_trials(deepcopy=False)
                    if _counts(ft) and ft.number <= t.number)
