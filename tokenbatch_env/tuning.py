@@ -452,7 +452,9 @@ def claim_trial(study, me: dict):
     from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import FrozenTrial, TrialState
     storage, key = study._storage, _claim_key(me)
-    study._thread_local.cached_all_trials = None        # as ask(): see the other workers' trials
+    cache = getattr(study, "_thread_local", None)       # as ask(): the sampler sees the other
+    if cache is not None:                               # workers' latest trials
+        cache.cached_all_trials = None
     for w in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
         try:
             storage.set_trial_user_attr(w._trial_id, key, dict(me))
