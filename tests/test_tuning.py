@@ -265,7 +265,8 @@ def test_killed_run_resumes_keeping_completed_and_requeueing_stale(tmp_path):
     cap = len(before) + len(stale) + 1
     resume = [*args]
     resume[resume.index("--trials") + 1] = str(cap)
-    stale_params = {n: st.trials[n].params for n in stale}
+    # (an enqueued trial, a warm start, killed before its suggestions has only fixed parameters)
+    stale_params = {n: {**st.trials[n].system_attrs.get("fixed_params", {}), **st.trials[n].params} for n in stale}
 
     r = run_script(*resume)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -277,7 +278,7 @@ def test_killed_run_resumes_keeping_completed_and_requeueing_stale(tmp_path):
     for n in stale:                                 # stale -> FAIL, parameters re-enqueued and run
         assert trials[n].state.name == "FAIL" and trials[n].user_attrs["fail_reason"] == T.STALE
         again = [t for t in trials if t.user_attrs.get("requeued_from") == n]
-        if not stale_params[n]:   # killed before its first suggestion: nothing to re-enqueue
+        if not stale_params[n]:   # a new trial killed before its first suggestion: nothing to re-enqueue
             assert again == []
             continue
         assert len(again) == 1 and again[0].state.name == "COMPLETE"
@@ -501,8 +502,14 @@ def test_trial_of_a_process_killed_as_it_turns_running_is_recovered(tmp_path, en
     (t,) = st.get_trials(deepcopy=False)
     assert t.state.name == "RUNNING" and any(k.startswith(T.CLAIM_PREFIX) for k in t.user_attrs)
     assert T.recover_stale_trials(st) == [t.number]
-    t = st.get_trials(deepcopy=False)[t.number]
-    assert t.state.name == "FAIL" and t.user_attrs["fail_reason"] == T.STALE
+    trials = st.get_trials(deepcopy=False)
+    assert trials[t.number].state.name == "FAIL" and trials[t.number].user_attrs["fail_reason"] == T.STALE
+    again = [x for x in trials if x.user_attrs.get("requeued_from") == t.number]
+    if enqueued:   # taken, never suggested: its fixed parameters are what re-enqueues
+        assert len(again) == 1 and again[0].state.name == "WAITING"
+        assert again[0].system_attrs["fixed_params"] == {"c_tau": 0.5}
+    else:
+        assert again == []
 
 
 def test_claimed_trial_is_left_alone_while_any_claimant_lives(tmp_path):

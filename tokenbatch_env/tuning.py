@@ -500,8 +500,10 @@ def recover_stale_trials(study) -> list:
             study.tell(t.number, state=TrialState.FAIL, skip_if_finished=False)
         except Exception:  # noqa: BLE001 - another process recovered it first
             continue
-        if t.params:
-            study.enqueue_trial(config_to_enqueue("", t.params),
+        # an enqueued trial killed before its suggestions holds its parameters as fixed ones only
+        params = {**t.system_attrs.get("fixed_params", {}), **t.params}
+        if params:
+            study.enqueue_trial(config_to_enqueue("", params),
                                 user_attrs={"requeued_from": t.number}, skip_if_exists=False)
         out.append(t.number)
     return out
