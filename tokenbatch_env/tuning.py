@@ -24,8 +24,9 @@ What it does
   length estimates (the suite's predictor: common random numbers).
 * **k trials per engine run**: ``claim_trial`` (``study.ask()`` with its owner recorded) k times,
   the units x k parameter sets as copies of one simulate call (``evaluate.evaluate_param_vectors``:
-  one theta row and shed margin per copy), then ``study.tell``. The copies are split over ``threads`` threads (the compiled kernel releases the GIL; each copy's result does
-  not depend on which batch it ran in, so results are identical for any thread count).
+  one theta row and shed margin per copy), then ``study.tell``. The copies are split over
+  ``threads`` threads (the compiled kernel releases the GIL; each copy's result does not depend on
+  which batch it ran in, so results are identical for any thread count).
 * **Pruning** (``pruner="median"``): the units are cut into 4 quarters; after each quarter every
   live trial reports its running mean and pruned trials leave the remaining quarters.
 * **Failures are never fatal**: an exception or a NaN value marks the batch's trials FAIL (user attr
