@@ -210,19 +210,21 @@ def _references(cfg: TrainConfig, val: Validator, core) -> dict:
 
 # ------------------------------------------------------------------------------ training
 def save_agent(model, venv, cfg: TrainConfig, directory: Path, extra: Optional[dict] = None) -> None:
-    """model.zip + vecnormalize.pkl (if any) + config.json, each written to a temp name then renamed."""
-    import os
+    """model.zip + vecnormalize.pkl (if any) + config.json, each written to a temp name then renamed;
+    config.json last, with the SHA-256 of the other two (``files``), so that a set mixed by a kill
+    between the renames (new weights, old statistics) is refused on load (``control.agent_spec``)."""
+    from tokenbatch_env._io import sha256_file, write_text_atomic, write_with
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / "model.tmp.zip"
-    model.save(str(tmp))
-    os.replace(tmp, directory / "model.zip")
-    norm = _vecnormalize(venv)
+    write_with(directory / "model.zip", lambda p: model.save(str(p)), suffix=".zip")
+    norm, norm_file = _vecnormalize(venv), directory / "vecnormalize.pkl"
     if norm is not None:
-        norm.save(str(directory / "vecnormalize.tmp.pkl"))
-        os.replace(directory / "vecnormalize.tmp.pkl", directory / "vecnormalize.pkl")
-    doc = {"train": _jsonable(dataclasses.asdict(cfg)), "env": cfg.env_kwargs(), **(extra or {})}
-    (directory / "config.tmp.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    os.replace(directory / "config.tmp.json", directory / "config.json")
+        write_with(norm_file, lambda p: norm.save(str(p)))
+    files = {"model.zip": sha256_file(directory / "model.zip"),
+             "vecnormalize.pkl": sha256_file(norm_file) if norm is not None else None}
+    doc = {"train": _jsonable(dataclasses.asdict(cfg)), "env": cfg.env_kwargs(), **(extra or {}), "files": files}
+    write_text_atomic(directory / "config.json", json.dumps(doc, indent=1, default=str) + "\n")
+    if norm is None:
+        norm_file.unlink(missing_ok=True)   # an earlier run's statistics in this directory
 
 
 def _jsonable(d):
@@ -326,9 +328,8 @@ def train(cfg: TrainConfig) -> dict:
                               "edf+shed": refs["edf+shed"], "base": refs["base"],
                               "best_agent": state["best"], "final_agent": final_g, "curve": curve},
                "reached_edf_shed_at_wall_s": state["reached_edf_s"]}
-    tmp = out / "train_metrics.tmp.json"
-    tmp.write_text(json.dumps(metrics, indent=1) + "\n")
-    tmp.replace(out / "train_metrics.json")
+    from tokenbatch_env._io import write_text_atomic
+    write_text_atomic(out / "train_metrics.json", json.dumps(metrics, indent=1) + "\n")
     venv.close()
     return metrics
 

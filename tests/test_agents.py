@@ -60,6 +60,43 @@ def test_save_load_round_trip_keeps_normalisation(trained):
     assert not np.allclose(raw, want)      # the normalisation matters, so the check can fail
 
 
+def test_checkpoint_is_refused_when_its_files_are_not_the_saved_set(trained, tmp_path):
+    """config.json (written last) holds the SHA-256 of model.zip and vecnormalize.pkl: a set mixed by a
+    kill between the renames (new weights, old statistics) is a clear error, not a silent mismatch."""
+    import shutil
+
+    from tokenbatch_env._io import sha256_file
+    from tokenbatch_env.control import agent_spec
+    from tokenbatch_env.errors import ConfigError
+    final, best = trained / "final", trained / "best"
+    files = json.loads((final / "config.json").read_text())["files"]
+    assert files == {"model.zip": sha256_file(final / "model.zip"),
+                     "vecnormalize.pkl": sha256_file(final / "vecnormalize.pkl")}
+    assert not [p.name for p in final.iterdir() if p.name.endswith(".tmp")]   # no temp file left behind
+    ev = dict(agent_spec(str(final)).evidence)
+    assert ev["model_sha256"] == files["model.zip"] and ev["vecnormalize_sha256"] == files["vecnormalize.pkl"]
+    mixed = tmp_path / "mixed"
+    shutil.copytree(final, mixed)
+    shutil.copy(best / "vecnormalize.pkl", mixed / "vecnormalize.pkl")   # another save's statistics
+    if sha256_file(mixed / "vecnormalize.pkl") != files["vecnormalize.pkl"]:
+        with pytest.raises(ConfigError, match="not the set config.json was saved with"):
+            agent_spec(str(mixed))
+    (mixed / "vecnormalize.pkl").unlink()                               # statistics missing
+    with pytest.raises(ConfigError, match="not the set config.json was saved with"):
+        agent_spec(str(mixed))
+    shutil.copy(final / "vecnormalize.pkl", mixed / "vecnormalize.pkl")
+    (mixed / "model.zip").write_bytes(b"PK not this model")              # weights of another save
+    with pytest.raises(ConfigError, match="not the set config.json was saved with"):
+        agent_spec(str(mixed))
+    # saved without normalisation: a statistics file in the directory is not the agent's own
+    plain = tmp_path / "plain"
+    shutil.copytree(final, plain)
+    doc = json.loads((plain / "config.json").read_text())
+    doc["files"]["vecnormalize.pkl"] = None
+    (plain / "config.json").write_text(json.dumps(doc))
+    assert dict(agent_spec(str(plain)).evidence)["vecnormalize_sha256"] is None
+
+
 def test_evaluate_agent_through_the_evaluator_is_deterministic(trained, tmp_path):
     args = ["--model", str(trained / "best"), "--max-traces", "2", "--loads", "1.2", "--bootstrap-b", "200",
             "--no-progress"]

@@ -122,6 +122,15 @@ def agent_spec(model_path: str, label: Optional[str] = None) -> ControlSpec:
                                   {f.name for f in dataclasses.fields(TokenBatchConfig)}})
     norm = d / "vecnormalize.pkl"
     norm = norm if norm.is_file() else None
+    model_sha, norm_sha = sha256_file(model), sha256_file(norm) if norm else None
+    files = train.get("files")
+    if isinstance(files, dict):   # (checkpoints from before the digests have none: loaded as they are)
+        if files.get("vecnormalize.pkl") is None:
+            norm, norm_sha = None, None      # trained without normalisation: a stray file is not its own
+        if model_sha != files.get("model.zip") or norm_sha != files.get("vecnormalize.pkl"):
+            raise ConfigError(f"--model {model_path}: the files in {d} are not the set config.json was saved "
+                              "with (model.zip or vecnormalize.pkl missing or from another save; was the "
+                              "training killed while saving?): use another checkpoint or train again")
     from .envs import TokenBatchVectorEnv
     probe = TokenBatchVectorEnv(1, env_cfg)       # theta*, the base margin, spaces
     core = probe.core
@@ -129,8 +138,8 @@ def agent_spec(model_path: str, label: Optional[str] = None) -> ControlSpec:
     base = core.base_params if mode == "index" else core.base_weights
     obs_space, act_space = probe.single_observation_space, probe.single_action_space
     probe.close()
-    digests = (("model_sha256", sha256_file(model)),
-               ("vecnormalize_sha256", sha256_file(norm) if norm else None),
+    digests = (("model_sha256", model_sha),
+               ("vecnormalize_sha256", norm_sha),
                ("env", json.dumps(env_kw, sort_keys=True, default=str)))
 
     def load():

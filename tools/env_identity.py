@@ -52,8 +52,8 @@ def dump(path: str, env_kw: dict) -> None:
         env.close()
         res[name] = traj
         print(f"{name}: {n} copies x {steps} steps, {ended} episodes ended")
-    with open(path, "wb") as f:
-        pickle.dump(res, f)
+    from tokenbatch_env._io import write_with
+    write_with(path, lambda p: p.write_bytes(pickle.dumps(res)))
 
 
 def _eq(x, y, path: str) -> None:

@@ -378,7 +378,8 @@ def write_specs(fits: dict, check: dict) -> None:
                                      "generated_check": {"note": "the same statistics on 40 traces "
                                                          "generated from the fit (lengths before "
                                                          "truncation, prefix stats after)", **check[fam]}}
-        path.write_text(json.dumps(spec, indent=1) + "\n")
+        from tokenbatch_env._io import write_text_atomic
+        write_text_atomic(path, json.dumps(spec, indent=1) + "\n")   # a shipped file: never left partial
         print(f"updated {path.relative_to(ROOT)}")
 
 

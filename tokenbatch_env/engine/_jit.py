@@ -147,6 +147,7 @@ def guard_stale_cache(dispatchers=None, tag: str = "engine", extra_sources=()) -
             return
         for d in disp:
             d._cache.flush()
-        stamp.write_text(digest)
+        from .._io import write_text_atomic
+        write_text_atomic(stamp, digest)
     except (OSError, AttributeError):  # pragma: no cover - read-only cache dir: numba recompiles anyway
         pass
