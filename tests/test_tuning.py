@@ -262,7 +262,9 @@ def test_killed_run_resumes_keeping_completed_and_requeueing_stale(tmp_path):
     # the resumed run's cap leaves it work to do however many trials completed before the kill (a
     # fixed cap of 8 made this test depend on the engine's speed: polled every 0.2 s, fast trials
     # could pass 8 before a RUNNING one was caught)
-    cap = len(before) + len(stale) + 1
+    # (and counts the trials still WAITING at the kill, warm starts, which the resume takes first)
+    waiting = sum(t.state.name == "WAITING" for t in st.get_trials(deepcopy=False))
+    cap = len(before) + len(stale) + waiting + 1
     resume = [*args]
     resume[resume.index("--trials") + 1] = str(cap)
     # (an enqueued trial, a warm start, killed before its suggestions has only fixed parameters)
@@ -500,7 +502,11 @@ def test_trial_of_a_process_killed_as_it_turns_running_is_recovered(tmp_path, en
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     (t,) = st.get_trials(deepcopy=False)
-    assert t.state.name == "RUNNING" and any(k.startswith(T.CLAIM_PREFIX) for k in t.user_attrs)
+    assert t.state.name == "RUNNING"
+    if enqueued:   # killed between taking it and writing its owner record: its claim says who
+        assert T.OWNER not in t.user_attrs and any(k.startswith(T.CLAIM_PREFIX) for k in t.user_attrs)
+    else:          # created with its owner record
+        assert t.user_attrs[T.OWNER]["pid"] != os.getpid()
     assert T.recover_stale_trials(st) == [t.number]
     trials = st.get_trials(deepcopy=False)
     assert trials[t.number].state.name == "FAIL" and trials[t.number].user_attrs["fail_reason"] == T.STALE
@@ -512,27 +518,54 @@ def test_trial_of_a_process_killed_as_it_turns_running_is_recovered(tmp_path, en
         assert again == []
 
 
-def test_claimed_trial_is_left_alone_while_any_claimant_lives(tmp_path):
-    """A claimant that lost the race for an enqueued trial leaves its claim on it: the trial is stale
-    only once every claimant is gone (the claims include the real owner; which one it is, is unknown)."""
+def _dead_process() -> dict:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return {**T._me(), "pid": dead.pid, "pid_start": None}
+
+
+def test_trial_without_owner_record_is_judged_by_its_claims(tmp_path):
+    """Killed between taking an enqueued trial and writing its owner record, an owner leaves only its
+    claim, possibly beside the claims of losers killed before they could withdraw theirs: the trial is
+    stale only once every claimant here is gone, and never while one is elsewhere. An owner record
+    decides alone (the losers' claims no longer matter)."""
+    from optuna.trial import TrialState
+    cfg = T.TuneConfig(trials=3, k=1, baselines=(), out=str(tmp_path), progress=False, warm_start=False)
+    st = T.open_studies(cfg)["index+shed"]
+    S, me, ghost = st._storage, T._me(), _dead_process()
+
+    def taken(*claimants, owner=None):
+        st.enqueue_trial({"c_tau": 0.5})
+        w = st.get_trials(deepcopy=False, states=(TrialState.WAITING,))[-1]
+        for c in claimants:
+            S.set_trial_user_attr(w._trial_id, T._claim_key(c), c)
+        assert S.set_trial_state_values(w._trial_id, state=TrialState.RUNNING)
+        if owner is not None:
+            S.set_trial_user_attr(w._trial_id, T.OWNER, owner)
+        return w
+    live = taken(ghost, me)                                      # a live claimant: left alone
+    elsewhere = taken(ghost, {**ghost, "host": ghost["host"] + "-elsewhere"})
+    other_ns = taken({**ghost, "boot": "another-boot:1"})        # same hostname, other pids
+    decided = taken(ghost, me, owner=ghost)                      # the owner record decides
+    assert T.recover_stale_trials(st) == [decided.number]
+    S.set_trial_user_attr(live._trial_id, T._claim_key(me), None)   # our claim withdrawn
+    assert T.recover_stale_trials(st) == [live.number]
+    states = {t.number: t.state.name for t in st.get_trials(deepcopy=False)}
+    assert states[elsewhere.number] == states[other_ns.number] == "RUNNING"
+
+
+def test_claimant_that_loses_the_race_withdraws_its_claim(tmp_path, monkeypatch):
     cfg = T.TuneConfig(trials=3, k=1, baselines=(), out=str(tmp_path), progress=False, warm_start=False)
     st = T.open_studies(cfg)["index+shed"]
     st.enqueue_trial({"c_tau": 0.5})
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    ghost = {"host": socket.gethostname(), "pid": dead.pid, "pid_start": None}
-    t = T.claim_trial(st, ghost)                     # owned by a dead process ...
-    assert t.params == {} and st.trials[t.number].state.name == "RUNNING"
-    assert st.trials[t.number].system_attrs["fixed_params"] == {"c_tau": 0.5}
+    (w,) = st.get_trials(deepcopy=False)
+    monkeypatch.setattr(st._storage, "set_trial_state_values", lambda *a, **k: False)   # taken by another
     me = T._me()
-    st._storage.set_trial_user_attr(t._trial_id, T._claim_key(me), me)   # ... and claimed by us
-    assert T.recover_stale_trials(st) == []
-    other = {"host": socket.gethostname() + "-elsewhere", "pid": dead.pid, "pid_start": None}
-    t2 = T.claim_trial(st, other)                    # another host's trial: never ours to judge
-    assert T.recover_stale_trials(st) == []
-    st._storage.set_trial_user_attr(t._trial_id, T._claim_key(me), ghost)  # our claim withdrawn
-    assert T.recover_stale_trials(st) == [t.number]
-    assert st.trials[t2.number].state.name == "RUNNING"
+    t = T.claim_trial(st, me)
+    trials = st.get_trials(deepcopy=False)
+    assert t.number != w.number and trials[w.number].state.name == "WAITING"
+    assert trials[w.number].user_attrs[T._claim_key(me)] is None
+    assert trials[t.number].user_attrs[T.OWNER] == me and trials[t.number].state.name == "RUNNING"
 
 
 def test_resumed_study_with_another_objective_is_refused(tmp_path):

@@ -35,11 +35,12 @@ What it does
 * **Trial cap** (``trials``) is global across workers: a trial counts if it is COMPLETE, PRUNED,
   RUNNING or FAILED by the objective; a trial asked beyond the cap by a racing worker is marked FAIL
   with ``fail_reason = "over_cap"`` at once (never evaluated, never counted).
-* **Stale-trial recovery**: every trial records its owner (``host``, ``pid`` and the process start
-  time) as user attributes, written so that no kill can leave a RUNNING trial without one
-  (``claim_trial``). On start, RUNNING trials of this host whose owner is gone (or a zombie, or a
-  reused pid) are marked FAIL (``fail_reason = "stale"``) and their parameters re-enqueued.
-  RUNNING trials of other hosts are left alone (their liveness cannot be checked from here).
+* **Stale-trial recovery**: every trial records its owner (``host``, boot and pid namespace,
+  ``pid`` and the process start time) as user attributes, written so that no kill can leave a
+  RUNNING trial whose owner cannot be told (``claim_trial``). On start, RUNNING trials of this host
+  whose owner is gone (or a zombie, or a reused pid) are marked FAIL (``fail_reason = "stale"``)
+  and their parameters re-enqueued. RUNNING trials of other hosts (or containers with their own
+  pids) are left alone: their liveness cannot be checked from here.
 * **Storage**: ``None`` -> an embedded SQLite file ``<out>/study.db`` (one process, resumable), or
   ``<out>/study.journal`` with several workers; a path ending in ``.db``/``.sqlite``/``.sqlite3`` or
   a ``sqlite:///`` URL -> SQLite; a path ending in ``.journal``/``.log``/``.jsonl`` or
@@ -426,12 +427,22 @@ def process_alive(pid: int, start_ticks: Optional[int] = None) -> bool:
     return True
 
 
+def _boot() -> Optional[str]:
+    """This kernel's boot id and this pid namespace: machines, or containers, that share a hostname
+    but not their pids differ here (None where /proc does not tell)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
 def _me() -> dict:
     pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "pid_start": process_start_ticks(pid)}
+    return {"host": socket.gethostname(), "boot": _boot(), "pid": pid, "pid_start": process_start_ticks(pid)}
 
 
-CLAIM_PREFIX = "claim:"
+CLAIM_PREFIX, OWNER = "claim:", "owner"
 
 
 def _claim_key(me: dict) -> str:
@@ -440,13 +451,15 @@ def _claim_key(me: dict) -> str:
 
 def claim_trial(study, me: dict):
     """``study.ask()`` with the owner ``me`` recorded so that a kill at any moment leaves no RUNNING
-    trial without one (``ask`` then ``set_user_attr`` did: such an orphan was never recovered).
+    trial that recovery cannot judge (``ask`` then ``set_user_attr`` did: such an orphan was never
+    recovered).
 
-    A new trial is created RUNNING with its owner attributes in one storage write. An enqueued
-    (WAITING) trial is first marked with a claim attribute named after the claimant, then taken
-    (WAITING -> RUNNING, the storage's atomic test-and-set, as ``ask`` does); a claimant that loses
-    the race leaves its claim behind, so the claims of a RUNNING trial always include its owner,
-    which is dead only if all of them are."""
+    A new trial is created RUNNING with its owner record (user attribute ``owner``) in one storage
+    write. An enqueued (WAITING) trial is first marked with a claim attribute named after the
+    claimant, then taken (WAITING -> RUNNING, the storage's atomic test-and-set, as ``ask`` does),
+    then given its owner record; a claimant that loses the race withdraws its claim. A trial taken
+    by a process killed before writing its owner record is thus judged by its claims, which include
+    its owner (``_owners``)."""
     import datetime
 
     import optuna
@@ -460,41 +473,51 @@ def claim_trial(study, me: dict):
         try:
             storage.set_trial_user_attr(w._trial_id, key, dict(me))
             if not storage.set_trial_state_values(w._trial_id, state=TrialState.RUNNING):
-                continue                                 # another worker took it first
+                storage.set_trial_user_attr(w._trial_id, key, None)   # another worker took it first
+                continue
         except UpdateFinishedTrialError:
             continue
+        storage.set_trial_user_attr(w._trial_id, OWNER, dict(me))
         for k, v in me.items():
             storage.set_trial_user_attr(w._trial_id, k, v)
         return optuna.Trial(study, w._trial_id)
     template = FrozenTrial(number=-1, state=TrialState.RUNNING, value=None,
                            datetime_start=datetime.datetime.now(), datetime_complete=None, params={},
-                           distributions={}, user_attrs={**me, key: dict(me)}, system_attrs={},
+                           distributions={}, user_attrs={**me, OWNER: dict(me)}, system_attrs={},
                            intermediate_values={}, trial_id=-1)
     return optuna.Trial(study, storage.create_new_trial(study._study_id, template_trial=template))
 
 
 def _owners(user_attrs: dict) -> list:
-    """The (host, pid, pid_start) of every process that owns or claimed a trial."""
-    out = [(v.get("host"), v.get("pid"), v.get("pid_start")) for k, v in user_attrs.items()
-           if k.startswith(CLAIM_PREFIX) and isinstance(v, dict)]
-    if "pid" in user_attrs:                              # trials of studies from before claims
-        out.append((user_attrs.get("host"), user_attrs["pid"], user_attrs.get("pid_start")))
-    return out
+    """Who may own a trial, as ``_me`` dicts: its owner record (written in one piece); without one
+    (killed between taking an enqueued trial and writing it), every live claim, the owner's among
+    them; for studies from before claims, the host and pid attributes."""
+    if isinstance(user_attrs.get(OWNER), dict):
+        return [user_attrs[OWNER]]
+    claims = [v for k, v in user_attrs.items() if k.startswith(CLAIM_PREFIX) and isinstance(v, dict)]
+    if claims:
+        return claims
+    if "pid" in user_attrs:
+        return [{"host": user_attrs.get("host"), "pid": user_attrs["pid"], "pid_start": user_attrs.get("pid_start")}]
+    return []
 
 
 def recover_stale_trials(study) -> list:
     """Mark RUNNING trials of dead processes on this host FAIL and re-enqueue their parameters: a
-    trial is stale when it has an owner and every process that owns or claimed it ran on this host
-    and is gone. Returns the numbers of the recovered trials."""
+    trial is stale when every process that may own it (``_owners``) ran here (same hostname, boot and
+    pid namespace) and is gone. Returns the numbers of the recovered trials."""
     from optuna.trial import TrialState
-    host = socket.gethostname()
+    host, boot = socket.gethostname(), _boot()
+
+    def here(o):   # (records from before ``boot`` was kept: judged by the hostname alone)
+        return o.get("host") == host and o.get("boot", boot) == boot and isinstance(o.get("pid"), int)
     storage = study._storage
     out = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owners = _owners(t.user_attrs)
-        if not owners or any(h != host or not isinstance(pid, int) for h, pid, _ in owners):
+        if not owners or not all(here(o) for o in owners):
             continue
-        if any(process_alive(pid, start) for _, pid, start in owners):
+        if any(process_alive(o["pid"], o.get("pid_start")) for o in owners):
             continue
         try:
             storage.set_trial_user_attr(t._trial_id, "fail_reason", STALE)
