@@ -17,11 +17,12 @@ Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
       overhead (total time, and the median of the per-step time ratios).
   --paired R: (a) and (b) again, alternated in R rounds (both see the same phases of the machine):
       both rates, their ratio, and the ratio's median and range over the rounds;
-  --breakdown: (a)'s wall time per copy-step split into the engine with the observations and
-      rewards of the copies it advanced (``advance_to_decision``: each engine thread observes and
-      rewards its copies right after advancing them; one thread first lays out the new episodes of
-      the copies that ended in the previous step, timed too), episode metrics and the rest (the
-      step's Python: action checks and mapping, infos).
+  --breakdown: (a)'s wall time per copy-step split into the engine with the observations, rewards
+      and episode metrics of the copies it advanced (``advance_to_decision``: each engine thread
+      observes and rewards its copies right after advancing them, and computes the metrics of those
+      whose episode ended; one thread first lays out the new episodes of the copies that ended in the
+      previous step, timed too), the episode metrics' info arrays and the rest (the step's Python:
+      action checks and mapping, infos).
 """
 
 from __future__ import annotations
@@ -70,11 +71,12 @@ def bench_native(n: int, steps: int, warm: int) -> dict:
 
 #: (object path in the native env, label, nested) of the parts ``--breakdown`` times; a nested part
 #: runs inside the one before it (the resets: in an engine thread while the other advances the copies)
-PARTS = (("core.run.advance_to_decision", "engine + observations + rewards, new episodes laid out meanwhile "
-          "(advance_to_decision)", False),
+PARTS = (("core.run.advance_to_decision", "engine + observations + rewards + episode metrics, new episodes "
+          "laid out meanwhile (advance_to_decision)", False),
          ("core.reset_copies", "of which, overlapping the engine in one thread: resets (windows laid out + "
           "their observations)", True),
-         ("core.episode_infos", "episode metrics", False))
+         ("core.episode_infos", "episode metrics' info arrays (computed in the engine threads as episodes end)",
+          False))
 
 
 def bench_breakdown(n: int, steps: int, warm: int) -> dict:

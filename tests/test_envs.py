@@ -199,6 +199,50 @@ def test_zero_action_reproduces_evaluator_policy(mode, shed, tmp_path):
         assert info["episode_tpot_p99_ms"] == pct(o["tpot_ms"], 99)
 
 
+
+@pytest.mark.parametrize("kw", [dict(), dict(shed_margin=None, rho=(1.5, 3.0)),
+                                dict(max_episode_steps=6, rho=(1.0, 2.5)),
+                                dict(autoreset_mode="SAME_STEP", max_episode_steps=12, rho=(0.5, 2.5))])
+def test_episode_metrics_are_the_evaluators_of_the_episode_records(kw):
+    """The episode metrics the engine threads compute as episodes end (``_episode_metrics``) equal the
+    evaluator's functions (``request_outcomes``, ``unit_metrics``'s counts, ``pcts``) on the episode's
+    records, under random actions, shedding or none, truncation (unfinished requests) and both autoreset
+    modes; and the records hold each copy's episode until its next one ends."""
+    from tokenbatch_env.evaluate import pct, pcts, request_outcomes, unit_metrics
+    N = 6
+    env = TokenBatchVectorEnv(N, threads=2, **SMALL, **kw)
+    env.reset(seed=11)
+    rng = np.random.default_rng(5)
+    seen = {"trunc": 0, "term": 0, "unfinished": 0, "shed": 0}
+    for _ in range(400):
+        _, _, te, tr, inf = env.step(rng.uniform(-1, 1, (N, env.core.action_dim)))
+        inf = inf.get("final_info", inf)
+        for c in np.flatnonzero(te | tr):
+            rec = env.episode_records(int(c))
+            assert rec["met"].shape == (env.config.window,)
+            assert np.array_equal(rec["request"], np.arange(env.core.s0, env.core.s1))
+            o = request_outcomes(rec, None)
+            m = unit_metrics(o)
+            for k in ("met", "completed", "shed", "timed_out", "rejected", "unfinished", "preemptions"):
+                assert inf[f"episode_{k}"][c] == m[k], k
+            assert inf["episode_goodput"][c] == m["goodput"]
+            assert [inf["episode_ttft_p50_ms"][c], inf["episode_ttft_p99_ms"][c]] == pcts(o["ttft_ms"], (50, 99))
+            assert inf["episode_tpot_p99_ms"][c] == pct(o["tpot_ms"], 99)
+            assert inf["episode_truncated"][c] == tr[c]
+            seen["trunc"] += tr[c]
+            seen["term"] += te[c]
+            seen["unfinished"] += m["unfinished"] > 0
+            seen["shed"] += m["shed"] > 0
+    assert seen["term"] > 0
+    if "max_episode_steps" in kw:
+        assert seen["trunc"] > 0 and seen["unfinished"] > 0
+    if kw.get("rho") == (1.5, 3.0):
+        assert seen["shed"] == 0
+    elif not kw:
+        assert seen["shed"] > 0
+    assert TokenBatchVectorEnv(1, **SMALL).episode_records(0) is None   # no episode ended yet
+
+
 @pytest.mark.parametrize("suite, profile", [("seed-200", "stress-512"), ("mooncake-like", "llama3-8b-h100")])
 def test_episode_layout_is_build_arrays_of_the_window(suite, profile):
     """A batch of new episodes laid out from the stacked units (``_EpisodeTable.columns`` laid out by

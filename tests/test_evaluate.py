@@ -68,6 +68,49 @@ def test_metric_definitions_on_hand_made_records():
     assert p["max_wait_ms"] == 70 and p["never_scheduled"] == 1
 
 
+
+def test_request_metrics_is_the_outcome_formula_for_any_shape():
+    """``request_metrics`` (compiled ``request_outcome``, shared with the env's episode metrics) is
+    DESIGN.md's formula, here restated in NumPy: ttft = first_token - arrival (-1 without a token), tpot =
+    (finish - first_token)/(O-1) (0 if O = 1 or unfinished), met = completed, ttft <= T1, tpot <= T2;
+    on 1-D and 2-D columns, ties at the SLOs, and without SLOs."""
+    from types import SimpleNamespace
+
+    from tokenbatch_env.engine.kernel import E_NONE
+    from tokenbatch_env.engine.outcomes import request_metrics
+    rng = np.random.default_rng(0)
+    n = 4000
+    arr = rng.integers(0, 10**9, n)
+    has_tok = rng.random(n) < 0.8
+    ft = np.where(has_tok, arr + rng.integers(0, 2 * 10**8, n), -1)
+    o = rng.integers(1, 50, n)
+    done = has_tok & (rng.random(n) < 0.7)
+    t1 = rng.integers(1, 2 * 10**8, n)
+    t2 = rng.integers(1, 10**7, n)
+    fin = np.where(done, ft + (o - 1) * rng.integers(0, 2 * 10**7, n), -1)
+    tie = done & (rng.random(n) < 0.2)   # exactly at both SLOs
+    ft[tie] = arr[tie] + t1[tie]
+    fin[tie] = ft[tie] + (o[tie] - 1) * t2[tie]
+    es = np.where(done, np.where(rng.random(n) < 0.8, E_COMPLETED, E_TIMED_OUT),
+                  rng.choice([E_NONE, E_SHED], n))
+    rec = {"end_state": es, "first_token_ns": ft, "arrival_ns": arr, "finish_ns": fin, "output_tokens": o}
+    ttft = np.where(ft >= 0, ft - arr, -1)
+    tpot = np.where((fin >= 0) & (ft >= 0) & (o > 1), (fin - ft) / np.maximum(o - 1, 1), 0.0)
+    met = (es == E_COMPLETED) & (ttft <= t1) & (tpot <= t2)
+    assert met[tie].any() and (~met).any() and (tpot[tie & (o > 1)] == t2[tie & (o > 1)]).all()
+    for shape in ((n,), (40, n // 40)):
+        r = {k: v.reshape(shape) for k, v in rec.items()}
+        out = request_metrics(r, SimpleNamespace(has_slos=True, ttft_slo_ns=t1.reshape(shape),
+                                                 tpot_slo_ns=t2.reshape(shape)))
+        assert out["ttft_ns"].dtype == np.int64 and out["tpot_ns"].dtype == np.float64 and out["met"].dtype == bool
+        assert np.array_equal(out["ttft_ns"], ttft.reshape(shape))
+        assert np.array_equal(out["tpot_ns"], tpot.reshape(shape))
+        assert np.array_equal(out["met"], met.reshape(shape))
+        none = request_metrics(r, SimpleNamespace(has_slos=False, ttft_slo_ns=None, tpot_slo_ns=None))
+        assert none["met"].shape == shape and not none["met"].any()
+        assert np.array_equal(none["tpot_ns"], tpot.reshape(shape))
+
+
 def test_scored_mask_restricts_every_metric():
     trace, rec = _hand_made()
     o = ev.request_outcomes(rec, trace, scored=np.array([True, True, False, False]))
