@@ -68,3 +68,20 @@ def test_prefetch_is_a_pure_hint():
         a = (rng.integers(0, 5, (7, 33))).astype(dt)
         assert total(a) == a.sum()
     assert prefetch(np.zeros((2, 2)), 1, 1) is None
+
+
+def test_every_compiled_function_is_guarded_against_stale_cached_code():
+    """numba keys a function's cached machine code on its own file only: every compiled function
+    (not an inlined helper) registered by ``engine._jit`` must be flushed by a ``guard_stale_cache``
+    call, or one that inlines code of another file (the score formula, the outcome definition) keeps
+    the old code after that file changes. Imports every module that compiles."""
+    import importlib
+
+    from tokenbatch_env.engine import _jit
+    for m in ("engine.kernel", "engine.scoring", "engine.state", "engine.outcomes", "envs", "policies",
+              "bounds", "evaluate", "control", "capacity", "metrics"):
+        importlib.import_module(f"tokenbatch_env.{m}")
+    compiled = [d for d in _jit._REGISTRY if hasattr(d, "_cache") and d.targetoptions.get("inline") != "always"]
+    assert len(compiled) >= 20   # (the kernel, its scores, the env's observations, rewards and layouts, ...)
+    unguarded = [f"{d.py_func.__module__}.{d.py_func.__name__}" for d in compiled if id(d) not in _jit.GUARDED]
+    assert not unguarded, f"not covered by guard_stale_cache: {unguarded}"

@@ -852,10 +852,13 @@ def test_same_step_prepared_episodes_equal_drawn_at_reset(threads, monkeypatch):
     assert sum(took) >= ended // 2   # most new episodes were prepared ahead
 
 
-def test_same_step_prepared_episode_error_raises_at_its_reset(monkeypatch):
-    """A drawn episode that cannot be cut (its scaled trace out of range) raises at the reset of its
-    copy, the same step as when drawn there, not when it was prepared ahead."""
+@pytest.mark.parametrize("error", ["ConfigError", "TraceError"])
+def test_same_step_prepared_episode_error_raises_at_its_reset(monkeypatch, error):
+    """A drawn episode that cannot be cut (its scaled trace out of range: a TraceError from the trace's
+    checks) raises at the reset of its copy, the same step as when drawn there, not when it was
+    prepared ahead."""
     from tokenbatch_env import envs as E
+    from tokenbatch_env import errors
     from tokenbatch_env.evaluate import Workload
     n = 8
     kw = dict(rho=(1.5, 2.5), autoreset_mode="SAME_STEP", threads=2, **SMALL)
@@ -869,14 +872,14 @@ def test_same_step_prepared_episode_error_raises_at_its_reset(monkeypatch):
     bad = envs[0].core.units[0]
 
     def window_at(self, *a, **k):
-        raise ConfigError("window out of range (test)")
+        raise getattr(errors, error)("window out of range (test)")
     monkeypatch.setattr(Workload, "scaled_in_range", lambda self, u, f: u != bad)
     monkeypatch.setattr(Workload, "window_at", window_at)
     raised, deferred = [], 0
     for env in envs:
         rng = np.random.default_rng(1)
         steps = 0
-        with pytest.raises(ConfigError, match="out of range"):
+        with pytest.raises(getattr(errors, error), match="out of range"):
             for steps in range(1, 400):
                 env.step(rng.uniform(-1, 1, (n, len(ACTION_NAMES))))
                 if env.core._prep is not None:

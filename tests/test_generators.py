@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenbatch_env.engine.profiles import load_profile
-from tokenbatch_env.errors import ConfigError
+from tokenbatch_env.errors import ConfigError, TraceError
 from tokenbatch_env.traces import Trace, block_hash
 from tokenbatch_env.traces.generators import (
     ARRIVAL_RESOLUTION_NS, NS_PREFIX_GROUP, ArrivalSpec, PrefixSpec, TraceSpec, gamma_arrivals,
@@ -339,6 +339,32 @@ def test_workload_window_equals_window_of_the_scaled_unit():
         assert (a.scored_start, a.scored_stop, a.parent_start) == (b.scored_start, b.scored_stop, b.parent_start)
         n, ids = a.trace.prefix_ids()
         assert (n, ids.tolist()) == _first_appearance(b.trace.prefix_hashes)
+
+
+
+def test_workload_scale_factor_and_range_are_their_definitions():
+    """``Workload.scale_factor`` is scale_to_rate's factor ``nominal / as_fraction(rho * lambda_sat)``
+    exactly (normalised), for floats and other numbers; ``scaled_in_range`` says whether the unit's last
+    arrival, scaled, stays within MAX_ARRIVAL_NS (``unit_at`` raises exactly when it does not)."""
+    from tokenbatch_env.evaluate import Workload
+    from tokenbatch_env.traces.trace import MAX_ARRIVAL_NS
+    from tokenbatch_env.traces.windows import as_fraction
+    t = generate_trace(spec(), 6)
+    wl = Workload("x", "suite", [t, t.subset(slice(0, 300))], [None, None], None, None, 1.7, 2.3, "",
+                  np.ones(1), 1.0, None, [], [])
+    rng = np.random.default_rng(3)
+    for rho in [*rng.uniform(0.01, 50, 200), 1, Fraction(7, 3), np.float64(1.25), 1e-300]:
+        f = wl.scale_factor(rho)
+        ref = as_fraction(1.7, "nominal_rps") / as_fraction(rho * 2.3, "rate_rps")   # (nominal 1.7, lambda_sat 2.3)
+        assert type(f) is Fraction and (f.numerator, f.denominator) == (ref.numerator, ref.denominator)
+    last = int(t.arrival_ns[-1])
+    edge = Fraction(MAX_ARRIVAL_NS, last)   # last * edge == MAX_ARRIVAL_NS exactly
+    for f, ok in [(Fraction(1), True), (edge, True), (edge + Fraction(1, 10 * last), True),
+                  (edge + Fraction(1, last), False), (edge * 2, False), (float(edge) * 0.999, True)]:
+        assert wl.scaled_in_range(0, f) is ok, f
+    with pytest.raises(TraceError, match="out of range"):   # (far enough out that the float rho keeps it out)
+        wl.unit_at(0, float(as_fraction(1.7) / (edge * 2) / Fraction(2.3)))
+    assert wl.unit_at(0, float(as_fraction(1.7) / (edge / 2) / Fraction(2.3))) is not None
 
 
 def _first_appearance(values) -> tuple:

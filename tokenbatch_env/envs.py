@@ -29,7 +29,7 @@ from .engine import scoring as S
 from .bounds import min_prefill_exceeds
 from .engine._jit import borrow, njit, prefetch
 from .engine.outcomes import request_outcome
-from .errors import ConfigError, TokenBatchError
+from .errors import ConfigError, TokenBatchError, TraceError
 
 __all__ = ["TokenBatchConfig", "TokenBatchEnv", "TokenBatchVectorEnv", "ActionError", "OBS_LAYOUT",
            "ACTION_NAMES", "WEIGHT_ACTION_NAMES", "make_vector_env"]
@@ -583,15 +583,15 @@ def _episode_metrics(rows, stop_at, trunc, s0, s1, i_p50, i_p99, counts, pcts, s
 
 
 def _guard_stale_cache() -> None:
-    """``_observe`` links engine code (``request_inputs``): flush its cached machine code when any
-    engine source changes (the engine's own guard, one implementation)."""
+    """``_observe`` links engine code (``request_inputs``), ``_episode_metrics`` the outcome definition
+    (``engine.outcomes``), ``_lay_out_rows`` the engine's arrays: flush this module's cached machine
+    code when any engine source changes (the engine's own guard, one implementation)."""
     from .engine._jit import guard_stale_cache
 
     from . import bounds
-    guard_stale_cache([_observe, _rewards], tag="envs", extra_sources=[bounds.__file__])
+    guard_stale_cache([_lt, _sort_small, _argsort_stable, _observe, _rewards, _episode_metrics, _lay_out_rows],
+                      tag="envs", extra_sources=[bounds.__file__])
 
-
-_guard_stale_cache()
 
 
 # ------------------------------------------------------------------ shared with the evaluator
@@ -1009,14 +1009,14 @@ class _Core:
             lo, hi = cfg.rho
             rho = float(lo if lo == hi else rng.uniform(lo, hi))
             f = wl.scale_factor(rho)
-            if not wl.scaled_in_range(u, f):
-                try:
+            try:
+                if not wl.scaled_in_range(u, f):   # (itself raises for factors beyond int64)
                     wl.window_at(u, rho, start, cfg.window, cfg.warmup, cfg.cooldown)   # raises its error
-                except ConfigError as e:
-                    if self._prep is None:
-                        raise
-                    self._prep_error[c] = e   # raised when the copy is reset, as without preparation
-                    continue
+            except (ConfigError, TraceError) as e:   # (the trace's range checks raise TraceError)
+                if self._prep is None:
+                    raise
+                self._prep_error[c] = e   # raised when the copy is reset, as without preparation
+                continue
             units.append(u)
             starts.append(start)
             rhos.append(rho)
@@ -1556,3 +1556,6 @@ class TokenBatchEnv(gym.Env):
 
     def close(self):
         self._vec.close()
+
+
+_guard_stale_cache()   # (last: every compiled function of this module is defined)

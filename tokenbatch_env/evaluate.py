@@ -45,6 +45,7 @@ import hashlib
 import json
 import math
 import sys
+from fractions import Fraction
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -356,22 +357,32 @@ class Workload:
 
     def scale_factor(self, rho: float):
         """The exact factor (a Fraction) by which ``unit_at(i, rho)`` scales every unit's times."""
-        from .traces.windows import as_fraction, empirical_rate_rps
-        target = as_fraction(rho * self.lambda_sat, "rate_rps")
         nominal = self.__dict__.get("_nominal")
         if nominal is None:   # the units' stored rate: a constant of the workload
+            from .traces.windows import as_fraction, empirical_rate_rps
             nominal = as_fraction(self.nominal_rps if self.kind == "suite" else empirical_rate_rps(self.parent),
                                   "nominal_rps")
             self.__dict__["_nominal"] = nominal
-        return nominal / target   # scale_to_rate's factor
+        rate = rho * self.lambda_sat
+        if type(rate) is float and 0.0 < rate < math.inf:   # (the env draws one per episode: kept cheap)
+            a, b = rate.as_integer_ratio()   # the float's exact value, as as_fraction takes it
+            return Fraction(nominal.numerator * b, nominal.denominator * a)   # = nominal / rate, normalised
+        from .traces.windows import as_fraction
+        return nominal / as_fraction(rate, "rate_rps")   # scale_to_rate's factor
 
     def scaled_in_range(self, i: int, factor) -> bool:
         """Whether unit i's last arrival stays in range at ``factor`` (else ``unit_at`` raises)."""
         from .traces.trace import MAX_ARRIVAL_NS
+        last = self.__dict__.get("_last_arrival")
+        if last is None:   # each unit's last arrival (the parent's for every window of a trace)
+            arr = [(u if self.kind == "suite" else self.parent).arrival_ns for u in self.units]
+            last = self.__dict__["_last_arrival"] = [int(a[-1]) if len(a) else None for a in arr]
+        v = last[i]
+        f = factor.numerator / factor.denominator if type(factor) is Fraction else float(factor)
+        if v is None or v * f < MAX_ARRIVAL_NS / 2:
+            return True
         from .traces.windows import scale_ints
-        last = (self.units[i] if self.kind == "suite" else self.parent).arrival_ns[-1:]
-        return not (last.size and not int(last[0]) * float(factor) < MAX_ARRIVAL_NS / 2
-                    and int(scale_ints(last, factor)[0]) > MAX_ARRIVAL_NS)
+        return not int(scale_ints(np.array([v], np.int64), factor)[0]) > MAX_ARRIVAL_NS
 
     def window_at(self, i: int, rho: float, start: int, size: int, warmup: int = 0, cooldown: int = 0):
         """``traces.windows.window_at(self.unit_at(i, rho), start, size, warmup, cooldown)``, the same

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from .engine import scoring as _s
+from .engine._jit import guard_stale_cache
 from .errors import PolicyError
 
 #: name -> (in-engine id, needs parameters)
@@ -231,6 +232,11 @@ def _drop_in(p, d, wait_ms, t1_ms, free_blocks, ratio, theta, ps, u_p, u_d, budg
     return _s.policy_score(_s.P_INDEX, theta, ratio, s_ms, d_left, slack, t1_ms, False,
                            free_blocks / usable, float(blocks), float(usable), to_deadline, 0.0,
                            float(bs))
+
+
+# ``_drop_in`` links the engine's score formula (scoring.py): flush its cached machine code when any
+# engine source changes, as the engine's own functions are
+guard_stale_cache([_drop_in], tag="policies")
 
 
 def score_request_priority(prompt_len, est_decode_len, wait_time_ms, sla_target_ms, free_kv_blocks,

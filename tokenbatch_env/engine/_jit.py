@@ -13,6 +13,8 @@ import threading
 from pathlib import Path
 
 _REGISTRY: list = []
+#: ids of the dispatchers a ``guard_stale_cache`` call covers (tests check that every one is)
+GUARDED: set = set()
 _FETCH_ADD_LOCK = threading.Lock()   # the interpreted ``fetch_add``
 
 
@@ -138,6 +140,7 @@ def guard_stale_cache(dispatchers=None, tag: str = "engine", extra_sources=()) -
     engine sources (or ``extra_sources``, other files they link) changed since it was written;
     numba then recompiles on first use."""
     disp = [d for d in (_REGISTRY if dispatchers is None else dispatchers) if hasattr(d, "_cache")]
+    GUARDED.update(id(d) for d in disp)
     if not disp:
         return
     try:

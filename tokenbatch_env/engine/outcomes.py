@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import helper, njit
+from ._jit import guard_stale_cache, helper, njit
 from .kernel import E_COMPLETED
 
 
@@ -50,3 +50,7 @@ def request_metrics(rec: dict, trace) -> dict:
     ttft, tpot, met = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, bool)
     _request_metrics_flat(*flat, bool(trace.has_slos), ttft, tpot, met)
     return {"ttft_ns": ttft.reshape(shape), "tpot_ns": tpot.reshape(shape), "met": met.reshape(shape)}
+
+
+# (defined after the kernel's guard ran): flushed when any engine source changes, as the kernel is
+guard_stale_cache([_request_metrics_flat], tag="outcomes")

@@ -10,7 +10,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..traces.trace import Trace
 from . import kernel as K
-from ._jit import njit
+from ._jit import guard_stale_cache, njit
 from .profiles import Profile
 
 NEVER = np.iinfo(np.int64).max // 4
@@ -258,3 +258,7 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
                                 // (profile.block_size * profile.kv_bytes_per_token))),
         epoch=z(C, K.N_EP),
     )
+
+
+# (defined after the kernel module ran its guard: this module imports it): flushed likewise
+guard_stale_cache([window_prefix_ids], tag="state")

@@ -66,7 +66,7 @@ def _wrapped_params(vmin: int, vmax: int, f: Fraction) -> Optional[tuple]:
     if q >= 2**61 or vmin < 0:
         return None
     try:
-        ff = float(f)
+        ff = p / q   # float(f), without Fraction's dispatch
     except OverflowError:
         return None
     if not (ff > 0.0 and vmax * ff < 2.0**49):   # margin below 2**50 for the float rounding of the bound
@@ -108,7 +108,7 @@ def scale_rows(values: np.ndarray, factors) -> np.ndarray:
     """``scale_ints(values[i], factors[i])`` for each row of a 2-D int64 array, exactly, with one
     set of array operations for the rows where the wrapped method's bounds hold."""
     v = np.asarray(values, np.int64)
-    fs = [f if type(f) is Fraction and f > 0 else as_fraction(f) for f in factors]
+    fs = [f if type(f) is Fraction and f.numerator > 0 else as_fraction(f) for f in factors]
     if v.shape[1] == 0:
         return v.copy()
     params = [_wrapped_params(lo, hi, f) for lo, hi, f in zip(v.min(axis=1).tolist(), v.max(axis=1).tolist(), fs)]
