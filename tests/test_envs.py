@@ -243,6 +243,39 @@ def test_episode_metrics_are_the_evaluators_of_the_episode_records(kw):
     assert TokenBatchVectorEnv(1, **SMALL).episode_records(0) is None   # no episode ended yet
 
 
+
+def test_failed_step_keeps_each_copys_last_reported_episode_records(monkeypatch):
+    """A step that raises after the engine threads computed the metrics of the episodes ending in it
+    (here: a new episode's layout, overlapping the engine, failing) leaves ``episode_records`` at each
+    copy's last reported episode, as before the metrics moved into the threads."""
+    from tokenbatch_env.engine import kernel as K
+    from tokenbatch_env.evaluate import Workload
+    N = 40
+    env = TokenBatchVectorEnv(N, threads=2, rho=(1.5, 2.5), **SMALL)
+    env.reset(seed=1)
+    rng = np.random.default_rng(0)
+    reported, armed = {}, [False]
+    in_range = Workload.scaled_in_range
+
+    def window_at(self, *a, **k):
+        raise ConfigError("window out of range (test)")
+    monkeypatch.setattr(Workload, "scaled_in_range", lambda self, u, f: not armed[0] and in_range(self, u, f))
+    monkeypatch.setattr(Workload, "window_at", window_at)
+    with pytest.raises(ConfigError, match="out of range"):
+        for t in range(2000):
+            _, _, te, tr, _ = env.step(rng.uniform(-1, 1, (N, env.core.action_dim)))
+            done = np.flatnonzero(te | tr)
+            for c in done:
+                reported[int(c)] = env.episode_records(int(c))
+            if t > 30 and 0 < done.size * 16 <= N:   # (laid out while the engine runs, next step)
+                armed[0] = True
+    ended_again = [c for c in np.flatnonzero(env.core.run.arrays.epoch[:, K.EP_STOP] == K.STOP_ENDED)
+                   if int(c) in reported]
+    assert ended_again   # copies whose metrics the threads computed in the failed step
+    for c, rec in reported.items():
+        assert _same_tree(env.episode_records(c), rec), c
+
+
 @pytest.mark.parametrize("suite, profile", [("seed-200", "stress-512"), ("mooncake-like", "llama3-8b-h100")])
 def test_episode_layout_is_build_arrays_of_the_window(suite, profile):
     """A batch of new episodes laid out from the stacked units (``_EpisodeTable.columns`` laid out by

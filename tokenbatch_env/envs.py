@@ -522,7 +522,7 @@ _EPISODE_COUNTS = ("met", "completed", "shed", "timed_out", "rejected", "unfinis
 
 
 @njit
-def _episode_metrics(rows, stop_at, trunc, s0, s1, i_p50, i_p99, counts, pcts, snap, arrival, prompt, out_len,
+def _episode_metrics(rows, stop_at, trunc, s0, s1, i_p50, i_p99, counts, pcts, snap, slot, arrival, prompt, out_len,
                      first_sched, first_token, first_token_it, finish, finish_it, n_preempt, recomputed, swapped,
                      end_state, t1, t2):
     """Episode metrics of the copies in the mask ``rows`` whose episode ended (``stop_at`` STOP_ENDED, or
@@ -530,7 +530,8 @@ def _episode_metrics(rows, stop_at, trunc, s0, s1, i_p50, i_p99, counts, pcts, s
     ``request_outcomes``'s columns: TTFT in ms, +inf without a first token; TPOT in ms, +inf unless
     completed; an unended request counts as unfinished; ``pcts``'s inverted-CDF rule, its indices
     ``i_p50``/``i_p99`` for s1 - s0 values given): ``counts[c]`` (``_EPISODE_COUNTS``), ``pcts[c]`` = TTFT
-    p50, p99, TPOT p99; ``snap[c]`` keeps the ``_RECORD_FIELDS`` columns for the copy's records. Run by
+    p50, p99, TPOT p99; ``snap[c, 1 - slot[c]]`` keeps the ``_RECORD_FIELDS`` columns for the copy's records
+    (the other slot keeps the last episode reported, until ``episode_infos`` flips ``slot``). Run by
     each engine thread on the copies it advanced (compiled: the serial NumPy version cost ~5% of a step
     at 1,024 copies); checked against the evaluator's functions in tests/test_envs.py."""
     w = s1 - s0
@@ -566,20 +567,21 @@ def _episode_metrics(rows, stop_at, trunc, s0, s1, i_p50, i_p99, counts, pcts, s
         pcts[c, 0] = ttft_ms[i_p50]
         pcts[c, 1] = ttft_ms[i_p99]
         pcts[c, 2] = tpot_ms[i_p99]
-        snap[c, 0] = arrival[c, s0:s1]
-        snap[c, 1] = prompt[c, s0:s1]
-        snap[c, 2] = out_len[c, s0:s1]
-        snap[c, 3] = first_sched[c, s0:s1]
-        snap[c, 4] = first_token[c, s0:s1]
-        snap[c, 5] = first_token_it[c, s0:s1]
-        snap[c, 6] = finish[c, s0:s1]
-        snap[c, 7] = finish_it[c, s0:s1]
-        snap[c, 8] = n_preempt[c, s0:s1]
-        snap[c, 9] = recomputed[c, s0:s1]
-        snap[c, 10] = swapped[c, s0:s1]
-        snap[c, 11] = end_state[c, s0:s1]
-        snap[c, 12] = t1[c, s0:s1]
-        snap[c, 13] = t2[c, s0:s1]
+        k = 1 - slot[c]
+        snap[c, k, 0] = arrival[c, s0:s1]
+        snap[c, k, 1] = prompt[c, s0:s1]
+        snap[c, k, 2] = out_len[c, s0:s1]
+        snap[c, k, 3] = first_sched[c, s0:s1]
+        snap[c, k, 4] = first_token[c, s0:s1]
+        snap[c, k, 5] = first_token_it[c, s0:s1]
+        snap[c, k, 6] = finish[c, s0:s1]
+        snap[c, k, 7] = finish_it[c, s0:s1]
+        snap[c, k, 8] = n_preempt[c, s0:s1]
+        snap[c, k, 9] = recomputed[c, s0:s1]
+        snap[c, k, 10] = swapped[c, s0:s1]
+        snap[c, k, 11] = end_state[c, s0:s1]
+        snap[c, k, 12] = t1[c, s0:s1]
+        snap[c, k, 13] = t2[c, s0:s1]
 
 
 def _guard_stale_cache() -> None:
@@ -969,7 +971,10 @@ class _Core:
         from .evaluate import _pct_index
         self.ep_counts = np.zeros((N, len(_EPISODE_COUNTS)), np.int64)
         self.ep_pcts = np.zeros((N, 3))
-        self.ep_snap = np.zeros((N, len(_RECORD_FIELDS), cfg.window), np.int64)
+        # two slots per copy: the last episode reported (``ep_slot``) and one being written, so that a
+        # step that raises after the threads wrote (a layout's error) leaves the reported one
+        self.ep_snap = np.zeros((N, 2, len(_RECORD_FIELDS), cfg.window), np.int64)
+        self.ep_slot = np.zeros(N, np.int64)
         self.ep_pct_index = (_pct_index(cfg.window, 50), _pct_index(cfg.window, 99))
         self.has_records = np.zeros(N, bool)
         self.params_theta = np.tile(self.theta_star, (N, 1))
@@ -1173,7 +1178,7 @@ class _Core:
         """``_episode_metrics`` of the copies in the mask ``rows`` whose episode ended."""
         A = self.run.arrays
         _episode_metrics(rows, stop_at, trunc, self.s0, self.s1, *self.ep_pct_index, self.ep_counts, self.ep_pcts,
-                         self.ep_snap, *(getattr(A, f) for f in _RECORD_FIELDS[:-1]), self.t2)
+                         self.ep_snap, self.ep_slot, *(getattr(A, f) for f in _RECORD_FIELDS[:-1]), self.t2)
 
     def episode_infos(self, ended: np.ndarray, trunc: np.ndarray) -> dict:
         """Episode metrics of the copies ``ended`` (their scored requests), one array per key over
@@ -1182,6 +1187,7 @@ class _Core:
         A = self.run.arrays
         counts, pcts = self.ep_counts[ended], self.ep_pcts[ended]
         self.has_records[ended] = True
+        self.ep_slot[ended] ^= 1   # their records, written in the other slot, are now the reported ones
         info = {f"episode_{k}": counts[:, i] for i, k in enumerate(_EPISODE_COUNTS)}
         return {
             "episode_goodput": counts[:, 0] / (self.s1 - self.s0), **info,
@@ -1201,7 +1207,7 @@ class _Core:
             return None
         s0, s1 = self.s0, self.s1
         cols = {}
-        for f, v in zip(_RECORD_FIELDS, self.ep_snap[c]):
+        for f, v in zip(_RECORD_FIELDS, self.ep_snap[c, self.ep_slot[c]]):
             cols[f] = np.zeros((1, s1), np.int64)
             cols[f][0, s0:] = v
         rec = record_rows(SimpleNamespace(**cols), np.zeros(1, np.int64), s0, s1, cols["t1"][:, s0:],
