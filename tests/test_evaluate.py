@@ -281,6 +281,40 @@ def test_exception_leaves_no_partial_output(tiny_report, tmp_path, monkeypatch):
     assert (old / "report.json").read_text() == "old"
 
 
+
+def test_atomic_write_syncs_the_file_before_its_name_and_the_directory_after(tmp_path, monkeypatch):
+    """``_io.atomic_path``: the temporary file's bytes are flushed to the disk before it is renamed over
+    the target, and the directory's entry after (an OS crash then leaves the old file or the complete
+    new one); a failed write removes its temporary file and syncs nothing."""
+    import os
+
+    from tokenbatch_env import _io
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("replace", os.path.realpath(b)))
+        real_replace(a, b)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = tmp_path / "out" / "report.json"
+    _io.write_text_atomic(target, "new\n")
+    assert target.read_text() == "new\n"
+    (kind0, tmp), rest = events[0], events[1:]
+    assert kind0 == "fsync" and os.path.basename(tmp).startswith(".report.json.") and tmp.endswith(".tmp")
+    assert rest == [("replace", str(target.resolve())), ("fsync", str(target.parent.resolve()))]
+    events.clear()
+    with pytest.raises(RuntimeError):
+        with _io.atomic_path(target) as t:
+            t.write_text("partial")
+            raise RuntimeError
+    assert events == [] and target.read_text() == "new\n" and sorted(os.listdir(target.parent)) == ["report.json"]
+
+
 # ------------------------------------------------------------------ k parameter sets in one batch
 def test_index_params_batch_equals_separate_runs():
     from tokenbatch_env.engine.simulate import simulate

@@ -1,4 +1,6 @@
-"""Atomic file writes: a reader never sees a partial file, Ctrl-C leaves the old one intact."""
+"""Atomic file writes: a reader never sees a partial file, Ctrl-C leaves the old one intact, and the
+new file's bytes reach the disk before its name does (an OS crash leaves the old file or the new one,
+never an empty one)."""
 
 from __future__ import annotations
 
@@ -22,11 +24,31 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        _fsync(tmp_path)
         os.replace(tmp_path, path)
+        _fsync(path.parent, directory=True)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         raise
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    """Flush a file's (or a directory's entries') data to the disk. A directory that cannot be opened
+    or synced (some platforms and filesystems) is skipped: the rename is atomic all the same."""
+    try:
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    except OSError:
+        if directory:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
