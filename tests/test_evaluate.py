@@ -361,24 +361,5 @@ def test_pct_equals_numpy_inverted_cdf():
             assert np.float64(g).tobytes() == np.float64(want).tobytes(), (n, q)
             assert np.float64(ev.pct(x, q)).tobytes() == np.float64(want).tobytes()
     assert math.isnan(ev.pct([], 50)) and ev.pct([3.0], np.float32(50)) == 3.0
-
-
-def test_pcts_rows_equals_pcts_per_row():
-    """``pcts_rows`` (one sort for all rows) is ``pcts`` row by row, to the bit (NaN rows, inf, -0.0)."""
-    rng = np.random.default_rng(1)
-    for t in range(300):
-        x = rng.normal(size=(int(rng.integers(1, 12)), int(rng.integers(1, 200))))
-        if t % 3 == 0:
-            x[rng.random(x.shape) < 0.2] = np.inf
-        if t % 7 == 0:
-            x[0, rng.integers(x.shape[1])] = np.nan
-        if t % 5 == 0:
-            x[rng.random(x.shape) < 0.5] = 0.0
-            x[rng.random(x.shape) < 0.3] = -0.0
-        qs = (50, 99) if t % 2 else (0, 25, float(rng.uniform(0, 100)), 100)
-        got = ev.pcts_rows(x, qs)
-        want = np.array([ev.pcts(row, qs) for row in x])
-        assert got.shape == (x.shape[0], len(qs)) and got.tobytes() == want.tobytes(), t
-    assert ev.pcts_rows(np.zeros((2, 0)), (50,)).shape == (2, 1)
     with pytest.raises(ValueError):
         ev.pct([1.0, 2.0], 101)

@@ -591,19 +591,6 @@ def _pct_index(n: int, q) -> int:
     return max(0, prev if idx - prev == 0 else prev + 1)
 
 
-def pcts_rows(x, qs) -> np.ndarray:
-    """``[pcts(row, qs) for row in x]`` of a 2-D array, as an array [rows, len(qs)], with one sort."""
-    x = np.asarray(x, np.float64)
-    if x.ndim != 2 or x.shape[1] == 0 or any(type(q) not in (int, float) or not 0 <= q <= 100 for q in qs):
-        return np.array([pcts(row, qs) for row in x], np.float64).reshape(len(x), len(qs))
-    s = np.sort(x, axis=1)   # NaN sorts last
-    out = s[:, [_pct_index(x.shape[1], q) for q in qs]]
-    out[s[:, -1] != s[:, -1]] = np.nan
-    for i in np.flatnonzero((out == 0.0).any(axis=1)):   # a chosen zero that could be -0.0: pcts decides
-        out[i] = pcts(x[i], qs)
-    return out
-
-
 def prompt_quintile_edges(prompts) -> list:
     """Edges (20/40/60/80th percentiles, inverted CDF) of the pooled scored prompt lengths."""
     p = np.asarray(prompts, np.float64)
