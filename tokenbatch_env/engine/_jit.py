@@ -24,6 +24,11 @@ def prefetch(arr, i, j):
     return None
 
 
+def prefetch3(arr, i, j, k):
+    """``prefetch`` of ``arr[i, j, k]`` (a 3-D array)."""
+    return None
+
+
 def fetch_add(arr, i, v):
     """Atomically ``old = arr[i]; arr[i] += v; return old`` (int64 ``arr``): how the engine threads
     share out copies (``kernel.next_copy``). Interpreted: under a lock."""
@@ -83,10 +88,9 @@ try:  # numba is a runtime dependency; without it the same functions run interpr
         return _cgutils.get_item_pointer(context, builder, sig.args[0], ary, list(args[1:1 + ndim]),
                                          wraparound=False)
 
-    @_intrinsic
-    def _prefetch(typingctx, arr, i, j):
+    def _prefetch_codegen(ndim):
         def codegen(context, builder, sig, args):
-            ptr = _item_pointer(context, builder, sig, args, 2)
+            ptr = _item_pointer(context, builder, sig, args, ndim)
             if getattr(ptr.type, "is_opaque", False):   # LLVM with opaque pointers
                 name = "llvm.prefetch.p0"
             else:
@@ -97,12 +101,25 @@ try:  # numba is a runtime dependency; without it the same functions run interpr
                 builder.module, _ir.FunctionType(_ir.VoidType(), [ptr.type, i32, i32, i32]), name)
             builder.call(fn, [ptr, i32(0), i32(3), i32(1)])   # read, keep in all cache levels, data
             return context.get_dummy_value()
-        return _types.void(arr, i, j), codegen
+        return codegen
+
+    @_intrinsic
+    def _prefetch(typingctx, arr, i, j):
+        return _types.void(arr, i, j), _prefetch_codegen(2)
+
+    @_intrinsic
+    def _prefetch3(typingctx, arr, i, j, k):
+        return _types.void(arr, i, j, k), _prefetch_codegen(3)
 
     @_overload(prefetch)
     def _prefetch_impl(arr, i, j):
         if isinstance(arr, _types.Array) and arr.ndim == 2:
             return lambda arr, i, j: _prefetch(arr, i, j)
+
+    @_overload(prefetch3)
+    def _prefetch3_impl(arr, i, j, k):
+        if isinstance(arr, _types.Array) and arr.ndim == 3:
+            return lambda arr, i, j, k: _prefetch3(arr, i, j, k)
 
     @_intrinsic
     def _fetch_add(typingctx, arr, i, v):
