@@ -19,10 +19,10 @@ Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
       both rates, their ratio, and the ratio's median and range over the rounds;
   --breakdown: (a)'s wall time per copy-step split into the engine with the observations, rewards
       and episode metrics of the copies it advanced (``advance_to_decision``: each engine thread
-      observes and rewards its copies right after advancing them, and computes the metrics of those
-      whose episode ended; one thread first lays out the new episodes of the copies that ended in the
-      previous step, timed too), the episode metrics' info arrays and the rest (the step's Python:
-      action checks and mapping, infos).
+      claims a batch of copies at a time, advances them, then observes and rewards them and computes
+      the metrics of those whose episode ended; one thread first lays out the new episodes of the
+      copies that ended in the previous step, timed too), the episode metrics' info arrays and the
+      rest (the step's Python: action checks and mapping, infos).
 """
 
 from __future__ import annotations

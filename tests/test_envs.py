@@ -638,11 +638,12 @@ def test_single_env_step_after_end_errors():
         env.step(np.zeros(8))
 
 
-def _advance_epoch_by_epoch(core, live, then=None, meanwhile=None):
+def _advance_epoch_by_epoch(core, live, meanwhile=None, kernel=None):
     """DESIGN.md section 5's epochs outside the engine: ``EngineRun.advance`` to each epoch in turn,
     stopping at the episode's end, the iteration cap, or a needed decision, read off the
-    observation (>= 2 waiting, or shedding on and a waiting request with its TTFT lost); then
-    ``then`` on the copies that stopped, as ``advance_to_decision`` does (``meanwhile`` first)."""
+    observation (>= 2 waiting, or shedding on and a waiting request with its TTFT lost); then the
+    env's per-copy work (``kernel.after``: steps, observations, rewards) on the copies that
+    stopped, as the env's kernel does for the copies it advances (``meanwhile`` first)."""
     from tokenbatch_env.engine import kernel as K
     if meanwhile is not None:
         meanwhile()
@@ -662,8 +663,8 @@ def _advance_epoch_by_epoch(core, live, then=None, meanwhile=None):
         stop[pending & ~ended & ~capped & need] = K.STOP_DECIDE
         pending &= stop == K.STOP_NONE
     A.epoch[:, K.EP_STOP] = stop
-    if then is not None and live.any():
-        then(live.copy())
+    if kernel is not None and live.any():
+        kernel.after(live.copy())
     return stop
 
 
@@ -675,8 +676,8 @@ def test_engine_epochs_match_epoch_by_epoch_reference(kw):
     kw = {"rho": (0.8, 2.0), **SMALL, **kw}
     envs = [TokenBatchVectorEnv(3, **kw) for _ in range(2)]
     ref = envs[1].core
-    ref.run.advance_to_decision = lambda live, then=None, meanwhile=None: _advance_epoch_by_epoch(ref, live, then,
-                                                                                                meanwhile)
+    ref.run.advance_to_decision = lambda live, meanwhile=None, kernel=None: _advance_epoch_by_epoch(
+        ref, live, meanwhile, kernel)
     outs = [e.reset(seed=9)[0] for e in envs]
     assert np.array_equal(*outs)
     rng = np.random.default_rng(4)
@@ -716,9 +717,13 @@ def test_advance_to_decision_needs_epochs():
 
 
 @pytest.mark.parametrize("threads, chunk_steps", [(1, 20_000), (2, 20_000), (2, 3)])
-def test_advance_to_decision_then_sees_each_copy_once_stopped(threads, chunk_steps):
-    """``then`` gets every active copy exactly once, after it stopped, never an inactive one: also
-    when copies take several kernel calls (``chunk_steps``) and over several threads."""
+def test_advance_to_decision_kernel_runs_each_copy_once_per_call(threads, chunk_steps):
+    """A ``kernel`` given to ``advance_to_decision`` replaces ``K.run_copies``: in each round, the
+    engine threads' calls share one claim counter and each copy still to advance is run by exactly
+    one of them (its own ``mine``), never an inactive one; every active copy ends the call stopped,
+    also when copies take several rounds (``chunk_steps``) and over several threads."""
+    import threading
+
     from tokenbatch_env.engine import kernel as K
     from tokenbatch_env.engine.simulate import EngineRun
     env = TokenBatchVectorEnv(8, **SMALL, seed=2)
@@ -728,16 +733,26 @@ def test_advance_to_decision_then_sees_each_copy_once_stopped(threads, chunk_ste
     run = EngineRun(traces, "stress-512", engine_policy("edf", shed_margin=0.0), threads=threads)
     run.start_epochs(interval_ns=50 * 10**6, shed_on=True)
     active = np.array([True, True, False, True, True, True, False, True])
+    lock = threading.Lock()
     for _ in range(5):
-        seen = np.zeros(8, np.int64)
+        calls: list = []
 
-        def then(g):
-            assert not (g & ~active).any()
-            assert (run.arrays.epoch[g, K.EP_STOP] != K.STOP_NONE).all()
-            seen[g] += 1
-        stop = run.advance_to_decision(active, chunk_steps=chunk_steps, then=then)
-        assert seen.tolist() == active.astype(np.int64).tolist()
-        assert (stop[active] != K.STOP_NONE).all()
+        def kernel(*args, claim, mine):
+            total = K.run_copies(*args, claim=claim, mine=mine)
+            with lock:
+                calls.append((claim, args[9].copy(), mine.copy()))   # (claim kept: ids stay unique)
+            return total
+        stop = run.advance_to_decision(active, chunk_steps=chunk_steps, kernel=kernel)
+        rounds: dict = {}
+        for claim, act, mine in calls:
+            rounds.setdefault(id(claim), []).append((act, mine))
+        assert all(1 <= len(v) <= threads for v in rounds.values())
+        assert any(np.array_equal(v[0][0], active) for v in rounds.values())   # the first round: all
+        assert not any((v[0][0] & ~active).any() for v in rounds.values())
+        for v in rounds.values():
+            runs = np.sum([mine for _, mine in v], axis=0)
+            assert np.array_equal(runs, v[0][0].astype(np.int64))   # each copy of the round once
+        assert (stop[active] != K.STOP_NONE).all() and (stop[~active] == K.STOP_NONE).all()
 
 
 @pytest.mark.parametrize("mode", ["index", "weights"])

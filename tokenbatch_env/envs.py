@@ -27,7 +27,7 @@ from gymnasium.vector import AutoresetMode
 from .engine import kernel as K
 from .engine import scoring as S
 from .bounds import min_prefill_exceeds
-from .engine._jit import borrow, njit, prefetch
+from .engine._jit import borrow, fetch_add, njit, prefetch
 from .engine.outcomes import request_outcome
 from .errors import ConfigError, TokenBatchError, TraceError
 
@@ -244,11 +244,12 @@ def _argsort_stable(x, out):
 @njit
 def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, next_arr, wait_ids, run_ids,
              prompt, gen, computed, arrival, t1, est, hash_head, chain_off, chain_val, uniq_base, epoch,
-             zs_buf, ls_buf, zsort, lsort, order, feats):
+             zs_buf, ls_buf, zsort, lsort, order, feats, lo=0):
     """Observation rows of the ``active`` copies (see ``TokenBatchEnv``). The per-request entries are
     the engine's own index inputs (``kernel.request_inputs``); ``cfg``/``fcfg`` are the engine's,
     ``ocfg`` = [t_ref_ms, lambda_sat, rate_window_ns]; the episode start is ``epoch[c, EP_T0]``.
-    The last six are scratch (``observe`` allocates them, so that they are borrowed too)."""
+    The last six are scratch (``observe`` allocates them, so that they are borrowed too); copies
+    below ``lo`` are not looked at."""
     # borrowed views (``engine._jit.borrow``): no reference counting per helper call
     zs_buf = borrow(zs_buf)
     ls_buf = borrow(ls_buf)
@@ -298,7 +299,7 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
     base_req = 6 + 2 * nq + 2
     n_copies = active.shape[0]
     c_next = 0
-    for c in range(n_copies):
+    for c in range(lo, n_copies):
         if not active[c]:
             continue
         if c_next <= c:   # prefetch the next copy's rows (the engine's state is colder than the caches)
@@ -412,13 +413,13 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
 @njit
 def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token, finish, arrival, t1, t2,
              out_len, gen, capped, certain, met_seen, out, prompt, computed, n_preempt, h_best, ps, budget,
-             open_lo):
+             open_lo, lo=0):
     """Step rewards of the ``live`` copies (see ``TokenBatchEnv``, "Rewards"): scored requests [s0, s1)
     whose miss became certain (or, ``count_met``, that were met) since the last step; ``certain`` and
     ``met_seen`` ([N, s1 - s0]) remember what was counted. A request whose miss is certain, or that
     ended, is settled (nothing it does can count again): ``open_lo[c]`` skips the settled prefix, and
     the scan stops at the first request not yet arrived (nothing about it can count before
-    truncation)."""
+    truncation). Copies below ``lo`` are not looked at."""
     # borrowed views (``engine._jit.borrow``): no reference counting per helper call
     live = borrow(live)
     trunc = borrow(trunc)
@@ -443,7 +444,7 @@ def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token,
     open_lo = borrow(open_lo)
     n_copies = live.shape[0]
     c_next = 0
-    for c in range(n_copies):
+    for c in range(lo, n_copies):
         if not live[c]:
             continue
         if c_next <= c:   # prefetch the next copy's scored rows still open
@@ -524,7 +525,7 @@ _EPISODE_COUNTS = ("met", "completed", "shed", "timed_out", "rejected", "unfinis
 @njit
 def _episode_metrics(rows, stop_at, trunc, s0, s1, i_p50, i_p99, counts, pcts, snap, slot, arrival, prompt, out_len,
                      first_sched, first_token, first_token_it, finish, finish_it, n_preempt, recomputed, swapped,
-                     end_state, t1, t2):
+                     end_state, t1, t2, lo=0):
     """Episode metrics of the copies in the mask ``rows`` whose episode ended (``stop_at`` STOP_ENDED, or
     ``trunc``), over their scored requests [s0, s1), as the evaluator defines them (``request_outcome``;
     ``request_outcomes``'s columns: TTFT in ms, +inf without a first token; TPOT in ms, +inf unless
@@ -533,11 +534,12 @@ def _episode_metrics(rows, stop_at, trunc, s0, s1, i_p50, i_p99, counts, pcts, s
     p50, p99, TPOT p99; ``snap[c, 1 - slot[c]]`` keeps the ``_RECORD_FIELDS`` columns for the copy's records
     (the other slot keeps the last episode reported, until ``episode_infos`` flips ``slot``). Run by
     each engine thread on the copies it advanced (compiled: the serial NumPy version cost ~5% of a step
-    at 1,024 copies); checked against the evaluator's functions in tests/test_envs.py."""
+    at 1,024 copies); checked against the evaluator's functions in tests/test_envs.py. Copies below
+    ``lo`` are not looked at."""
     w = s1 - s0
     ttft_ms = np.empty(w)
     tpot_ms = np.empty(w)
-    for c in range(rows.shape[0]):
+    for c in range(lo, rows.shape[0]):
         if not rows[c] or not (stop_at[c] == K.STOP_ENDED or trunc[c]):
             continue
         n_met = n_done = n_shed = n_to = n_rej = n_unf = n_pre = 0
@@ -584,6 +586,74 @@ def _episode_metrics(rows, stop_at, trunc, s0, s1, i_p50, i_p99, counts, pcts, s
         snap[c, k, 13] = t2[c, s0:s1]
 
 
+#: copies an engine thread claims at a time in ``_advance_observe`` (then observes and rewards them)
+_CHUNK = 32
+
+
+@njit
+def _advance_observe(kargs, act, claim, chunk, priv, stopped, stop_at, max_ep_steps, steps, trunc, obs_args,
+                     rew_args, met_args):
+    """One engine thread's share of an env step: claim ``_CHUNK`` copies of ``act`` at a time from the
+    counter ``claim`` (shared by the threads), run the kernel on them (``kargs``: ``K.kernel_args``
+    with ``chunk`` as its mask and ``priv`` as its claim counter), then ``_after_stop`` on them while
+    their rows are still in the caches: every thread's share of that work follows the copies it
+    claims. Returns the kernel's total (negative: it stopped at a NaN score)."""
+    n = act.shape[0]
+    total = 0
+    while True:
+        lo = fetch_add(claim, 0, _CHUNK)
+        if lo >= n:
+            break
+        hi = min(lo + _CHUNK, n)
+        some = False
+        for c in range(lo, hi):
+            chunk[c] = act[c]
+            if act[c]:
+                some = True
+        if not some:
+            continue
+        priv[0] = lo
+        t = K._run_copies(*kargs)
+        if t < 0:
+            for c in range(lo, hi):
+                chunk[c] = False
+            return t
+        total += t
+        _after_stop(lo, hi, chunk, stopped, stop_at, max_ep_steps, steps, trunc, obs_args, rew_args, met_args)
+    return total
+
+
+@njit
+def _after_stop(lo, hi, ran, stopped, stop_at, max_ep_steps, steps, trunc, obs_args, rew_args, met_args):
+    """The env's work on the copies in [lo, hi) of the mask ``ran`` (cleared here) that the engine
+    advanced and that stopped (``stop_at``): count the step, its truncation (the engine's iteration
+    cap, or ``max_ep_steps`` steps), and write their observations, rewards and, if an episode ended,
+    episode metrics (``obs_args``/``rew_args``/``met_args``: the arguments of ``_observe``/``_rewards``/
+    ``_episode_metrics`` after their masks). ``stopped``: scratch, all False."""
+    n_stop = 0
+    any_end = False
+    for c in range(lo, hi):
+        s = stop_at[c]
+        st = ran[c] and s != K.STOP_NONE
+        ran[c] = False
+        stopped[c] = st
+        if st:
+            n_stop += 1
+            steps[c] += 1
+            ended = s == K.STOP_ENDED
+            tr = not ended and (s == K.STOP_CAP or steps[c] >= max_ep_steps)
+            trunc[c] = tr
+            if ended or tr:
+                any_end = True
+    if n_stop > 0:
+        m = stopped[:hi]
+        _observe(m, *obs_args, lo)
+        _rewards(m, trunc, *rew_args, lo)
+        if any_end:
+            _episode_metrics(m, stop_at, trunc, *met_args, lo)
+        for c in range(lo, hi):
+            stopped[c] = False
+
 def _guard_stale_cache() -> None:
     """``_observe`` links engine code (``request_inputs``), ``_episode_metrics`` the outcome definition
     (``engine.outcomes``), ``_lay_out_rows`` the engine's arrays: flush this module's cached machine
@@ -591,7 +661,8 @@ def _guard_stale_cache() -> None:
     from .engine._jit import guard_stale_cache
 
     from . import bounds
-    guard_stale_cache([_lt, _sort_small, _argsort_stable, _observe, _rewards, _episode_metrics, _lay_out_rows],
+    guard_stale_cache([_lt, _sort_small, _argsort_stable, _observe, _rewards, _episode_metrics, _after_stop,
+                       _advance_observe, _lay_out_rows],
                       tag="envs", extra_sources=[bounds.__file__])
 
 
@@ -604,10 +675,15 @@ def obs_scales(t_ref_ms: float, lambda_sat: float) -> np.ndarray:
 
 def observe(run, mask, obs, k: int, ocfg) -> None:
     """Observation rows of the ``mask`` copies of an ``EngineRun`` (episode start: ``start_epochs``)."""
+    _observe(mask, *_observe_args(run, obs, k, ocfg))
+
+
+def _observe_args(run, obs, k: int, ocfg) -> tuple:
+    """``_observe``'s arguments after its mask (with fresh scratch: one set per thread)."""
     A = run.arrays
-    _observe(mask, k, run.mrl, run.cfg, run.fcfg, ocfg, obs, A.now, A.n_wait, A.n_run, A.n_free, A.next_arr,
-             A.wait_ids, A.run_ids, A.prompt, A.gen, A.computed, A.arrival, A.t1, A.est, A.hash_head,
-             A.chain_off, A.chain_val, A.uniq_base, A.epoch, *_observe_scratch(A.wait_ids.shape[1]))
+    return (k, run.mrl, run.cfg, run.fcfg, ocfg, obs, A.now, A.n_wait, A.n_run, A.n_free, A.next_arr, A.wait_ids,
+            A.run_ids, A.prompt, A.gen, A.computed, A.arrival, A.t1, A.est, A.hash_head, A.chain_off, A.chain_val,
+            A.uniq_base, A.epoch, *_observe_scratch(A.wait_ids.shape[1]))
 
 
 def _observe_scratch(R: int):
@@ -1115,11 +1191,12 @@ class _Core:
 
     def step(self, live: np.ndarray, theta: np.ndarray, margin: np.ndarray, reset_rows=None):
         """Apply the (held) parameters of the ``live`` copies and advance each to its next decision
-        epoch (skipping epochs that need no decision) or the end of its episode; each engine thread
-        then observes and rewards the copies it advanced (one pass over the threads, not three).
-        ``reset_rows`` (copies not live): new episodes laid out meanwhile by an engine thread
-        before it joins the others (``reset_copies``, serial Python, so the other cores advance
-        the live copies in the meantime; every write is to those rows alone)."""
+        epoch (skipping epochs that need no decision) or the end of its episode; the engine threads
+        observe and reward the copies as they advance them (``_advance_observe``: a batch of copies
+        at a time, in one pass over the threads). ``reset_rows`` (copies not live): new episodes
+        laid out meanwhile by an engine thread before it joins the others (``reset_copies``, serial
+        Python, so the other cores advance the live copies in the meantime; every write is to those
+        rows alone)."""
         run = self.run
         self.params_theta[live] = theta
         self.params_margin[live] = margin
@@ -1127,17 +1204,22 @@ class _Core:
         reward = np.zeros(self.n)
         trunc = np.zeros(self.n, bool)
         stop_at = run.arrays.epoch[:, K.EP_STOP]   # (a view: read once each copy has stopped)
+        rew_args, met_args = self._reward_args(reward), self._metric_args()
 
-        def then(g):
-            observe(run, g, self.obs, self.k, self.ocfg)
-            self.steps[g] += 1
-            st = stop_at[g]
-            ended = st == K.STOP_ENDED
-            tr = ~ended & ((st == K.STOP_CAP) | (self.steps[g] >= self.config.max_steps))
-            trunc[g] = tr
-            self._rewards(g, trunc, reward)
-            if ended.any() or tr.any():   # (most steps end no episode: spare the call)
-                self._episode_metrics(g, stop_at, trunc)
+        def kernel(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns,
+                   claim, mine):
+            chunk, priv, stopped = np.zeros_like(active), np.zeros(1, np.int64), np.zeros_like(active)
+            kargs = K.kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, chunk, max_steps,
+                                  until_ns, claim=priv, mine=mine)
+            total = _advance_observe(kargs, active, claim, chunk, priv, stopped, stop_at, self.config.max_steps,
+                                     self.steps, trunc, _observe_args(run, self.obs, self.k, self.ocfg), rew_args,
+                                     met_args)
+            return K.checked_total(total, kargs)
+
+        def after(ran):   # the same work for copies advanced otherwise (the tests' reference epochs)
+            _after_stop(0, self.n, ran.copy(), np.zeros_like(ran), stop_at, self.config.max_steps, self.steps,
+                        trunc, _observe_args(run, self.obs, self.k, self.ocfg), rew_args, met_args)
+        kernel.after = after
 
         meanwhile = None
         if reset_rows is not None and len(reset_rows):   # NEXT_STEP
@@ -1161,24 +1243,24 @@ class _Core:
             limit = n_live // _OVERLAP_LIVE_PER_RESET if _OVERLAP_LIVE_PER_RESET > 0 else n_live
             if limit and not self._ready.all():
                 meanwhile = lambda: self.prepare_ahead(limit)   # noqa: E731
-        stop = run.advance_to_decision(live, then=then, meanwhile=meanwhile)
+        stop = run.advance_to_decision(live, meanwhile=meanwhile, kernel=kernel)
         term = live & (stop == K.STOP_ENDED)
         self.ep_return[live] += reward[live]
         return reward, term, trunc
 
-    def _rewards(self, rows: np.ndarray, trunc: np.ndarray, out: np.ndarray) -> None:
-        """The step rewards of the copies in the mask ``rows`` into ``out`` (``_rewards``)."""
+    def _reward_args(self, out: np.ndarray) -> tuple:
+        """``_rewards``'s arguments after its mask and ``trunc``, the rewards into ``out``."""
         A = self.run.arrays
-        _rewards(rows, trunc, self.s0, self.s1, self.t_min_ns, self.config.reward_mode == "met", A.now,
-                 A.end_state, A.first_token, A.finish, A.arrival, A.t1, self.t2, A.out_len, A.gen,
-                 A.capped, self.certain, self.met_seen, out, A.prompt, A.computed, A.n_preempt,
-                 self.h_best, self.ps_cost, self.run.profile.max_num_batched_tokens, self.open_lo)
+        return (self.s0, self.s1, self.t_min_ns, self.config.reward_mode == "met", A.now, A.end_state,
+                A.first_token, A.finish, A.arrival, A.t1, self.t2, A.out_len, A.gen, A.capped, self.certain,
+                self.met_seen, out, A.prompt, A.computed, A.n_preempt, self.h_best, self.ps_cost,
+                self.run.profile.max_num_batched_tokens, self.open_lo)
 
-    def _episode_metrics(self, rows: np.ndarray, stop_at: np.ndarray, trunc: np.ndarray) -> None:
-        """``_episode_metrics`` of the copies in the mask ``rows`` whose episode ended."""
+    def _metric_args(self) -> tuple:
+        """``_episode_metrics``'s arguments after its mask, ``stop_at`` and ``trunc``."""
         A = self.run.arrays
-        _episode_metrics(rows, stop_at, trunc, self.s0, self.s1, *self.ep_pct_index, self.ep_counts, self.ep_pcts,
-                         self.ep_snap, self.ep_slot, *(getattr(A, f) for f in _RECORD_FIELDS[:-1]), self.t2)
+        return (self.s0, self.s1, *self.ep_pct_index, self.ep_counts, self.ep_pcts, self.ep_snap, self.ep_slot,
+                *(getattr(A, f) for f in _RECORD_FIELDS[:-1]), self.t2)
 
     def episode_infos(self, ended: np.ndarray, trunc: np.ndarray) -> dict:
         """Episode metrics of the copies ``ended`` (their scored requests), one array per key over

@@ -1788,6 +1788,16 @@ def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active,
     copies it ran in its own ``mine`` (bool, one per copy). Without ``claim``, this call runs them all.
 
     The struct of arrays is unpacked here, in Python, so the compiled code sees plain arrays."""
+    args = kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns,
+                       gtab, claim, mine)
+    return checked_total(_run_copies(*args), args)
+
+
+def kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns,
+                gtab=None, claim=None, mine=None) -> tuple:
+    """``_run_copies``'s arguments for a ``run_copies`` call (the struct of arrays unpacked, the
+    scratch allocated): for compiled callers that run the kernel themselves (``_run_copies(*args)``),
+    which then pass its result through ``checked_total``."""
     if claim is None:
         claim = np.zeros(1, np.int64)
     if mine is None:
@@ -1796,15 +1806,20 @@ def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active,
         gtab = _gittins_table_for(mrl) if int(cfg[C_PID]) == P_GITTINS and int(cfg[C_MODE]) == MODE_SCORE \
             else _NO_GTAB
     nan_score = np.full(2, -1, np.int64)
-    total = _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed, active, claim, mine,
-                        max_steps, until_ns, *A, gtab, *_scratch(A))
+    return (cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed, active, claim, mine, max_steps,
+            until_ns, *A, gtab, *_scratch(A))
+
+
+def checked_total(total: int, args: tuple) -> int:
+    """The kernel's result for ``kernel_args`` ``args``: iterations run, or a ``PolicyError`` for the
+    NaN score it stopped at (total < 0)."""
     if total < 0:
         from ..errors import PolicyError
         from .scoring import POLICY_NAMES
-        pid = int(cfg[C_PID])
+        pid, nan_score = int(args[0][C_PID]), args[5]
         raise PolicyError(f"policy {POLICY_NAMES.get(pid, pid)!r} (id {pid}) produced a NaN score for copy "
                           f"{int(nan_score[0])}, request {int(nan_score[1])}")
-    return total
+    return int(total)
 
 
 def _scratch(A):

@@ -258,34 +258,35 @@ class EngineRun:
         ep[rows, K.EP_STOP] = K.STOP_NONE
 
     def advance_to_decision(self, active=None, *, chunk_steps: int = 20_000,
-                            then: Optional[Callable[[np.ndarray], None]] = None,
-                            meanwhile: Optional[Callable[[], None]] = None) -> np.ndarray:
+                            meanwhile: Optional[Callable[[], None]] = None,
+                            kernel: Optional[Callable] = None) -> np.ndarray:
         """Run each ``active`` copy (default all) to its next decision: the first iteration boundary
         at or after a decision epoch where a decision is needed or every scored request has ended,
         or the end of all its requests, or its iteration cap; epochs in between are skipped with the
         parameters held. Returns each copy's stop reason (``K.STOP_*``; STOP_NONE if not active).
-        ``then(mask)``, if given, is called once for every copy as soon as it has stopped, with a
-        mask of such copies, in the thread that ran them (for per-copy work on the rows just
-        advanced, such as the env's observations, without another pass over the threads).
         ``meanwhile()``, if given, runs once in an engine thread before it joins the first kernel
-        call (``map_groups``): for work on rows not ``active``, such as laying out new episodes."""
+        call (``map_groups``): for work on rows not ``active``, such as laying out new episodes.
+        ``kernel``, if given, replaces ``K.run_copies`` (same signature and result; each engine
+        thread's call gets the shared ``claim`` counter and its own ``mine`` mask): for a caller that
+        runs the compiled kernel itself (``K.kernel_args``), e.g. with per-copy work on each batch of
+        copies right after advancing them (the env's observations and rewards)."""
         A, C = self.arrays, self.n_copies
         act = np.ones(C, bool) if active is None else np.array(active, bool)
         if (A.epoch[act, K.EP_DT] < 1).any():
             raise ConfigError("advance_to_decision: call start_epochs for these copies first")
         A.epoch[:, K.EP_STOP] = K.STOP_NONE
         while act.any():
-            self._run(self._cfg_decide, act, A.now, chunk_steps, None, then, meanwhile)  # (until_ns unused)
+            self._run(self._cfg_decide, act, A.now, chunk_steps, None, meanwhile, kernel)  # (until_ns unused)
             meanwhile = None
             act &= A.epoch[:, K.EP_STOP] == K.STOP_NONE
         if meanwhile is not None:
             meanwhile()
         return A.epoch[:, K.EP_STOP].copy()
 
-    def _run(self, cfg, act, until, chunk_steps, bar, then=None, meanwhile=None) -> int:
-        """One kernel call over the ``act`` copies (on each engine thread, sharing them out), then the
-        sinks and the no-progress check; deciding, ``then`` on each thread's copies that stopped,
-        right after its call; ``meanwhile`` in one of the threads before its call."""
+    def _run(self, cfg, act, until, chunk_steps, bar, meanwhile=None, kernel=None) -> int:
+        """One kernel call (``K.run_copies``, or ``kernel``) over the ``act`` copies (on each engine
+        thread, sharing them out), then the sinks and the no-progress check; ``meanwhile`` in one of
+        the threads before its call."""
         A = self.arrays
         tier, score, shed, steps = self.tier, self.score, self._no_shed, chunk_steps
         if self.scorer is not None:
@@ -296,15 +297,11 @@ class EngineRun:
 
         claim = np.zeros(1, np.int64)   # the threads share out the copies of ``act`` as they go
 
+        run_copies = K.run_copies if kernel is None else kernel
+
         def run(g):
-            mine = np.zeros_like(g)
-            total = K.run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, tier, score, shed, g,
-                                 steps, until, claim=claim, mine=mine)
-            if then is not None:
-                stopped = mine & (A.epoch[:, K.EP_STOP] != K.STOP_NONE)
-                if stopped.any():
-                    then(stopped)
-            return total
+            return run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, tier, score, shed, g,
+                              steps, until, claim=claim, mine=np.zeros_like(g))
         if self.iteration_sink is None and self.record_sink is None:
             total = sum(self.map_groups(run, act, split=False, meanwhile=meanwhile))
         else:   # the sinks see the buffers of one call
