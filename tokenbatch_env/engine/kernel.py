@@ -1035,6 +1035,19 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                            wait_ids)
         mine[c] = True
         n = n_req[c]
+        if prefix_on:
+            # the prefix-hit walks of the waiting requests (the copy's first scoring or jump does
+            # them) start with two cold misses each, their chain's ids then the hash-map lines at
+            # those ids: fetched for all of them at once here (the copy's rows arrived meanwhile)
+            nw0 = n_wait[c] if n_wait[c] < 8 else 8
+            for i in range(nw0):
+                r = wait_ids[c, i]
+                if chain_off[c, r + 1] > chain_off[c, r]:
+                    prefetch(chain_val, c, chain_off[c, r])
+            for i in range(nw0):
+                r = wait_ids[c, i]
+                lo, nch, ub = _hash_ids(chain_off, uniq_base, c, r)
+                prefetch(hash_head, c, _hash_id(chain_val, c, lo, nch, ub, 0))
         # FCFS: index in wait_ids of the head of the queue (smallest queue key), -1 if unknown. The
         # cache stays exact: arrivals get larger keys, FCFS victims the smallest (and in FCFS
         # ``resumed`` is equivalent to a negative key, so resume_first does not change the order).
