@@ -1287,7 +1287,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     for q in range(D):
                         r = run_ids[c, q]
                         ph = _bmod(-computed[c, r], bs, bsh)  # = (bs - computed % bs) % bs
-                        jump_off[c, ph + 1] += 1
+                        jump_off[c, ph] += 1
                         # the lines the jump's claims and block caching will touch (cold: the copy
                         # last ran a step ago), fetched while the jump's iterations are counted
                         j = n_cached[c, r]
@@ -1295,16 +1295,15 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         if prefix_on:
                             lo, nch, ub = _hash_ids(chain_off, uniq_base, c, r)
                             prefetch(hash_head, c, _hash_id(chain_val, c, lo, nch, ub, j))
-                    for ph in range(bs):
-                        jump_off[c, ph + 1] += jump_off[c, ph]
-                    for q in range(D):  # stable: running order within a bucket
+                    for ph in range(1, bs):   # each bucket's end, then filled from its end down
+                        jump_off[c, ph] += jump_off[c, ph - 1]
+                    jump_off[c, bs] = D
+                    for q in range(D - 1, -1, -1):  # stable: running order within a bucket
                         r = run_ids[c, q]
                         ph = _bmod(-computed[c, r], bs, bsh)  # = (bs - computed % bs) % bs
+                        jump_off[c, ph] -= 1
                         jump_ids[c, jump_off[c, ph]] = r
-                        jump_off[c, ph] += 1
-                    for ph in range(bs, 0, -1):
-                        jump_off[c, ph] = jump_off[c, ph - 1]
-                    jump_off[c, 0] = 0
+                    # bucket ph is jump_ids[c, jump_off[c, ph]:jump_off[c, ph + 1]]
                     # deciding, an epoch inside a jump is checked at the first iteration start at or
                     # after it (nothing ends inside, so only the waiting requests can need a decision)
                     # and skipped if none is needed, unless every scored request has ended (it then
