@@ -173,20 +173,28 @@ def _fq_remove(fq_prev, fq_next, n_free, c, b):
 
 
 @helper
-def _fq_link_after(fq_prev, fq_next, c, b, p):
-    """Link b into the free queue right after p (the front sentinel or a block in the queue); the
-    caller counts it in ``n_free``."""
+def _fq_splice(fq_prev, fq_next, c, first, last, p):
+    """Link the chain first..last (linked among itself) into the free queue right after p (the front
+    sentinel or a block in the queue); the caller counts its blocks in ``n_free``."""
     n = fq_next[c, p]
-    fq_next[c, p] = b
-    fq_prev[c, b] = p
-    fq_next[c, b] = n
-    fq_prev[c, n] = b
+    fq_next[c, p] = first
+    fq_prev[c, first] = p
+    fq_next[c, last] = n
+    fq_prev[c, n] = last
+
+
+@helper
+def _chain_append(fq_prev, fq_next, c, last, b):
+    """Link b after ``last``, the end of a chain being built (-1: b starts it)."""
+    if last >= 0:
+        fq_next[c, last] = b
+        fq_prev[c, b] = last
 
 
 @helper
 def _fq_prepend(fq_prev, fq_next, n_free, c, b, head):
     """Insert b right after ``head`` (the queue's front sentinel, or a block already in the queue)."""
-    _fq_link_after(fq_prev, fq_next, c, b, head)
+    _fq_splice(fq_prev, fq_next, c, b, b, head)
     n_free[c] += 1
 
 
@@ -298,31 +306,17 @@ def _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq
         if left == 0:
             freed += 1
             if bhash[c, b] < 0:
-                if front1 < 0:
-                    front0 = b
-                else:
-                    fq_next[c, front1] = b
-                    fq_prev[c, b] = front1
+                _chain_append(fq_prev, fq_next, c, front1, b)
+                front0 = b if front1 < 0 else front0
                 front1 = b
             else:
-                if back1 < 0:
-                    back0 = b
-                else:
-                    fq_next[c, back1] = b
-                    fq_prev[c, b] = back1
+                _chain_append(fq_prev, fq_next, c, back1, b)
+                back0 = b if back1 < 0 else back0
                 back1 = b
     if front0 >= 0:   # right after the front sentinel
-        n = fq_next[c, head]
-        fq_next[c, head] = front0
-        fq_prev[c, front0] = head
-        fq_next[c, front1] = n
-        fq_prev[c, n] = front1
-    if back0 >= 0:    # right before the back sentinel
-        p = fq_prev[c, tail]
-        fq_next[c, p] = back0
-        fq_prev[c, back0] = p
-        fq_next[c, back1] = tail
-        fq_prev[c, tail] = back1
+        _fq_splice(fq_prev, fq_next, c, front0, front1, head)
+    if back0 >= 0:    # at the back, before the sentinel
+        _fq_splice(fq_prev, fq_next, c, back0, back1, fq_prev[c, tail])
     n_free[c] += freed
     held[c, r] = 0
     n_cached[c, r] = 0
