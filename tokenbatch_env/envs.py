@@ -654,6 +654,7 @@ def _after_stop(lo, hi, ran, stopped, stop_at, max_ep_steps, steps, trunc, obs_a
         for c in range(lo, hi):
             stopped[c] = False
 
+
 def _guard_stale_cache() -> None:
     """``_observe`` links engine code (``request_inputs``), ``_episode_metrics`` the outcome definition
     (``engine.outcomes``), ``_lay_out_rows`` the engine's arrays: flush this module's cached machine
