@@ -341,7 +341,6 @@ def test_workload_window_equals_window_of_the_scaled_unit():
         assert (n, ids.tolist()) == _first_appearance(b.trace.prefix_hashes)
 
 
-
 def test_workload_scale_factor_and_range_are_their_definitions():
     """``Workload.scale_factor`` is scale_to_rate's factor ``nominal / as_fraction(rho * lambda_sat)``
     exactly (normalised), for floats and other numbers; ``scaled_in_range`` says whether the unit's last
