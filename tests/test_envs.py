@@ -1129,6 +1129,19 @@ def test_observation_sorts_equal_numbas_sorts_to_the_bit():
         assert np.array_equal(got_order, want_order), (t, x)
 
 
+def test_episode_columns_refuse_windows_outside_their_unit():
+    """``_EpisodeTable.columns`` gathers in compiled code (no bounds checks): a window past its unit's
+    last row, or before its first, is an IndexError naming the rows, not a read of other memory."""
+    env = TokenBatchVectorEnv(2, window=32, warmup=8, cooldown=8, seed=3)
+    T, n = env.core.episodes, env.core.config.n_req
+    u = int(env.core.units[0])
+    f = [env.core.workload.scale_factor(1.0)]
+    T.columns(np.array([u]), np.array([int(T.lens[u]) - n]), n, f)   # the last window fits
+    for lo in (int(T.lens[u]) - n + 1, -1):
+        with pytest.raises(IndexError, match=f"rows \\[{lo}\\]"):
+            T.columns(np.array([u]), np.array([lo]), n, f)
+
+
 def test_hash_widths_sized_once_and_stale_entries_cleared():
     """The env sizes the per-copy hash dimensions once (``_EpisodeTable.max_widths``: an upper bound
     of every window's widths, so resets never grow, i.e. copy, the arrays) and a reset clears only

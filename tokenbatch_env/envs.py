@@ -29,6 +29,7 @@ from .engine import scoring as S
 from .bounds import min_prefill_exceeds
 from .engine._jit import borrow, fetch_add, njit, prefetch
 from .engine.outcomes import request_outcome
+from .engine.state import capped_outputs, unique_block_bases, window_prefix_ids
 from .errors import ConfigError, TokenBatchError, TraceError
 
 __all__ = ["TokenBatchConfig", "TokenBatchEnv", "TokenBatchVectorEnv", "ActionError", "OBS_LAYOUT",
@@ -663,7 +664,7 @@ def _guard_stale_cache() -> None:
 
     from . import bounds
     guard_stale_cache([_lt, _sort_small, _argsort_stable, _observe, _rewards, _episode_metrics, _after_stop,
-                       _advance_observe, _lay_out_rows],
+                       _advance_observe, _lay_out_rows, _window_columns],
                       tag="envs", extra_sources=[bounds.__file__])
 
 
@@ -900,30 +901,68 @@ class _EpisodeTable:
         """(engine columns, t2, h_best) of the windows rows ``[lo, lo + n)`` of ``units``, times scaled
         by ``factors`` (one Fraction per window): for ``_lay_out``, the fields a trace sets
         (``TRACE_FIELDS``) and ``ids``, each window's id space (``hash_head`` width)."""
-        from .engine.state import capped_outputs, unique_block_bases, window_prefix_ids
         from .traces.windows import scale_rows
-        E, bs, i64 = len(units), self.profile.block_size, np.int64
-        u = units[:, None]
-        idx = lo[:, None] + np.arange(n)
-        prompt, output = self.prompt[u, idx], self.output[u, idx]
-        out_len, capped = capped_outputs(prompt, output, self.profile.max_model_len)
-        arrival = scale_rows(self.arrival[u, idx], factors)
-        off = self.offsets[u, lo[:, None] + np.arange(n + 1)]
-        off -= off[:, :1]
-        chain_val = np.zeros((E, max(1, int(off[:, -1].max()))), i64)
-        n_uniq = np.zeros(E, i64)   # the windows' dense prefix ids, as Trace.subset derives them
-        window_prefix_ids(np.ascontiguousarray(units, i64), self.offsets[units, lo], off[:, -1].copy(), self.n_ids,
-                          self.chain_ids, chain_val, n_uniq)
-        uniq_base = np.zeros((E, n), i64)
-        ids = np.ones(E, i64)
-        if self.engine_config.prefix_caching and n:
-            uniq_base, ids = unique_block_bases(prompt, out_len, self.prefix_len[u, idx], n_uniq, bs)
-            ids = np.maximum(ids, 1)
+        i64 = np.int64
+        units, lo = np.asarray(units, i64), np.asarray(lo, i64)
+        if units.ndim != 1 or lo.shape != units.shape or (lo < 0).any() or (lo + n > self.lens[units]).any():
+            raise IndexError(f"windows of {n} requests at rows {lo.tolist()} do not fit units {units.tolist()}")
+        (arrival, prompt, out_len, capped, prio, t1, est, off, chain_val, uniq_base, ids, t2,
+         h_best) = _window_columns(np.ascontiguousarray(units, i64), np.ascontiguousarray(lo, i64), int(n),
+                                   self.arrival, self.prompt, self.output, self.prio, self.t1, self.t2, self.est,
+                                   self.h_best, self.prefix_len, self.offsets, self.n_ids, self.chain_ids,
+                                   int(self.profile.max_model_len), int(self.profile.block_size),
+                                   bool(self.engine_config.prefix_caching))
+        arrival = scale_rows(arrival, factors)
         cols = dict(
-            n_req=np.full(E, n, i64), arrival=arrival, prompt=prompt, out_len=out_len, prio=self.prio[u, idx],
-            capped=capped, t1=self.t1[u, idx], est=self.est[u, idx], chain_off=off, chain_val=chain_val,
-            uniq_base=uniq_base, now=arrival[:, 0].copy(), ids=ids)
-        return cols, self.t2[u, idx], self.h_best[u, idx]
+            n_req=np.full(len(units), n, i64), arrival=arrival, prompt=prompt, out_len=out_len, prio=prio,
+            capped=capped, t1=t1, est=est, chain_off=off, chain_val=chain_val, uniq_base=uniq_base,
+            now=arrival[:, 0].copy(), ids=ids)
+        return cols, t2, h_best
+
+
+@njit
+def _window_columns(units, lo, n, arrival_u, prompt_u, output_u, prio_u, t1_u, t2_u, est_u, h_best_u, prefix_len_u,
+                    offsets_u, n_ids, chain_ids, max_model_len, bs, prefix_caching):
+    """``_EpisodeTable.columns`` before its time scaling, in one compiled pass (new episodes are laid
+    out in one engine thread, in Python, while the others advance the copies): window e is rows ``[lo[e], lo[e] + n)`` of unit
+    ``units[e]`` (the ``*_u`` arrays, one row per unit). Returns (unscaled arrival, prompt, out_len,
+    capped, prio, t1, est, chain_off, chain_val, uniq_base, ids, t2, h_best)."""
+    E = units.shape[0]
+    i64 = np.int64
+    arrival, prompt, output = np.empty((E, n), i64), np.empty((E, n), i64), np.empty((E, n), i64)
+    prio, t1, t2, h_best = np.empty((E, n), i64), np.empty((E, n), i64), np.empty((E, n), i64), np.empty((E, n), i64)
+    est = np.empty((E, n), np.float64)
+    off = np.empty((E, n + 1), i64)
+    start, count = np.empty(E, i64), np.empty(E, i64)
+    width = 1
+    for e in range(E):
+        u, a = units[e], lo[e]
+        for j in range(n):
+            arrival[e, j] = arrival_u[u, a + j]
+            prompt[e, j] = prompt_u[u, a + j]
+            output[e, j] = output_u[u, a + j]
+            prio[e, j] = prio_u[u, a + j]
+            t1[e, j] = t1_u[u, a + j]
+            t2[e, j] = t2_u[u, a + j]
+            h_best[e, j] = h_best_u[u, a + j]
+            est[e, j] = est_u[u, a + j]
+        start[e] = offsets_u[u, a]
+        for j in range(n + 1):
+            off[e, j] = offsets_u[u, a + j] - start[e]
+        count[e] = off[e, n]
+        width = max(width, count[e])
+    out_len, capped = capped_outputs(prompt, output, max_model_len)
+    chain_val = np.zeros((E, width), i64)
+    n_uniq = np.zeros(E, i64)   # the windows' dense prefix ids, as Trace.subset derives them
+    window_prefix_ids(units, start, count, n_ids, chain_ids, chain_val, n_uniq)
+    uniq_base = np.zeros((E, n), i64)
+    ids = np.ones(E, i64)
+    if prefix_caching and n > 0:
+        for e in range(E):
+            base, m = unique_block_bases(prompt[e], out_len[e], prefix_len_u[units[e], lo[e]:lo[e] + n], n_uniq[e], bs)
+            uniq_base[e] = base
+            ids[e] = max(m, 1)
+    return arrival, prompt, out_len, capped, prio, t1, est, off, chain_val, uniq_base, ids, t2, h_best
 
 
 #: copies per thread below which observations outside a step (new episodes; a few us per copy) are not split

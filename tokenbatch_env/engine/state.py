@@ -114,25 +114,26 @@ def make_cfg(profile: Profile, config: EngineConfig, mode: int, pid: int = 0,
     return cfg
 
 
-def capped_outputs(prompt: np.ndarray, output: np.ndarray, max_model_len: int):
-    """Rule 8: output capped at max_model_len - prompt (recorded length_capped)."""
+@njit
+def capped_outputs(prompt, output, max_model_len):
+    """Rule 8: output capped at max_model_len - prompt (recorded length_capped). Compiled: the env
+    calls it from its compiled window layout (``envs._window_columns``)."""
     room = np.maximum(max_model_len - prompt, 1)
-    out = np.minimum(output, room)
-    return out, output > room
+    return np.minimum(output, room), output > room
 
 
-def unique_block_bases(prompt, out_len, prefix_lengths, n_uniq, bs: int):
-    """Ids of the blocks past each request's prefix chain (requests along the last axis): request
-    i's unique blocks are numbered from ``base[i]``, after the ``n_uniq`` chain ids and the earlier
+@njit
+def unique_block_bases(prompt, out_len, prefix_lengths, n_uniq, bs):
+    """Ids of the blocks past each request's prefix chain (1-D, one entry per request): request i's
+    unique blocks are numbered from ``base[i]``, after the ``n_uniq`` chain ids and the earlier
     requests' room (its whole sequence's blocks plus one, less its chain). Returns ``(base, ids)``,
-    ``ids`` the size of the id space (``n_uniq`` and ``ids`` per row for 2-D inputs)."""
-    room = (prompt + out_len + bs - 1) // bs + 1 - prefix_lengths
-    csum = np.cumsum(room, axis=-1)
-    n_uniq = np.asarray(n_uniq, np.int64)
-    base = np.zeros_like(csum)
-    base[..., 1:] = csum[..., :-1]
-    base += n_uniq[..., None]
-    return base, n_uniq + csum[..., -1]
+    ``ids`` the size of the id space."""
+    base = np.empty(prompt.shape[0], np.int64)
+    ids = np.int64(n_uniq)
+    for i in range(prompt.shape[0]):
+        base[i] = ids
+        ids += (prompt[i] + out_len[i] + bs - 1) // bs + 1 - prefix_lengths[i]
+    return base, ids
 
 
 @njit
@@ -261,4 +262,4 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
 
 
 # (defined after the kernel module ran its guard: this module imports it): flushed likewise
-guard_stale_cache([window_prefix_ids], tag="state")
+guard_stale_cache([capped_outputs, unique_block_bases, window_prefix_ids], tag="state")
