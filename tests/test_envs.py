@@ -570,6 +570,7 @@ def test_bad_actions():
     (dict(shed_margin=3.0), "shed_margin"), (dict(predictor="psychic"), "predictor"),
     (dict(clip_actions="yes"), "clip_actions"), (dict(max_steps=0), "max_steps"),
     (dict(not_a_field=1), "valid config fields"),
+    (dict(rho=(1e-12, 1.0)), "rho: a load of 1e-12 is too low for seed-200"),
 ])
 def test_bad_config(kw, field):
     with pytest.raises(ConfigError, match=field):

@@ -143,6 +143,13 @@ def test_config_validation():
         ev.BenchConfig(shed_margins=(("edf", 3.0),))
 
 
+def test_too_low_load_names_the_load():
+    """A load so low that the traces' times, stretched to it, leave the int64 ns range is a
+    ConfigError naming that load (not the internal scale factor)."""
+    with pytest.raises(ConfigError, match="loads: a load of 1e-12 is too low for seed-200"):
+        ev.run_benchmark(ev.BenchConfig(**{**TINY, "loads": (1e-12,)}))
+
+
 def test_params_file(tmp_path):
     p = tmp_path / "p.json"
     p.write_text(json.dumps({"index": {"kappa": 2.0}, "shed_margin": 0.5, "edf": {"shed_margin": 0.25}}))

@@ -1036,6 +1036,7 @@ class _Core:
         self.theta_star = (params if cfg.action_mode == "index" else weights).theta_vector(wl.t_ref_ms)
         self.action_names = cfg.action_names
         # engine
+        wl.check_load(cfg.rho[0], "rho", usable)   # (the lowest load: if it fits, every draw does)
         w0 = wl.window_at(usable[0], cfg.rho[0], cfg.warmup, cfg.window, cfg.warmup, cfg.cooldown)
         from .policies import engine_policy
         pol = engine_policy(cfg.action_mode, params=params, weights=weights, shed_margin=margin,

@@ -397,7 +397,22 @@ class Workload:
         w = window_at(unit, start, size, warmup, cooldown)
         return Window(time_scale(w.trace, factor), w.scored_start, w.scored_stop, w.parent_start)
 
+    def check_load(self, rho: float, what: str = "rho", units=None) -> None:
+        """A ConfigError naming ``rho`` (as ``what``) if a unit's times (of ``units``, default all), put
+        at that load, leave the engine's int64 ns range. The lowest load stretches them most, so
+        checking the lowest of a range covers the whole range."""
+        from .errors import TraceError
+        try:
+            f = self.scale_factor(rho)
+            fits = all(self.scaled_in_range(i, f) for i in (range(len(self.units)) if units is None else units))
+        except (ConfigError, TraceError):   # (a factor itself beyond int64)
+            fits = False
+        if not fits:
+            raise ConfigError(f"{what}: a load of {rho!r} is too low for {self.name}: its arrival times, stretched "
+                              f"to that load, pass the engine's int64 ns range")
+
     def at(self, rho: float) -> list:
+        self.check_load(rho, "loads")
         if self.kind == "suite":
             return [self.unit_at(i, rho) for i in range(len(self.units))]
         from .traces.windows import scale_to_rate
