@@ -402,11 +402,16 @@ class Workload:
         at that load, leave the engine's int64 ns range. The lowest load stretches them most, so
         checking the lowest of a range covers the whole range."""
         from .errors import TraceError
-        try:
-            f = self.scale_factor(rho)
-            fits = all(self.scaled_in_range(i, f) for i in (range(len(self.units)) if units is None else units))
-        except (ConfigError, TraceError):   # (a factor itself beyond int64)
-            fits = False
+        units = tuple(range(len(self.units)) if units is None else units)
+        known = self.__dict__.setdefault("_loads_fit", {})   # (every env of a process checks its rho)
+        fits = known.get((rho, units))
+        if fits is None:
+            try:
+                f = self.scale_factor(rho)
+                fits = all(self.scaled_in_range(i, f) for i in units)
+            except (ConfigError, TraceError):   # (a factor itself beyond int64)
+                fits = False
+            known[(rho, units)] = fits
         if not fits:
             raise ConfigError(f"{what}: a load of {rho!r} is too low for {self.name}: its arrival times, stretched "
                               f"to that load, pass the engine's int64 ns range")
