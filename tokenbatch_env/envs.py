@@ -903,11 +903,11 @@ class _EpisodeTable:
         (``TRACE_FIELDS``) and ``ids``, each window's id space (``hash_head`` width)."""
         from .traces.windows import scale_rows
         i64 = np.int64
-        units, lo = np.asarray(units, i64), np.asarray(lo, i64)
+        units, lo = np.ascontiguousarray(units, i64), np.ascontiguousarray(lo, i64)
         if units.ndim != 1 or lo.shape != units.shape or (lo < 0).any() or (lo + n > self.lens[units]).any():
             raise IndexError(f"windows of {n} requests at rows {lo.tolist()} do not fit units {units.tolist()}")
         (arrival, prompt, out_len, capped, prio, t1, est, off, chain_val, uniq_base, ids, t2,
-         h_best) = _window_columns(np.ascontiguousarray(units, i64), np.ascontiguousarray(lo, i64), int(n),
+         h_best) = _window_columns(units, lo, int(n),
                                    self.arrival, self.prompt, self.output, self.prio, self.t1, self.t2, self.est,
                                    self.h_best, self.prefix_len, self.offsets, self.n_ids, self.chain_ids,
                                    int(self.profile.max_model_len), int(self.profile.block_size),
@@ -924,9 +924,10 @@ class _EpisodeTable:
 def _window_columns(units, lo, n, arrival_u, prompt_u, output_u, prio_u, t1_u, t2_u, est_u, h_best_u, prefix_len_u,
                     offsets_u, n_ids, chain_ids, max_model_len, bs, prefix_caching):
     """``_EpisodeTable.columns`` before its time scaling, in one compiled pass (new episodes are laid
-    out in one engine thread, in Python, while the others advance the copies): window e is rows ``[lo[e], lo[e] + n)`` of unit
-    ``units[e]`` (the ``*_u`` arrays, one row per unit). Returns (unscaled arrival, prompt, out_len,
-    capped, prio, t1, est, chain_off, chain_val, uniq_base, ids, t2, h_best)."""
+    out in one engine thread, in Python, while the others advance the copies): window e is rows
+    ``[lo[e], lo[e] + n)`` of unit ``units[e]`` (the ``*_u`` arrays, one row per unit). Returns
+    (unscaled arrival, prompt, out_len, capped, prio, t1, est, chain_off, chain_val, uniq_base, ids,
+    t2, h_best)."""
     E = units.shape[0]
     i64 = np.int64
     arrival, prompt, output = np.empty((E, n), i64), np.empty((E, n), i64), np.empty((E, n), i64)
