@@ -16,7 +16,9 @@ Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
       in SAME_STEP mode, stepped alternately (same seeds and actions): env-steps/s and the adapter's
       overhead (total time, and the median of the per-step time ratios).
   --paired R: (a) and (b) again, alternated in R rounds (both see the same phases of the machine):
-      both rates, their ratio, and the ratio's median and range over the rounds;
+      both rates, their ratio, and the ratio's median and range over the rounds; each round's first
+      native step starts from caches the SyncVectorEnv steps filled, so short rounds (--steps / R
+      native steps) lower (a): 5 per round gave 9-18% less than 20 per round (session 15);
   --breakdown: (a)'s wall time per copy-step split into the engine with the observations, rewards
       and episode metrics of the copies it advanced (``advance_to_decision``: each engine thread
       claims a batch of copies at a time, advances them, then observes and rewards them and computes
