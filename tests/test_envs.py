@@ -4,6 +4,7 @@ with the evaluator's index policy, rewards, observations, autoreset modes and er
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -59,6 +60,59 @@ def test_make_without_prior_import():
             "o, i = e.reset(seed=0); print(o.shape)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "(106,)"
+
+
+@pytest.mark.slow
+def test_works_from_an_installed_wheel(tmp_path):
+    """The env from a wheel, not the checkout: a wheel built from a copy of the sources holds every
+    file of the package (suites and profiles are package data), and, installed elsewhere and run
+    from there, ``gym.make``/``make_vec`` build every suite and profile and step (interpreted,
+    ``NUMBA_DISABLE_JIT``: a new install path would recompile every kernel)."""
+    import shutil
+    import zipfile
+    from pathlib import Path
+    pytest.importorskip("setuptools", reason="building the wheel offline (--no-build-isolation) needs setuptools")
+    root = Path(tokenbatch_env.__file__).resolve().parents[1]
+    src = tmp_path / "src"
+    shutil.copytree(root / "tokenbatch_env", src / "tokenbatch_env", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip[:3], "wheel", *pip[3:], "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
+                    str(src)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("tokenbatch_env-*.whl")
+    packaged = set(zipfile.ZipFile(wheel).namelist())
+    files = {p.relative_to(src).as_posix() for p in (src / "tokenbatch_env").rglob("*")
+             if p.is_file() and p.suffix != ".pyc"}
+    assert any(f.endswith(".json") for f in files)
+    assert sorted(files - packaged) == []
+    site = tmp_path / "site"
+    subprocess.run([*pip[:3], "install", *pip[3:], "--no-deps", "--target", str(site), str(wheel)], check=True,
+                   capture_output=True)
+    code = ("import gymnasium as gym, numpy as np, tokenbatch_env\n"
+            "from tokenbatch_env.traces.suites import list_suites\n"
+            "from tokenbatch_env.engine.profiles import list_profiles, load_profile\n"
+            "print(tokenbatch_env.__file__)\n"
+            "kw = dict(window=8, warmup=2, cooldown=2)\n"
+            "for s in list_suites():\n"
+            "    e = gym.make('tokenbatch_env:TokenBatch-v0', suite=s, **kw); e.reset(seed=0)\n"
+            "    e.step(np.zeros(8, np.float32)); print('suite', s)\n"
+            "for p in list_profiles():\n"
+            "    print('profile', load_profile(p).name)\n"
+            "gym.make('TokenBatch-v0', profile='llama3-8b-h100', **kw).reset(seed=0)\n"
+            "v = gym.make_vec('TokenBatch-v0', num_envs=2, vectorization_mode='vector_entry_point', **kw)\n"
+            "v.reset(seed=0); print('vec', v.step(np.zeros((2, 8), np.float32))[0].shape)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": str(site), "NUMBA_DISABLE_JIT": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert Path(lines[0]).resolve().is_relative_to(site.resolve())
+    from tokenbatch_env.engine.profiles import list_profiles
+    from tokenbatch_env.traces.suites import list_suites
+    assert len(list_suites()) >= 4 and len(list_profiles()) >= 4
+    assert lines[1:] == ([f"suite {s}" for s in list_suites()] + [f"profile {p}" for p in list_profiles()]
+                         + ["vec (2, 106)"])
 
 
 def test_make_and_make_vec():
