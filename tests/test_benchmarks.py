@@ -22,6 +22,7 @@ def test_bench_env_tiny(capsys):
     assert bench.main(["--copies", "3", "--steps", "4", "--warm", "1", "--breakdown"]) == 0
     out = capsys.readouterr().out
     assert "same rewards as (a): True" in out and "(same rewards: True)" in out
+    assert "x (the target, >= 30x, is at 1,024 copies)" in next(ln for ln in out.splitlines() if "speed-up" in ln)
     adapter = next(ln for ln in out.splitlines() if ln.startswith("(c)"))
     assert "alternated step by step" in adapter and "median per step" in adapter
     line = next(ln for ln in out.splitlines() if "per copy-step" in ln)
@@ -39,8 +40,17 @@ def test_bench_env_paired_tiny(capsys):
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if "paired" in ln)
     assert "3 rounds of 2 native and 1 SyncVectorEnv steps" in line and line.endswith("same rewards: True")
+    assert "x (the target, >= 30x, is at 1,024 copies)" in line
     r = bench.bench_paired(3, 2, 2, 1, 1)
     assert len(r["round_ratios"]) == 2 and r["native_sps"] > 0 and r["sync_sps"] > 0 and r["same_rewards"]
+
+
+def test_speed_up_verdict_judged_unrounded():
+    bench = _load()
+    assert bench._versus_target(29.996, 1024) == "30.00x (target >= 30x: missed)"
+    assert bench._versus_target(30.0, 1024) == "30.00x (target >= 30x: met)"
+    assert bench._versus_target(57.71, 1024) == "57.71x (target >= 30x: met)"
+    assert bench._versus_target(6.2, 8) == "6.20x (the target, >= 30x, is at 1,024 copies)"
 
 
 def test_bench_env_paired_bad_input(capsys):
