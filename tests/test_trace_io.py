@@ -198,6 +198,21 @@ def test_canonical_csv_layout(tmp_path):
     assert tio.load_csv(tmp_path / "t.csv").name == "a, \"b\"\nc"
 
 
+def test_canonical_csv_round_trips_a_prefix_chain_longer_than_csvs_field_limit(tmp_path):
+    """A 135k-token prompt's chain (Mooncake's longest: ~8.4k hashes, ~170 kB in one cell) is past
+    the csv module's default 128 KiB field limit; written, it must read back (it did not)."""
+    import csv
+    n = 9000
+    hashes = np.arange(n, dtype=np.int64) * 1_000_000_007 + 2**62
+    t = Trace.build(arrival_ns=[0, 5], prompt_tokens=[n * 16, 16], output_tokens=[3, 1],
+                    prefix_offsets=[0, n, n + 1], prefix_hashes=[*hashes.tolist(), 7], name="long")
+    tio.save_csv(t, tmp_path / "long.csv")
+    assert max(map(len, (tmp_path / "long.csv").read_text().splitlines())) > csv.field_size_limit()
+    before = csv.field_size_limit()
+    assert tio.load_trace(tmp_path / "long.csv").trace.digest == t.digest
+    assert csv.field_size_limit() == before   # the process-wide limit is restored
+
+
 def test_empty_trace_round_trips(tmp_path):
     for slo in (None, []):
         t = Trace.build(arrival_ns=[], prompt_tokens=[], output_tokens=[], ttft_slo_ns=slo,

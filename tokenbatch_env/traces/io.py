@@ -234,9 +234,13 @@ def _header_index(path: str, line: int, header: Sequence[str], required: Sequenc
 
 def _csv_rows(text: str, path: str, first_line: int = 1):
     """(line numbers, rows) of the non-blank CSV records of ``text`` (whose line 1 is file line
-    ``first_line``)."""
+    ``first_line``). No field is refused for its size: the csv module's default limit (128 KiB) is
+    raised to the text's length while reading (a canonical CSV's ``prefix_hashes`` cell of a long
+    prompt holds thousands of hashes: ~170 kB for Mooncake's 135k-token prompts)."""
     reader = csv.reader(_stdio.StringIO(text))
     lines, rows = [], []
+    limit = csv.field_size_limit()
+    csv.field_size_limit(max(limit, len(text)))
     try:
         for row in reader:
             if not row or (len(row) == 1 and not row[0].strip()):
@@ -245,6 +249,8 @@ def _csv_rows(text: str, path: str, first_line: int = 1):
             lines.append(reader.line_num + first_line - 1)
     except csv.Error as e:
         raise TraceError(f"malformed CSV: {e}", file=path, row=reader.line_num + first_line - 1) from None
+    finally:
+        csv.field_size_limit(limit)
     return lines, rows
 
 
