@@ -104,7 +104,7 @@ def agent_markdown(rows: list, eid: str) -> str:
 
 
 def main(argv=None) -> int:
-    from tokenbatch_env._io import atomic_path
+    from tokenbatch_env._io import atomic_path, check_writable
     from tokenbatch_env.control import agent_spec
     from tokenbatch_env.errors import TokenBatchError
     from tokenbatch_env.evaluate import BenchConfig, load_params_file, load_schedule, load_weights, run_benchmark
@@ -127,25 +127,26 @@ def main(argv=None) -> int:
             b, seed = int(args.bootstrap_b), int(args.seed)
         except ValueError as e:
             raise TokenBatchError(f"bad numeric option: {e}") from None
+        m0 = Path(args.model[0])
+        out = Path(args.out) if args.out else (m0 if m0.is_dir() else m0.parent) / "test"
+        check_writable(out, "--out", directory=True)   # before the runs, not after them
         cfg = BenchConfig(suite=args.suite or train["env"]["suite"], split=args.split,
                           profile=train["env"]["profile"], policies=pols, shed=True, loads=loads,
                           max_traces=max_traces, bootstrap_b=b, bootstrap_seed=seed, upper_bound=False,
                           progress=not args.no_progress, controllers=tuple(specs), **kw)
         report = run_benchmark(cfg)
+        report.write(out)
+        rows = agent_rows(report.data, [s.label for s in specs])
+        if args.pool and len(specs) > 1:
+            rows += pooled_rows(report.data, [s.label for s in specs])
+        with atomic_path(out / "agent_vs.json") as tmp:
+            Path(tmp).write_text(json.dumps({"evidence_id": report.evidence_id, "rows": rows}, indent=1) + "\n")
+        md = agent_markdown(rows, report.evidence_id)
+        with atomic_path(out / "agent_vs.md") as tmp:
+            Path(tmp).write_text(md)
     except TokenBatchError as e:
         print(f"evaluate_agent.py: error: {e}", file=sys.stderr)
         return 2
-    m0 = Path(args.model[0])
-    out = Path(args.out) if args.out else (m0 if m0.is_dir() else m0.parent) / "test"
-    report.write(out)
-    rows = agent_rows(report.data, [s.label for s in specs])
-    if args.pool and len(specs) > 1:
-        rows += pooled_rows(report.data, [s.label for s in specs])
-    with atomic_path(out / "agent_vs.json") as tmp:
-        Path(tmp).write_text(json.dumps({"evidence_id": report.evidence_id, "rows": rows}, indent=1) + "\n")
-    md = agent_markdown(rows, report.evidence_id)
-    with atomic_path(out / "agent_vs.md") as tmp:
-        Path(tmp).write_text(md)
     print(report.summary_text())
     print(md)
     print(f"wrote {out}/ (report.json, report.md, goodput_vs_load.png, ttft_cdf.png, agent_vs.md, agent_vs.json)")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -88,6 +89,18 @@ class TrainConfig:
                 raise ConfigError(f"{f}: must be an integer >= 1, got {v!r}")
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
             raise ConfigError(f"eval_every: must be an integer >= 0, got {self.eval_every!r}")
+        # PPO's numbers, each in the range where it means what it says (checked here, not by a
+        # traceback from torch after the first rollout, or not at all)
+        for f, lo, hi, lo_open in (("learning_rate", 0.0, math.inf, True), ("gamma", 0.0, 1.0, False),
+                                   ("gae_lambda", 0.0, 1.0, False), ("clip_range", 0.0, math.inf, True),
+                                   ("ent_coef", -math.inf, math.inf, True), ("log_std_init", -math.inf, math.inf, True)):
+            v = getattr(self, f)
+            ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+                  and (v > lo if lo_open else v >= lo) and v <= hi)
+            if not ok:
+                rng = "a finite number" if lo == -math.inf else (
+                    f"a number {'>' if lo_open else '>='} {lo:g}" + ("" if hi == math.inf else f" and <= {hi:g}"))
+                raise ConfigError(f"{f}: must be {rng}, got {v!r}")
         if (self.n_envs * self.n_steps) % self.batch_size and self.batch_size > self.n_envs * self.n_steps:
             raise ConfigError(f"batch_size {self.batch_size} exceeds the rollout n_envs * n_steps = "
                               f"{self.n_envs * self.n_steps}")
@@ -262,11 +275,14 @@ def train(cfg: TrainConfig) -> dict:
 
     from tokenbatch_env.sb3 import make_sb3_vec_env, request_set_extractor_class
 
+    from tokenbatch_env._io import check_writable
+
     torch.set_num_threads(1)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out, "--out", directory=True)
     t_start = time.time()
-    raw = make_sb3_vec_env(cfg.n_envs, **cfg.env_kwargs())
+    raw = make_sb3_vec_env(cfg.n_envs, **cfg.env_kwargs())   # (validates the env's settings)
+    out.mkdir(parents=True, exist_ok=True)
     core = raw.venv.core
     venv = VecMonitor(raw, info_keywords=("episode_goodput", "episode_shed", "episode_ttft_p99_ms"))
     if cfg.normalize:

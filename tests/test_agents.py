@@ -144,9 +144,41 @@ def test_evaluate_agent_bad_model_is_a_clear_error(tmp_path, capsys):
     assert "no model file" in capsys.readouterr().err
 
 
-def test_train_bad_config_is_a_clear_error(capsys):
+def test_train_bad_config_is_a_clear_error(capsys, tmp_path):
     assert train_ppo.main(["--policy", "transformer"]) == 2
     assert "policy" in capsys.readouterr().err
+    # PPO's numbers are checked up front (NaN rates crashed torch mid-run; gamma 1.5 trained), and an
+    # error, there or in the env's settings, leaves no output directory behind
+    out = tmp_path / "run"
+    for argv, msg in ((["--learning-rate", "nan"], "learning_rate: must be a number > 0, got nan"),
+                      (["--gamma", "1.5"], "gamma: must be a number >= 0 and <= 1, got 1.5"),
+                      (["--gae-lambda", "2"], "gae_lambda: must be a number >= 0 and <= 1"),
+                      (["--clip-range", "-1"], "clip_range: must be a number > 0"),
+                      (["--ent-coef", "nan"], "ent_coef: must be a finite number"),
+                      (["--log-std-init", "inf"], "log_std_init: must be a finite number"),
+                      (["--suite", "nope"], "unknown suite 'nope'")):
+        assert train_ppo.main(argv + ["--out", str(out), "--timesteps", "64"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("train_ppo.py: error: ") and msg in err, err
+        assert not out.exists()
+    (tmp_path / "f").write_text("x")
+    assert train_ppo.main(["--out", str(tmp_path / "f"), "--timesteps", "64"]) == 2
+    assert "--out " in capsys.readouterr().err
+
+
+def test_tuning_checks_agents_and_its_output_before_the_search(tmp_path):
+    """``--agent`` directories are checked when the config is made (a missing model.zip was found
+    only after the whole search), and an early error leaves no ``out`` directory."""
+    from tokenbatch_env import tuning as T
+    from tokenbatch_env.errors import ConfigError, OutputError
+    with pytest.raises(ConfigError, match=r"agents: .*: no model file .*model\.zip"):
+        T.TuneConfig(agents=(str(tmp_path),), out=str(tmp_path / "o"))
+    with pytest.raises(ConfigError, match="unknown suite 'nope'"):
+        T.run_tuning(T.TuneConfig(suite="nope", out=str(tmp_path / "o"), progress=False))
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputError, match="out: .*/f: cannot write: a file is in the way"):
+        T.run_tuning(T.TuneConfig(out=str(tmp_path / "f"), progress=False))
 
 
 def test_set_extractor_is_permutation_and_padding_invariant():

@@ -322,6 +322,54 @@ def test_atomic_write_syncs_the_file_before_its_name_and_the_directory_after(tmp
     assert events == [] and target.read_text() == "new\n" and sorted(os.listdir(target.parent)) == ["report.json"]
 
 
+def test_unwritable_outputs_are_one_line_errors_naming_the_path(tmp_path):
+    """An output path that cannot be written is an ``OutputError`` (a ``TokenBatchError``: one line,
+    exit 2) naming it, from the atomic writer and, before any long work, from ``check_writable``,
+    which creates nothing; no temporary file is left."""
+    import os
+
+    from tokenbatch_env import _io
+    from tokenbatch_env.errors import OutputError, TokenBatchError
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    a_dir = tmp_path / "d"
+    a_dir.mkdir()
+    with pytest.raises(OutputError, match=r"/d: cannot write: Is a directory"):
+        _io.write_text_atomic(a_dir, "new")
+    with pytest.raises(OutputError, match=r"/f/r\.csv: cannot write: "):
+        _io.write_text_atomic(a_file / "r.csv", "new")
+    assert sorted(os.listdir(tmp_path)) == ["d", "f"] and os.listdir(a_dir) == []
+    cases = [((a_dir, "--records"), {}, "--records .*/d: cannot write: a directory is in the way"),
+             ((a_file, "--out"), {"directory": True}, "--out .*/f: cannot write: a file is in the way"),
+             ((a_file / "x" / "r.csv", "OUT"), {}, f"OUT .*/f/x/r.csv: cannot write: {a_file} is not a directory")]
+    for args, kw, msg in cases:
+        with pytest.raises(OutputError, match=msg) as e:
+            _io.check_writable(*args, **kw)
+        assert isinstance(e.value, TokenBatchError)
+    _io.check_writable(tmp_path / "new" / "deeper", "--out", directory=True)
+    _io.check_writable(a_file, "--records")   # (an existing file is replaced)
+    assert sorted(os.listdir(tmp_path)) == ["d", "f"]
+
+
+def test_cli_output_errors_come_before_the_work(tmp_path, capsys):
+    """``tokenbatch simulate``/``bench``/``traces convert`` refuse an unwritable output at once, in one
+    line with exit 2 (before: a traceback, after the whole run for ``bench``)."""
+    from tokenbatch_env.cli import main
+    from tokenbatch_env.traces.io import save_npz
+    from tokenbatch_env.traces.suites import load_suite
+    trace = tmp_path / "t.npz"
+    save_npz(load_suite("seed-200").traces("test")[0], trace)
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    for argv, msg in ((["simulate", "--trace", str(trace), "--records", str(tmp_path)], "a directory is in the way"),
+                      (["bench", "--trace", str(trace), "--windows", "16", "--loads", "1.2", "--out", str(a_file)],
+                       "a file is in the way"),
+                      (["traces", "convert", str(trace), str(a_file / "t.csv")], "is not a directory")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tokenbatch: error: ") and msg in err and err.count("\n") == 1, err
+
+
 # ------------------------------------------------------------------ k parameter sets in one batch
 def test_index_params_batch_equals_separate_runs():
     from tokenbatch_env.engine.simulate import simulate

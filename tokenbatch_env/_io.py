@@ -10,13 +10,24 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
+from .errors import OutputError
+
+
+def _cannot_write(path, e: OSError, what: str = "") -> OutputError:
+    return OutputError(f"{what + ' ' if what else ''}{path}: cannot write: {e.strerror or e}")
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; rename it over ``path`` only on success."""
+    """Yield a temporary path beside ``path``; rename it over ``path`` only on success. A path that
+    cannot be written (its directory cannot be made or written, or a directory is in the way)
+    raises ``OutputError`` naming it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
+    except OSError as e:
+        raise _cannot_write(path, e) from None
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)
@@ -25,7 +36,10 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     try:
         yield tmp_path
         _fsync(tmp_path)
-        os.replace(tmp_path, path)
+        try:
+            os.replace(tmp_path, path)
+        except OSError as e:
+            raise _cannot_write(path, e) from None
         _fsync(path.parent, directory=True)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -49,6 +63,27 @@ def _fsync(path: Path, directory: bool = False) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def check_writable(path: str | os.PathLike, what: str, *, directory: bool = False) -> None:
+    """Fail early, before long work, if the output ``path`` (a file, or with ``directory`` a directory
+    of outputs) could not be written: ``OutputError`` naming ``what`` (e.g. the option) and the path.
+    Creates nothing: it writes and removes a probe file in the nearest directory that exists."""
+    path = Path(path)
+    if path.exists() and (path.is_dir() != directory):
+        kind = "a directory" if path.is_dir() else "a file"
+        raise OutputError(f"{what} {path}: cannot write: {kind} is in the way")
+    base = path if directory else path.parent
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise OutputError(f"{what} {path}: cannot write: {base} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tokenbatch-probe.", dir=base)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise _cannot_write(path, e, what) from None
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

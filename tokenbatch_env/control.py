@@ -99,27 +99,24 @@ def schedule_spec(schedule, *, k: int = 8, decision_interval_ms: float = 100.0) 
 
 
 # ------------------------------------------------------------------------------ trained agents
-def agent_spec(model_path: str, label: Optional[str] = None) -> ControlSpec:
-    """A trained PPO agent (``agents/train_ppo.py`` output: ``<dir>/model.zip``, ``config.json``
-    and optionally ``vecnormalize.pkl``) as a deterministic controller (mean action). Needs torch
-    and stable-baselines3 (the ``rl`` extra); loaded lazily through ``tokenbatch_env.sb3``."""
-    from .envs import TokenBatchConfig
-
+def agent_files(model_path: str, option: str = "--model") -> tuple:
+    """The files of a trained PPO agent (``agents/train_ppo.py`` output: ``<dir>/model.zip``,
+    ``config.json`` and optionally ``vecnormalize.pkl``), checked without loading anything (a clear
+    error naming ``option``, the flag that gave the path): (model, vecnormalize or None, the env
+    config's keywords, their digests)."""
     p = Path(model_path)
     d = p.parent if p.suffix == ".zip" else p
     model = p if p.suffix == ".zip" else d / "model.zip"
     if not model.is_file():
-        raise ConfigError(f"--model {model_path}: no model file {model}")
+        raise ConfigError(f"{option} {model_path}: no model file {model}")
     cfg_file = d / "config.json"
     if not cfg_file.is_file():
-        raise ConfigError(f"--model {model_path}: no config.json beside the model (written by train_ppo.py)")
+        raise ConfigError(f"{option} {model_path}: no config.json beside the model (written by train_ppo.py)")
     try:
         train = json.loads(cfg_file.read_text())
         env_kw = dict(train["env"])
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ConfigError(f"{cfg_file}: not a train_ppo.py config ({e})") from None
-    env_cfg = TokenBatchConfig(**{k: v for k, v in env_kw.items() if k in
-                                  {f.name for f in dataclasses.fields(TokenBatchConfig)}})
     norm = d / "vecnormalize.pkl"
     norm = norm if norm.is_file() else None
     model_sha, norm_sha = sha256_file(model), sha256_file(norm) if norm else None
@@ -128,9 +125,21 @@ def agent_spec(model_path: str, label: Optional[str] = None) -> ControlSpec:
         if files.get("vecnormalize.pkl") is None:
             norm, norm_sha = None, None      # trained without normalisation: a stray file is not its own
         if model_sha != files.get("model.zip") or norm_sha != files.get("vecnormalize.pkl"):
-            raise ConfigError(f"--model {model_path}: the files in {d} are not the set config.json was saved "
+            raise ConfigError(f"{option} {model_path}: the files in {d} are not the set config.json was saved "
                               "with (model.zip or vecnormalize.pkl missing or from another save; was the "
                               "training killed while saving?): use another checkpoint or train again")
+    return model, norm, env_kw, model_sha, norm_sha
+
+
+def agent_spec(model_path: str, label: Optional[str] = None, option: str = "--model") -> ControlSpec:
+    """A trained PPO agent (``agent_files``) as a deterministic controller (mean action). Needs torch
+    and stable-baselines3 (the ``rl`` extra); loaded lazily through ``tokenbatch_env.sb3``."""
+    from .envs import TokenBatchConfig
+
+    model, norm, env_kw, model_sha, norm_sha = agent_files(model_path, option)
+    d = model.parent
+    env_cfg = TokenBatchConfig(**{k: v for k, v in env_kw.items() if k in
+                                  {f.name for f in dataclasses.fields(TokenBatchConfig)}})
     from .envs import TokenBatchVectorEnv
     probe = TokenBatchVectorEnv(1, env_cfg)       # theta*, the base margin, spaces
     core = probe.core

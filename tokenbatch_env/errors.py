@@ -33,3 +33,7 @@ class ProfileError(TokenBatchError, ValueError):
 
 class PolicyError(TokenBatchError, ValueError):
     """A policy is unknown, has bad parameters, or produced a NaN score."""
+
+
+class OutputError(TokenBatchError, OSError):
+    """An output file or directory cannot be written (names the path and the system's reason)."""

@@ -150,9 +150,12 @@ class TuneConfig:
                 raise ConfigError(f"timeout: must be a positive number of seconds, got {t!r}")
             set_("timeout", float(t))
         ag = tuple(str(a) for a in self.agents)
+        if ag:
+            from .control import agent_files
         for a in ag:
             if not Path(a).exists():
                 raise ConfigError(f"agents: {a!r} not found (an agents/train_ppo.py output directory)")
+            agent_files(a, "agents:")   # its files, now rather than after the search
         set_("agents", ag)
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"sampler: unknown {self.sampler!r}; valid: {', '.join(SAMPLERS)}")
@@ -1020,21 +1023,22 @@ def run_tuning(cfg: TuneConfig) -> dict:
     from datetime import datetime, timezone
 
     from . import __version__
-    from ._io import write_text_atomic, write_with
+    from ._io import check_writable, write_text_atomic, write_with
     from .evaluate import (BenchConfig, canonical_json, load_params_file, load_schedule, load_weights,
                            run_benchmark)
     from .report import report_json
 
     t0 = time.time()
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    # the train/test splits exist and differ: checked before any work
+    check_writable(out, "out:", directory=True)
+    # the train/test splits exist and differ: checked before any work (and before ``out`` is made)
     from .traces.suites import load_suite
     suite = load_suite(cfg.suite)
     for s in (cfg.train_split, cfg.test_split):
         if s not in suite.splits:
             raise ConfigError(f"suite {cfg.suite!r} has no split {s!r}; splits: {', '.join(suite.splits)}")
     objective = TrainObjective(cfg)   # also validates the profile and suite
+    out.mkdir(parents=True, exist_ok=True)
     obj_eid = hashlib.sha256(canonical_json(objective.evidence_inputs).encode()).hexdigest()
     search = run_search(cfg, objective)
     studies = open_studies(cfg, write_attrs=False)
@@ -1055,7 +1059,8 @@ def run_tuning(cfg: TuneConfig) -> dict:
         extra["schedule"] = load_schedule(str(params_path))
     if cfg.agents:
         from .control import agent_spec
-        extra["controllers"] = tuple(agent_spec(a, label=f"ppo:{Path(a).resolve().name}") for a in cfg.agents)
+        extra["controllers"] = tuple(agent_spec(a, label=f"ppo:{Path(a).resolve().name}", option="agents:")
+                                     for a in cfg.agents)
     bench = run_benchmark(BenchConfig(
         suite=cfg.suite, split=cfg.test_split, profile=cfg.profile, policies=pols, shed=True,
         loads=cfg.eval_loads, index_params=params, shed_margins=margins, params_source=str(params_path),

@@ -66,6 +66,11 @@ def run(args) -> int:
     from .simulate import simulate
     from .state import EngineConfig
 
+    from .._io import check_writable
+
+    for opt, out in (("--records", args.records), ("--iterations", args.iterations)):
+        if out is not None:
+            check_writable(out, opt)   # before the run, not after it
     trace, report = load_trace(args.trace, args.format)
     profile = load_profile(args.profile)
     if args.rho is not None and not (np.isfinite(args.rho) and args.rho > 0):

@@ -191,6 +191,9 @@ def _convert(args) -> int:
     if suffix not in (".npz", ".csv"):
         raise TraceError(f"cannot write {suffix or 'extension-less'} files: use .npz or .csv",
                          file=args.output)
+    from .._io import check_writable
+
+    check_writable(args.output, "OUT")
     trace, report = load_trace(args.input, args.format, block_size=args.block_size, name=args.name)
     save_trace(trace, args.output)
     dropped = f", dropped {report.dropped_failed} failed rows" if report.dropped_failed else ""

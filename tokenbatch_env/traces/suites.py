@@ -442,8 +442,11 @@ def generate_command(spec: str, out: Optional[str]) -> int:
     """
     from .io import save_npz
 
+    from .._io import check_writable
+
     suite = load_suite(spec)
     base = (suite.cache_path(suite.splits[0], 0).parents[1] if out is None else Path(out))
+    check_writable(base, "--out" if out is not None else "the suite's cache directory", directory=True)
     traces = {}
     for s in suite.splits:
         traces[s] = suite.traces(s, use_cache=out is None)
