@@ -28,3 +28,15 @@ def test_too_short_trace_is_rejected():
     t = load_suite("seed-200").trace("train", 0).subset(slice(0, 5))
     with pytest.raises(ConfigError, match="at least 10"):
         measure_lambda_sat(t, "stress-512")
+
+
+def test_client_drops_do_not_change_lambda_sat():
+    """The saturation rate is the engine's: client time-outs and admission control (ways requests
+    leave unserved) are off while it is measured; the engine's own settings still count."""
+    from tokenbatch_env.engine.state import EngineConfig
+    t = load_suite("seed-200").traces("test")[0]
+    base = measure_lambda_sat(t, "stress-512")
+    for cfg in (EngineConfig(max_wait_ms=60_000.0), EngineConfig(max_wait_ms=2_000.0, timeout_running=True),
+                EngineConfig(admission_control=True)):
+        assert measure_lambda_sat(t, "stress-512", cfg) == base
+    assert measure_lambda_sat(t, "stress-512", EngineConfig(prefix_caching=False)) != base
