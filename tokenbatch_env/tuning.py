@@ -893,7 +893,7 @@ def study_summary(study, row: str) -> dict:
             "history": sorted(hist, key=lambda h: h["number"])}
 
 
-def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str) -> dict:
+def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_ms: float) -> dict:
     """The best parameters in the ``--params`` format that ``evaluate.load_params_file`` reads
     (with comparators also ``"weights": {"w": {feature: w}, "shed_margin": m}``, read by
     ``evaluate.load_weights``, and ``"index-scheduled": IndexSchedule.to_dict()``, read by
@@ -941,6 +941,9 @@ def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str) -> dic
         "best_trial": {row: (s["best"] or {}).get("number") for row, s in summaries.items()},
         **({"notes": notes} if notes else {}),
     }
+    # what the vLLM plug-in reads beside the parameters (docs/vllm_plugin.md): the index's T_ref and
+    # the profile pricing the work, as tuned (without them it ran T_ref 1000 ms, llama2-7b-a100)
+    doc["meta"] = {"t_ref_ms": float(t_ref_ms), "profile": cfg.profile}
     return doc
 
 
@@ -1044,7 +1047,7 @@ def run_tuning(cfg: TuneConfig) -> dict:
     studies = open_studies(cfg, write_attrs=False)
     summaries = {row: study_summary(st, row) for row, st in studies.items()}
 
-    doc = params_document(cfg, summaries, obj_eid)
+    doc = params_document(cfg, summaries, obj_eid, objective.wl.t_ref_ms)
     params_path = out / "best_params.json"
     write_text_atomic(params_path, json.dumps(doc, indent=1) + "\n")
     params, margins = load_params_file(str(params_path))   # the evaluator's reader: must load

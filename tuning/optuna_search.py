@@ -16,7 +16,8 @@ margin, --trials trials) and index-scheduled (one index study per --eval-loads b
 ceil(trials / buckets) trials each: the index study's total budget).
 
 Writes into --out: best_params.json (the evaluator's --params format: `tokenbatch bench --params`,
-the env's residual base, the drop-in and the vLLM plug-in read it), report.json / report.md /
+the env's residual base, the drop-in and the vLLM plug-in read it; its "meta", the T_ref and profile
+tuned with, is the plug-in's), report.json / report.md /
 optimization_history.png (tuning + the held-out leaderboard), test/ (the evaluator's own report:
 report.json, report.md, goodput_vs_load.png, ttft_cdf.png) and run_meta.json (wall times, host).
 The study lives in --storage (default: <out>/study.db, resumable: rerun the same command to resume;
