@@ -322,6 +322,17 @@ def test_atomic_write_syncs_the_file_before_its_name_and_the_directory_after(tmp
     assert events == [] and target.read_text() == "new\n" and sorted(os.listdir(target.parent)) == ["report.json"]
 
 
+def test_one_unit_reports_warn_that_their_cis_have_zero_width():
+    """The CIs resample the independent units: with one trace (or window) they have zero width, which
+    the report and the console summary say rather than print [x, x] as a 95% CI."""
+    r = ev.run_benchmark(ev.BenchConfig(**{**TINY, "max_traces": 1}))
+    note = "only one trace or window: every 95% CI below has zero width"
+    assert any(n.startswith(note) for n in r.data["workload"]["notes"])
+    assert f"note: {note}" in r.summary_text() and f"- note: {note}" in r.to_markdown()
+    r2 = ev.run_benchmark(ev.BenchConfig(**{**TINY, "max_traces": 2}))
+    assert not any(n.startswith(note) for n in r2.data["workload"]["notes"])
+
+
 def test_unwritable_outputs_are_one_line_errors_naming_the_path(tmp_path):
     """An output path that cannot be written is an ``OutputError`` (a ``TokenBatchError``: one line,
     exit 2) naming it, from the atomic writer and, before any long work, from ``check_writable``,

@@ -475,6 +475,7 @@ def prepare_workload(cfg: BenchConfig, profile) -> Workload:
             notes.append("T_ref = median T1 of the evaluated traces (the manifest records none)")
         sla = getattr(suite.spec.generator, "sla", None)
         ncls = int(max(int(t.class_id.max()) for t in traces)) + 1
+        notes += _unit_notes(len(traces))
         return Workload(suite.name, "suite", traces, [np.ones(len(t), bool) for t in traces], None, None,
                         float(suite.nominal_rate_rps), lam, src, rl, float(t_ref) / 1e6,
                         PredictorSpec.from_dict(suite.predictor), _class_names(sla, ncls),
@@ -504,10 +505,20 @@ def prepare_workload(cfg: BenchConfig, profile) -> Workload:
     src = f"measured (measure_lambda_sat, FCFS backlogged) on {min(len(units), LAMBDA_SAT_TRACES)} windows"
     rl = ResidualLife.from_lengths(trace.output_tokens).table
     notes.append("residual-life table (prior predictor) from the trace's own output lengths")
+    notes += _unit_notes(len(units))
     ncls = int(trace.class_id.max()) + 1
     return Workload(trace.name, "trace", units, scored, spans, trace, None, lam, src, rl,
                     float(np.median(trace.ttft_slo_ns)) / 1e6, _default_predictor(),
                     _class_names(DEFAULT_SLA, ncls), [trace.digest], notes)
+
+
+def _unit_notes(n_units: int) -> list:
+    """A warning for the report when its 95% CIs cannot mean anything: they resample the independent
+    units (traces or windows), so one unit gives intervals of zero width."""
+    if n_units >= 2:
+        return []
+    return ["only one trace or window: every 95% CI below has zero width (the bootstrap resamples the "
+            "independent units; use at least two, preferably 20 or more)"]
 
 
 def _default_predictor():

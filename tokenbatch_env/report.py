@@ -171,6 +171,7 @@ def console_summary(data: dict) -> str:
     if lines:
         lines.append("")
     lines += _header_lines(data)
+    lines += [f"note: {n}" for n in data["workload"]["notes"]]
     rho = data["primary_load"]
     e = _load_entry(data, rho)
     lines += ["", f"leaderboard at rho {rho:g} ({e['rate_rps']:.4g} req/s):"]
