@@ -126,3 +126,14 @@ def test_empty_suite_split(tmp_path, capsys):
     f.write_text(json.dumps(spec))
     rc, _, err = _run(capsys, "--suite", str(f), "--split", "test", "--out", str(tmp_path / "x"), "--quiet")
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "split" in err
+
+
+def test_closed_stdout_ends_quietly(tmp_path):
+    """``tokenbatch ... | head``: the reader closing stdout ends the command without a traceback."""
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-m", "tokenbatch_env.cli", "profiles", "show", "stress-512"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait() == 1 and "Traceback" not in err and "BrokenPipe" not in err, err

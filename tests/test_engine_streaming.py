@@ -199,3 +199,20 @@ def test_failed_run_leaves_no_records_file(tmp_path, monkeypatch):
     assert not fresh.exists() and not iters.exists()
     assert kept.read_text() == "previous\n"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_cli_json_is_standard_and_names_both_digests(tmp_path, capsys):
+    """``simulate --json`` is standard JSON (an infinite TTFT p99 as "inf", as in report.json; Python's
+    Infinity token before), and says the digest of the trace as run beside the file's."""
+    import json
+
+    path = tmp_path / "t.npz"
+    save_npz(scale_to_rate(_trace(), 8.0), path)
+    trace, _ = load_trace(str(path))
+    assert main(["simulate", "--trace", str(path), "--max-wait-ms", "3000", "--json"]) == 0
+    text = capsys.readouterr().out
+    d = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert d["ttft_p99_ms"] == "inf" and d["trace_digest"] == d["file_digest"] == trace.digest
+    assert main(["simulate", "--trace", str(path), "--rho", "1.2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["file_digest"] == trace.digest != d["trace_digest"]   # rescaled to rho 1.2

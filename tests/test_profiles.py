@@ -225,6 +225,23 @@ def test_bad_samples_rejected(tmp_path, text, match):
         fit.load_samples(path)
 
 
+def test_profile_file_errors_name_the_file_and_every_limit_is_required(tmp_path):
+    """A profile file's errors name the file (not only the profile name inside it), and it must state
+    the engine's limits: without ``num_blocks`` it silently ran the dataclass's default 512 blocks."""
+    from tokenbatch_env.engine.profiles import REQUIRED_FIELDS
+    raw = json.loads((DATA / "stress-512.json").read_text(encoding="utf-8"))
+    bad = tmp_path / "neg.json"
+    bad.write_text(json.dumps({**raw, "num_blocks": -5}))
+    with pytest.raises(ProfileError, match=f"^{bad}: profile 'stress-512': num_blocks must be a positive"):
+        load_profile(str(bad))
+    for f in REQUIRED_FIELDS:
+        p = tmp_path / f"no-{f}.json"
+        p.write_text(json.dumps({k: v for k, v in raw.items() if k != f}))
+        with pytest.raises(ProfileError, match=rf"^{p}: missing field\(s\) \['{f}'\]"):
+            load_profile(str(p))
+    assert {"num_blocks", "block_size", "max_num_batched_tokens"} <= set(REQUIRED_FIELDS)
+
+
 def test_missing_samples_file(tmp_path):
     with pytest.raises(ProfileError, match="not found"):
         fit.load_samples(tmp_path / "nope.csv")

@@ -30,7 +30,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help='JSON file {"index": {IndexParams fields}, "shed_margin": x, "edf": {"shed_margin": y}}')
     p.add_argument("--max-traces", default=None, help="use only the first N traces (or windows)")
     p.add_argument("--bootstrap-seed", default="0", help="bootstrap seed (enters the evidence id)")
-    p.add_argument("--bootstrap-b", default="10000", help="bootstrap resamples (default 10000)")
+    p.add_argument("--bootstrap-b", default="10000", help="bootstrap resamples (default 10000, at least 100)")
     p.add_argument("--capacity", action="store_true", help="also compute capacity at SLO (many more runs)")
     p.add_argument("--target", default="0.9", help="capacity goodput target (default 0.9)")
     p.add_argument("--gpu-price", default=None, help="$ per GPU-hour (capacity savings)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import TokenBatchError
@@ -50,13 +51,20 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "_run", None) is None:
             parser.print_help()
             return 0 if command is None else 2
-        return int(args._run(args) or 0)
+        rc = int(args._run(args) or 0)
+        sys.stdout.flush()   # (a closed pipe raises here, not at the interpreter's exit)
+        return rc
     except TokenBatchError as e:
         print(f"tokenbatch: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("tokenbatch: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader of stdout went away (``tokenbatch ... | head``): stop quietly, as Python's docs
+        # advise (stdout to devnull, so the interpreter's last flush does not raise again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

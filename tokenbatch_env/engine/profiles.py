@@ -19,6 +19,9 @@ from .cost_model import CostModel
 #: A fitted profile whose mean absolute % error on any batch kind exceeds this is rejected.
 MAX_MAPE_PCT = 10.0
 PROVENANCES = ("fitted", "derived", "synthetic")
+#: the fields a profile file must give (the others have documented defaults)
+REQUIRED_FIELDS = ("name", "provenance", "cost", "block_size", "num_blocks", "max_num_batched_tokens",
+                   "max_num_seqs", "max_model_len_limit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +82,9 @@ class Profile:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ProfileError(f"{where}: unknown field(s) {unknown}; valid: {sorted(known)}")
-        missing = sorted({"name", "provenance", "cost"} - set(d))
+        # a file states the engine's limits: the dataclass's defaults are for code, and a file
+        # without its pool size silently ran 512 blocks
+        missing = sorted(set(REQUIRED_FIELDS) - set(d))
         if missing:
             raise ProfileError(f"{where}: missing field(s) {missing}")
         kw = dict(d)
@@ -87,7 +92,12 @@ class Profile:
             kw["cost"] = CostModel(**kw["cost"])
         except TypeError as e:
             raise ProfileError(f"{where}: bad cost block: {e}") from None
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except ProfileError as e:   # (its checks name the profile; a file's reader needs the file)
+            if str(e).startswith(where):
+                raise
+            raise ProfileError(f"{where}: {e}") from None
 
 
 def _data_dir():

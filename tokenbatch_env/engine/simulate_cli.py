@@ -76,6 +76,7 @@ def run(args) -> int:
     if args.rho is not None and not (np.isfinite(args.rho) and args.rho > 0):
         raise ConfigError(f"--rho must be a positive number, got {args.rho}")
     slo_note = ""
+    file_digest = trace.digest
     if not trace.has_slos:
         trace = assign_slas(trace, seed=args.sla_seed)
         slo_note = f" (SLOs assigned by the default 3-class rule, seed {args.sla_seed})"
@@ -99,13 +100,16 @@ def run(args) -> int:
         if rec_sink is not None:
             rec_sink.header(rec)  # an empty trace: the header alone
     s = summarize(rec, trace)
-    s.update({"trace": trace.name, "trace_digest": trace.digest, "profile": profile.name,
+    s.update({"trace": trace.name, "trace_digest": trace.digest, "file_digest": file_digest, "profile": profile.name,
               "profile_provenance": profile.provenance, "policy": args.policy,
               "lambda_sat_rps": lam, "rho": args.rho})
-    if args.json:
-        print(json.dumps(s, indent=1, default=float))
+    if args.json:   # standard JSON: +-inf as "inf"/"-inf", NaN as null (as in report.json), values exact
+        from ..report import rounded
+        print(json.dumps(rounded(s, 17), indent=1, allow_nan=False))
         return 0
-    print(f"trace     {trace.name}  ({len(trace)} requests, digest {trace.digest[:16]}){slo_note}")
+    as_run = (f"digest as run {trace.digest[:16]}, file {file_digest[:16]}" if trace.digest != file_digest
+              else f"digest {trace.digest[:16]}")
+    print(f"trace     {trace.name}  ({len(trace)} requests, {as_run}){slo_note}")
     print(f"profile   {profile.name} [{profile.provenance}]  policy {args.policy}"
           + (f"  rho {args.rho} (lambda_sat {lam:.3f} req/s)" if lam else ""))
     print(f"goodput   {s['goodput']:.4f}   completed {s['completed']}/{s['requests']}   "
