@@ -111,6 +111,8 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        if args.pool and len(args.model) < 2:
+            raise TokenBatchError("--pool pools several --model agents: give at least two")
         specs = [agent_spec(m, label=f"ppo:{Path(m).resolve().parent.name}/{Path(m).name}" if len(args.model) > 1
                             else None) for m in args.model]
         train = json.loads((Path(args.model[0]) / "config.json").read_text()) if Path(args.model[0]).is_dir() \

@@ -142,6 +142,8 @@ def test_evaluate_agent_pools_several_agents(trained, tmp_path):
 def test_evaluate_agent_bad_model_is_a_clear_error(tmp_path, capsys):
     assert evaluate_agent.main(["--model", str(tmp_path)]) == 2
     assert "no model file" in capsys.readouterr().err
+    assert evaluate_agent.main(["--model", str(tmp_path), "--pool"]) == 2   # (was silently ignored)
+    assert "--pool pools several --model agents" in capsys.readouterr().err
 
 
 def test_train_bad_config_is_a_clear_error(capsys, tmp_path):

@@ -92,6 +92,9 @@ def test_real_trace_windows(tmp_path, capsys, shared):
     (["--max-traces", "0"], "--max-traces"),
     (["--gpu-price", "2"], "--gpu-price and --gpus"),
     (["--windows", "10"], "--windows needs --trace"),
+    (["--trace", "t.csv", "--windows", "10", "--suite", "azure-conv-like"], "--suite and --split go without --trace"),
+    (["--trace", "t.csv", "--windows", "10", "--split", "train"], "--suite and --split go without --trace"),
+    (["--bootstrap-b", "50"], "bootstrap"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, needle):
     rc, out, err = _run(capsys, *argv, "--out", str(tmp_path / "x"), "--quiet")
@@ -106,6 +109,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, needle):
     ('{"index": {"slope": 1000}}', "outside its range"),
     ('{"shed_margin": 5}', "shed_margin"),
     ('{"index": {"kapa": 1}}', "unknown index parameter"),
+    ('{"index": {"kappa": "x"}}', "index parameter kappa: expected a number, got 'x'"),
     ("not json", "invalid JSON"),
 ])
 def test_bad_params_file(tmp_path, capsys, content, needle):

@@ -1,4 +1,5 @@
 import math
+import re
 
 import numpy as np
 import pytest
@@ -19,6 +20,9 @@ def test_ranges_enforced_with_clear_errors():
         IndexParams(gamma=float("nan"))
     with pytest.raises(PolicyError, match="unknown index parameter"):
         IndexParams.from_dict({"kapa": 1})
+    for v in ("x", None, True, [1]):   # named, not "could not convert string to float: 'x'"
+        with pytest.raises(PolicyError, match=re.escape(f"index parameter kappa: expected a number, got {v!r}")):
+            IndexParams.from_dict({"kappa": v})
     with pytest.raises(PolicyError, match="valid: fcfs"):
         check_policy_name("random")
     assert check_shed_margin(float("inf")) is None and check_shed_margin(0.5) == 0.5

@@ -16,8 +16,8 @@ from .errors import ConfigError
 
 def configure(p: argparse.ArgumentParser) -> None:
     # values are parsed here (not by argparse types) so bad input gives one line and exit 2
-    p.add_argument("--suite", default="seed-200", help="suite name or spec .json (default seed-200)")
-    p.add_argument("--split", default="test", help="suite split (default test)")
+    p.add_argument("--suite", default=None, help="suite name or spec .json (default seed-200)")
+    p.add_argument("--split", default=None, help="suite split (default test)")
     p.add_argument("--profile", default="stress-512", help="engine profile (tokenbatch profiles list)")
     p.add_argument("--policies", default="fcfs,sjf,edf,llf,index",
                    help="comma-separated: fcfs,priority,sjf,srpt-oracle,edf,llf,empirical-gittins,index (default "
@@ -114,8 +114,11 @@ def config_from_args(args):
         raise ConfigError("--trace needs --windows W (scored requests per window)")
     if args.trace is None and args.windows is not None:
         raise ConfigError("--windows needs --trace FILE")
+    if args.trace is not None and (args.suite is not None or args.split is not None):
+        raise ConfigError("--suite and --split go without --trace (a trace file replaces the suite)")
     return BenchConfig(
-        suite=args.suite, split=args.split, profile=args.profile, policies=parse_policies(args.policies),
+        suite=args.suite or "seed-200", split=args.split or "test", profile=args.profile,
+        policies=parse_policies(args.policies),
         shed=args.shed, loads=parse_loads(args.loads), max_traces=_int(args.max_traces, "max-traces", 1),
         bootstrap_seed=_int(args.bootstrap_seed, "bootstrap-seed", 0),
         bootstrap_b=_int(args.bootstrap_b, "bootstrap-b", 100), capacity=args.capacity,

@@ -59,7 +59,15 @@ class IndexParams:
         unknown = set(d) - set(INDEX_RANGES)
         if unknown:
             raise PolicyError(f"unknown index parameter(s) {sorted(unknown)}; valid: {sorted(INDEX_RANGES)}")
-        return cls(**{k: float(v) for k, v in d.items()})
+        kw = {}
+        for k, v in d.items():
+            try:
+                if isinstance(v, bool):
+                    raise TypeError
+                kw[k] = float(v)
+            except (TypeError, ValueError):
+                raise PolicyError(f"index parameter {k}: expected a number, got {v!r}") from None
+        return cls(**kw)
 
     def theta_vector(self, t_ref_ms: float) -> np.ndarray:
         """The engine's parameter vector (layout of ``engine.scoring``)."""
