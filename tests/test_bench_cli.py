@@ -95,6 +95,7 @@ def test_real_trace_windows(tmp_path, capsys, shared):
     (["--trace", "t.csv", "--windows", "10", "--suite", "azure-conv-like"], "--suite and --split go without --trace"),
     (["--trace", "t.csv", "--windows", "10", "--split", "train"], "--suite and --split go without --trace"),
     (["--bootstrap-b", "50"], "bootstrap"),
+    (["--target", "2", "--capacity"], "--target: the capacity goodput target must be in (0, 1], got '2'"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, needle):
     rc, out, err = _run(capsys, *argv, "--out", str(tmp_path / "x"), "--quiet")

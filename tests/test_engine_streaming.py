@@ -216,3 +216,13 @@ def test_cli_json_is_standard_and_names_both_digests(tmp_path, capsys):
     assert main(["simulate", "--trace", str(path), "--rho", "1.2", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["file_digest"] == trace.digest != d["trace_digest"]   # rescaled to rho 1.2
+
+
+def test_cli_bad_numbers_name_the_flag(tmp_path, capsys):
+    path = tmp_path / "t.npz"
+    save_npz(_trace(), path)
+    for argv, msg in ((["--max-wait-ms", "-5"], "--max-wait-ms must be a positive number of ms, got -5.0"),
+                      (["--max-wait-ms", "nan"], "--max-wait-ms must be a positive number of ms, got nan"),
+                      (["--rho", "0"], "--rho must be a positive number, got 0.0")):
+        assert main(["simulate", "--trace", str(path), *argv]) == 2
+        assert capsys.readouterr().err == f"tokenbatch: error: {msg}\n"

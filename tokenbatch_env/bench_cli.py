@@ -114,6 +114,9 @@ def config_from_args(args):
         raise ConfigError("--trace needs --windows W (scored requests per window)")
     if args.trace is None and args.windows is not None:
         raise ConfigError("--windows needs --trace FILE")
+    target = _float(args.target, "target")
+    if not 0 < target <= 1:
+        raise ConfigError(f"--target: the capacity goodput target must be in (0, 1], got {args.target!r}")
     if args.trace is not None and (args.suite is not None or args.split is not None):
         raise ConfigError("--suite and --split go without --trace (a trace file replaces the suite)")
     return BenchConfig(
@@ -122,7 +125,7 @@ def config_from_args(args):
         shed=args.shed, loads=parse_loads(args.loads), max_traces=_int(args.max_traces, "max-traces", 1),
         bootstrap_seed=_int(args.bootstrap_seed, "bootstrap-seed", 0),
         bootstrap_b=_int(args.bootstrap_b, "bootstrap-b", 100), capacity=args.capacity,
-        capacity_target=_float(args.target, "target"), gpu_price=_float(args.gpu_price, "gpu-price"),
+        capacity_target=target, gpu_price=_float(args.gpu_price, "gpu-price"),
         gpus=_int(args.gpus, "gpus", 1), trace_file=args.trace, trace_format=args.format,
         windows=_int(args.windows, "windows", 1), warmup=_int(args.warmup, "warmup", 0),
         cooldown=_int(args.cooldown, "cooldown", 0), upper_bound=not args.no_upper_bound,

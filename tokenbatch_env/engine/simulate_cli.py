@@ -75,6 +75,8 @@ def run(args) -> int:
     profile = load_profile(args.profile)
     if args.rho is not None and not (np.isfinite(args.rho) and args.rho > 0):
         raise ConfigError(f"--rho must be a positive number, got {args.rho}")
+    if args.max_wait_ms is not None and not (np.isfinite(args.max_wait_ms) and args.max_wait_ms > 0):
+        raise ConfigError(f"--max-wait-ms must be a positive number of ms, got {args.max_wait_ms}")
     slo_note = ""
     file_digest = trace.digest
     if not trace.has_slos:
