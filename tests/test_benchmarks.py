@@ -47,7 +47,7 @@ def test_bench_env_paired_tiny(capsys):
 
 def test_speed_up_verdict_judged_unrounded():
     bench = _load()
-    assert bench._versus_target(29.996, 1024) == "30.00x (target >= 30x: missed)"
+    assert bench._versus_target(29.996, 1024) == "29.99x (target >= 30x: missed)"
     assert bench._versus_target(30.0, 1024) == "30.00x (target >= 30x: met)"
     assert bench._versus_target(57.71, 1024) == "57.71x (target >= 30x: met)"
     assert bench._versus_target(6.2, 8) == "6.20x (the target, >= 30x, is at 1,024 copies)"

@@ -360,6 +360,30 @@ def test_unwritable_outputs_are_one_line_errors_naming_the_path(tmp_path):
     _io.check_writable(tmp_path / "new" / "deeper", "--out", directory=True)
     _io.check_writable(a_file, "--records")   # (an existing file is replaced)
     assert sorted(os.listdir(tmp_path)) == ["d", "f"]
+    long_name = tmp_path / ("a" * 250)        # the writer's temporary name would be too long
+    with pytest.raises(OutputError, match="cannot write: File name too long"):
+        _io.check_writable(long_name, "--records")
+    with pytest.raises(OutputError, match=f"cannot write: {a_file} is not a directory"):
+        _io.write_text_atomic(a_file / "r.csv", "new")
+
+
+def test_check_writable_turns_an_unenterable_parent_into_one_line(tmp_path, monkeypatch):
+    """As a normal user, ``Path.exists`` under a directory one may not enter raises PermissionError
+    (this machine runs as root, which bypasses permissions: simulated)."""
+    from pathlib import Path
+
+    from tokenbatch_env import _io
+    from tokenbatch_env.errors import OutputError
+    real = Path.exists
+
+    def exists(self, *a, **k):
+        if "locked" in self.parts:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **k)
+    monkeypatch.setattr(Path, "exists", exists)
+    for kw in ({}, {"directory": True}):
+        with pytest.raises(OutputError, match="--out .*/locked/sub/x: cannot write: Permission denied"):
+            _io.check_writable(tmp_path / "locked" / "sub" / "x", "--out", **kw)
 
 
 def test_cli_output_errors_come_before_the_work(tmp_path, capsys):

@@ -240,6 +240,13 @@ def test_profile_file_errors_name_the_file_and_every_limit_is_required(tmp_path)
         with pytest.raises(ProfileError, match=rf"^{p}: missing field\(s\) \['{f}'\]"):
             load_profile(str(p))
     assert {"num_blocks", "block_size", "max_num_batched_tokens"} <= set(REQUIRED_FIELDS)
+    for change, msg in (({"cost": {**raw["cost"], "c0": 0}}, "bad cost block: cost coefficient c0 must be > 0"),
+                        ({"mape_pct": {}}, "mape_pct must be a non-empty object of finite numbers")):
+        p = tmp_path / "changed.json"
+        p.write_text(json.dumps({**raw, **change}))
+        load_profile.cache_clear()
+        with pytest.raises(ProfileError, match=f"^{p}: .*{msg}"):
+            load_profile(str(p))
 
 
 def test_missing_samples_file(tmp_path):

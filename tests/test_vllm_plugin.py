@@ -175,6 +175,7 @@ def test_additional_config_and_precedence(params_file, monkeypatch):
     ('{"bogus_key": 1}', "unknown key"),
     ('{"shed_margin": 7}', "shed_margin"),
     ('[1, 2]', "JSON object"),
+    ('{"meta": {"profile": "my-gpu.json"}}', r"meta\.profile: profile file 'my-gpu\.json' not found"),
 ])
 def test_bad_policy_file_fails_at_startup(content, match, tmp_path, monkeypatch):
     from tokenbatch_env.integrations.vllm import TokenBatchPluginError

@@ -17,6 +17,17 @@ def _cannot_write(path, e: OSError, what: str = "") -> OutputError:
     return OutputError(f"{what + ' ' if what else ''}{path}: cannot write: {e.strerror or e}")
 
 
+def _not_a_directory(path: Path):
+    """The first ancestor of ``path`` that exists but is not a directory (None if there is none)."""
+    for a in reversed(path.parents):
+        try:
+            if a.exists() and not a.is_dir():
+                return a
+        except OSError:
+            return None
+    return None
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it over ``path`` only on success. A path that
@@ -27,6 +38,9 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
     except OSError as e:
+        blocker = _not_a_directory(path)
+        if blocker is not None:
+            raise OutputError(f"{path}: cannot write: {blocker} is not a directory") from None
         raise _cannot_write(path, e) from None
     os.close(fd)
     umask = os.umask(0)
@@ -68,18 +82,25 @@ def _fsync(path: Path, directory: bool = False) -> None:
 def check_writable(path: str | os.PathLike, what: str, *, directory: bool = False) -> None:
     """Fail early, before long work, if the output ``path`` (a file, or with ``directory`` a directory
     of outputs) could not be written: ``OutputError`` naming ``what`` (e.g. the option) and the path.
-    Creates nothing: it writes and removes a probe file in the nearest directory that exists."""
+    Creates nothing: it writes and removes a probe file, named as the writer's temporary file would
+    be, in the nearest directory that exists."""
     path = Path(path)
-    if path.exists() and (path.is_dir() != directory):
-        kind = "a directory" if path.is_dir() else "a file"
-        raise OutputError(f"{what} {path}: cannot write: {kind} is in the way")
-    base = path if directory else path.parent
-    while not base.exists():
-        base = base.parent
-    if not base.is_dir():
-        raise OutputError(f"{what} {path}: cannot write: {base} is not a directory")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".tokenbatch-probe.", dir=base)
+        if path.exists() and (path.is_dir() != directory):
+            kind = "a directory" if path.is_dir() else "a file"
+            raise OutputError(f"{what} {path}: cannot write: {kind} is in the way")
+        base = path if directory else path.parent
+        while not base.exists():
+            base = base.parent
+        if not base.is_dir():
+            raise OutputError(f"{what} {path}: cannot write: {base} is not a directory")
+    except OSError as e:   # (a parent it may not enter: Path.exists raises on EACCES)
+        if isinstance(e, OutputError):
+            raise
+        raise _cannot_write(path, e, what) from None
+    name = "tokenbatch-probe" if directory else path.name   # (a name too long fails here, as it would there)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=base)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:

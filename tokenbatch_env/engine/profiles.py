@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -56,6 +57,11 @@ class Profile:
         if not isinstance(self.watermark_blocks, int) or not 0 <= self.watermark_blocks < self.usable_blocks:
             raise ProfileError(f"profile {self.name!r}: watermark_blocks must be in [0, usable blocks)")
         if self.mape_pct is not None:
+            if (not isinstance(self.mape_pct, dict) or not self.mape_pct
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                               for v in self.mape_pct.values())):
+                raise ProfileError(f"profile {self.name!r}: mape_pct must be a non-empty object of finite "
+                                   f"numbers (fit errors in % by batch kind), got {self.mape_pct!r}")
             worst = max(self.mape_pct.values())
             if worst > MAX_MAPE_PCT:
                 raise ProfileError(f"profile {self.name!r}: fit error {worst:.1f}% > {MAX_MAPE_PCT}% on "
@@ -90,7 +96,7 @@ class Profile:
         kw = dict(d)
         try:
             kw["cost"] = CostModel(**kw["cost"])
-        except TypeError as e:
+        except (TypeError, ProfileError) as e:
             raise ProfileError(f"{where}: bad cost block: {e}") from None
         try:
             return cls(**kw)

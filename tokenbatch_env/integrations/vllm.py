@@ -25,7 +25,8 @@ Settings (each from the constructor's ``tokenbatch_config``, else ``--additional
 ``policy_file``        the tuning JSON (``tokenbatch_env.evaluate.load_params_file`` format)
 ``shed``               off (default), on (the file's margin for the policy, 0 if absent),
                        or a margin: a number in [0, 2] (``0`` is margin 0, not off) or inf
-``profile``            engine cost profile pricing the work (default llama2-7b-a100)
+``profile``            engine cost profile pricing the work (default: the file's ``meta.profile``,
+                       else llama2-7b-a100)
 ``t_ref_ms``           the index's T_ref (default: the file's ``meta.t_ref_ms``, else 1000)
 ``default_ttft_slo_ms`` TTFT SLO of a request without ``tokenbatch_ttft_slo_ms`` (default 1000)
 ``default_est_output_tokens`` output estimate of a request without one (default: none; the
@@ -180,6 +181,8 @@ class PluginConfig:
         t_ref_default = meta.get("t_ref_ms", 1000.0)
         t_ref = num("t_ref_ms", t_ref_default)
         profile, prwhere = get("profile", meta.get("profile", "llama2-7b-a100"))
+        if prwhere == "default profile" and "profile" in meta:
+            prwhere = f"{pwhere} ({path!r}), meta.profile"
         try:
             from ..engine.profiles import load_profile
             load_profile(str(profile))
