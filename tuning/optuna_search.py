@@ -5,7 +5,7 @@ The Gittins-barrier index and, with the same budget, the baselines' shed margins
 weights+shed and index-scheduled; then the best parameters are evaluated once on the held-out TEST
 split.
 
-    python tuning/optuna_search.py                       # the newcomer's run (~35 s on 2 cores, compiled)
+    python tuning/optuna_search.py                       # the newcomer's run (~35-45 s on 2 cores, compiled)
     python tuning/optuna_search.py --trials 200 --max-train-traces all --timeout 1800
     python tuning/optuna_search.py --workers 2 --storage runs/study.journal
     python tuning/optuna_search.py --storage postgresql://user@db:5432/optuna --study-name big
