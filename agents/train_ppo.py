@@ -93,7 +93,8 @@ class TrainConfig:
         # traceback from torch after the first rollout, or not at all)
         for f, lo, hi, lo_open in (("learning_rate", 0.0, math.inf, True), ("gamma", 0.0, 1.0, False),
                                    ("gae_lambda", 0.0, 1.0, False), ("clip_range", 0.0, math.inf, True),
-                                   ("ent_coef", -math.inf, math.inf, True), ("log_std_init", -math.inf, math.inf, True)):
+                                   ("ent_coef", -math.inf, math.inf, True),
+                                   ("log_std_init", -math.inf, math.inf, True)):
             v = getattr(self, f)
             ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
                   and (v > lo if lo_open else v >= lo) and v <= hi)

@@ -24,7 +24,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "fcfs,sjf,edf,llf,index; fcfs and edf+shed are always added as baselines; index+shed for "
                         "seed-200's primary endpoint)")
     p.add_argument("--shed", action="store_true", help="add a +shed row for every policy")
-    p.add_argument("--loads", default="0.6,0.8,1.0,1.2,1.5,2.0", help="comma-separated rho values (x lambda_sat; default 0.6,0.8,1.0,1.2,1.5,2.0)")
+    p.add_argument("--loads", default="0.6,0.8,1.0,1.2,1.5,2.0",
+                   help="comma-separated rho values (x lambda_sat; default 0.6,0.8,1.0,1.2,1.5,2.0)")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.add_argument("--params", default=None,
                    help='JSON file {"index": {IndexParams fields}, "shed_margin": x, "edf": {"shed_margin": y}}')
