@@ -17,15 +17,12 @@ def _cannot_write(path, e: OSError, what: str = "") -> OutputError:
     return OutputError(f"{what + ' ' if what else ''}{path}: cannot write: {e.strerror or e}")
 
 
-def _not_a_directory(path: Path):
-    """The first ancestor of ``path`` that exists but is not a directory (None if there is none)."""
-    for a in reversed(path.parents):
-        try:
-            if a.exists() and not a.is_dir():
-                return a
-        except OSError:
-            return None
-    return None
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (the root always does); OSError if one may not
+    be looked at (``Path.exists`` raises on EACCES)."""
+    while not path.exists():
+        path = path.parent
+    return path
 
 
 @contextlib.contextmanager
@@ -38,8 +35,11 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
     except OSError as e:
-        blocker = _not_a_directory(path)
-        if blocker is not None:
+        try:
+            blocker = _nearest_existing(path.parent)
+        except OSError:
+            blocker = None
+        if blocker is not None and not blocker.is_dir():
             raise OutputError(f"{path}: cannot write: {blocker} is not a directory") from None
         raise _cannot_write(path, e) from None
     os.close(fd)
@@ -89,9 +89,7 @@ def check_writable(path: str | os.PathLike, what: str, *, directory: bool = Fals
         if path.exists() and (path.is_dir() != directory):
             kind = "a directory" if path.is_dir() else "a file"
             raise OutputError(f"{what} {path}: cannot write: {kind} is in the way")
-        base = path if directory else path.parent
-        while not base.exists():
-            base = base.parent
+        base = _nearest_existing(path if directory else path.parent)
         if not base.is_dir():
             raise OutputError(f"{what} {path}: cannot write: {base} is not a directory")
     except OSError as e:   # (a parent it may not enter: Path.exists raises on EACCES)

@@ -943,8 +943,9 @@ def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_
     }
     # what the vLLM plug-in reads beside the parameters (docs/vllm_plugin.md): the index's T_ref and
     # the profile pricing the work, as tuned (without them it ran T_ref 1000 ms, llama2-7b-a100)
+    from .engine.profiles import is_profile_file
     profile = cfg.profile   # a profile file by its absolute path: the plug-in runs from anywhere
-    if profile.endswith(".json") or "/" in profile:
+    if is_profile_file(profile):
         profile = str(Path(profile).resolve())
     doc["meta"] = {"t_ref_ms": float(t_ref_ms), "profile": profile}
     return doc

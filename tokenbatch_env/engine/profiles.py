@@ -114,10 +114,15 @@ def list_profiles() -> list[str]:
     return sorted(p.name[:-5] for p in _data_dir().iterdir() if p.name.endswith(".json"))
 
 
+def is_profile_file(name_or_path: str) -> bool:
+    """``load_profile``'s rule: a path to a JSON file, not a shipped profile's name."""
+    return name_or_path.endswith(".json") or "/" in name_or_path
+
+
 @lru_cache(maxsize=None)
 def load_profile(name_or_path: str) -> Profile:
     """A shipped profile by name, or a JSON file by path."""
-    if name_or_path.endswith(".json") or "/" in name_or_path:
+    if is_profile_file(name_or_path):
         path = Path(name_or_path)
         if not path.exists():
             raise ProfileError(f"profile file {name_or_path!r} not found")
