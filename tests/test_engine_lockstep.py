@@ -81,7 +81,65 @@ def test_every_compiled_function_is_guarded_against_stale_cached_code():
     for m in ("engine.kernel", "engine.scoring", "engine.state", "engine.outcomes", "envs", "policies",
               "bounds", "evaluate", "control", "capacity", "metrics"):
         importlib.import_module(f"tokenbatch_env.{m}")
-    compiled = [d for d in _jit._REGISTRY if hasattr(d, "_cache") and d.targetoptions.get("inline") != "always"]
+    compiled = [d for d in _jit._REGISTRY if hasattr(d, "_cache") and d.targetoptions.get("inline") != "always"
+                and d.py_func.__module__.startswith("tokenbatch_env.")]   # (not the tests' own)
     assert len(compiled) >= 20   # (the kernel, its scores, the env's observations, rewards and layouts, ...)
     unguarded = [f"{d.py_func.__module__}.{d.py_func.__name__}" for d in compiled if id(d) not in _jit.GUARDED]
     assert not unguarded, f"not covered by guard_stale_cache: {unguarded}"
+
+
+_ONE_VARIANT_PROBE = r"""
+import numpy as np
+from gymnasium.vector import AutoresetMode
+import tokenbatch_env.evaluate as ev
+from tokenbatch_env.engine import _jit
+from tokenbatch_env.engine.cost_model import CostModel
+from tokenbatch_env.engine.outcomes import request_metrics
+from tokenbatch_env.engine.simulate import EngineRun
+from tokenbatch_env.engine.state import EngineConfig
+from tokenbatch_env.envs import ACTION_NAMES, TokenBatchEnv, TokenBatchVectorEnv
+from tokenbatch_env.traces.trace import Trace
+
+small, rng, d = dict(window=24, warmup=8, cooldown=8), np.random.default_rng(0), len(ACTION_NAMES)
+one = TokenBatchEnv(**small)                      # one copy: its arrays' layouts differ from N's
+one.reset(seed=1)
+for _ in range(40):
+    if any(one.step(rng.uniform(-1, 1, d))[2:4]):
+        one.reset()
+for mode in (AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP):
+    vec = TokenBatchVectorEnv(3, autoreset_mode=mode, **small)
+    vec.reset(seed=2)
+    for _ in range(40):
+        vec.step(rng.uniform(-1, 1, (3, d)))
+ev.run_benchmark(ev.BenchConfig(max_traces=1, loads=(1.2,), policies=("fcfs", "edf", "index"), bootstrap_b=100,
+                                progress=False))
+tr = Trace.build(arrival_ns=np.arange(6, dtype=np.int64) * 10**6, prompt_tokens=[300, 40, 300, 40, 300, 40],
+                 output_tokens=[9, 5, 9, 5, 9, 5], prefix_offsets=np.array([0, 1, 2, 3, 3, 4, 5]),
+                 prefix_hashes=np.array([7, 7, 8, 8, 7], np.int64))
+tr.subset([1, 2, 4])
+run = EngineRun([tr] * 3, "linear", config=EngineConfig(max_num_batched_tokens=256))
+run.advance(until_ns=2 * 10**6)                   # a scalar, an array (read-only as broadcast), none
+run.advance(until_ns=np.full(3, 4 * 10**6), active=np.array([True, False, True]))
+run.advance()
+request_metrics({k: np.zeros(4, np.int64) for k in ("end_state", "first_token_ns", "arrival_ns", "finish_ns",
+                                                    "output_tokens")}, tr.subset([0, 1, 2, 3]))
+frozen = np.array([10, 500])
+frozen.flags.writeable = False
+for p in ([10, 500], frozen):
+    CostModel(c0=1.0, c_prefill=0.01).idle_prefill_ns(p, 256)
+for f in _jit._REGISTRY:
+    if len(getattr(f, "signatures", ())) > 1:
+        print(f"{f.py_func.__module__}.{f.py_func.__name__}: {len(f.signatures)}")
+"""
+
+
+def test_main_paths_compile_each_function_once():
+    """Each compiled function gets one machine-code variant on the package's main paths: the single
+    env and the vector env (both autoreset modes), the evaluator, ``EngineRun.advance`` with every
+    form of ``until_ns``, trace subsets, outcomes and the cost model. numba compiles a variant per
+    argument type, and a read-only array or a column view of a one-copy array is another type: such a
+    second variant of the kernel cost ~2 minutes of compiling (the suite's time on a clean clone);
+    measured in a fresh process, which loads every variant it uses from numba's cache."""
+    r = subprocess.run([sys.executable, "-c", _ONE_VARIANT_PROBE], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "", f"compiled more than once:\n{r.stdout}"

@@ -513,7 +513,7 @@ def test_rewards_skip_only_settled_requests(mode):
         _rewards(live, tr, core.s0, core.s1, core.t_min_ns, mode == "met", A.now, A.end_state, A.first_token,
                  A.finish, A.arrival, A.t1, core.t2, A.out_len, A.gen, A.capped, certain, met_seen, out, A.prompt,
                  A.computed, A.n_preempt, core.h_best, core.ps_cost, core.run.profile.max_num_batched_tokens,
-                 np.zeros(N, np.int64))
+                 np.zeros(N, np.int64), 0)
         assert np.array_equal(out[live], r[live])
         assert np.array_equal(certain[live], core.certain[live]) and np.array_equal(met_seen[live], core.met_seen[live])
     assert skipped > 0

@@ -245,7 +245,7 @@ def _argsort_stable(x, out):
 @njit
 def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, next_arr, wait_ids, run_ids,
              prompt, gen, computed, arrival, t1, est, hash_head, chain_off, chain_val, uniq_base, epoch,
-             zs_buf, ls_buf, zsort, lsort, order, feats, lo=0):
+             zs_buf, ls_buf, zsort, lsort, order, feats, lo):
     """Observation rows of the ``active`` copies (see ``TokenBatchEnv``). The per-request entries are
     the engine's own index inputs (``kernel.request_inputs``); ``cfg``/``fcfg`` are the engine's,
     ``ocfg`` = [t_ref_ms, lambda_sat, rate_window_ns]; the episode start is ``epoch[c, EP_T0]``.
@@ -414,7 +414,7 @@ def _observe(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, 
 @njit
 def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token, finish, arrival, t1, t2,
              out_len, gen, capped, certain, met_seen, out, prompt, computed, n_preempt, h_best, ps, budget,
-             open_lo, lo=0):
+             open_lo, lo):
     """Step rewards of the ``live`` copies (see ``TokenBatchEnv``, "Rewards"): scored requests [s0, s1)
     whose miss became certain (or, ``count_met``, that were met) since the last step; ``certain`` and
     ``met_seen`` ([N, s1 - s0]) remember what was counted. A request whose miss is certain, or that
@@ -524,10 +524,10 @@ _EPISODE_COUNTS = ("met", "completed", "shed", "timed_out", "rejected", "unfinis
 
 
 @njit
-def _episode_metrics(rows, stop_at, trunc, s0, s1, i_p50, i_p99, counts, pcts, snap, slot, arrival, prompt, out_len,
+def _episode_metrics(rows, epoch, trunc, s0, s1, i_p50, i_p99, counts, pcts, snap, slot, arrival, prompt, out_len,
                      first_sched, first_token, first_token_it, finish, finish_it, n_preempt, recomputed, swapped,
-                     end_state, t1, t2, lo=0):
-    """Episode metrics of the copies in the mask ``rows`` whose episode ended (``stop_at`` STOP_ENDED, or
+                     end_state, t1, t2, lo):
+    """Episode metrics of the copies in the mask ``rows`` whose episode ended (``epoch``'s EP_STOP STOP_ENDED, or
     ``trunc``), over their scored requests [s0, s1), as the evaluator defines them (``request_outcome``;
     ``request_outcomes``'s columns: TTFT in ms, +inf without a first token; TPOT in ms, +inf unless
     completed; an unended request counts as unfinished; ``pcts``'s inverted-CDF rule, its indices
@@ -541,7 +541,7 @@ def _episode_metrics(rows, stop_at, trunc, s0, s1, i_p50, i_p99, counts, pcts, s
     ttft_ms = np.empty(w)
     tpot_ms = np.empty(w)
     for c in range(lo, rows.shape[0]):
-        if not rows[c] or not (stop_at[c] == K.STOP_ENDED or trunc[c]):
+        if not rows[c] or not (epoch[c, K.EP_STOP] == K.STOP_ENDED or trunc[c]):
             continue
         n_met = n_done = n_shed = n_to = n_rej = n_unf = n_pre = 0
         for j in range(s0, s1):
@@ -592,7 +592,7 @@ _CHUNK = 32
 
 
 @njit
-def _advance_observe(kargs, act, claim, chunk, priv, stopped, stop_at, max_ep_steps, steps, trunc, obs_args,
+def _advance_observe(kargs, act, claim, chunk, priv, stopped, epoch, max_ep_steps, steps, trunc, obs_args,
                      rew_args, met_args):
     """One engine thread's share of an env step: claim ``_CHUNK`` copies of ``act`` at a time from the
     counter ``claim`` (shared by the threads), run the kernel on them (``kargs``: ``K.kernel_args``
@@ -620,21 +620,21 @@ def _advance_observe(kargs, act, claim, chunk, priv, stopped, stop_at, max_ep_st
                 chunk[c] = False
             return t
         total += t
-        _after_stop(lo, hi, chunk, stopped, stop_at, max_ep_steps, steps, trunc, obs_args, rew_args, met_args)
+        _after_stop(lo, hi, chunk, stopped, epoch, max_ep_steps, steps, trunc, obs_args, rew_args, met_args)
     return total
 
 
 @njit
-def _after_stop(lo, hi, ran, stopped, stop_at, max_ep_steps, steps, trunc, obs_args, rew_args, met_args):
+def _after_stop(lo, hi, ran, stopped, epoch, max_ep_steps, steps, trunc, obs_args, rew_args, met_args):
     """The env's work on the copies in [lo, hi) of the mask ``ran`` (cleared here) that the engine
-    advanced and that stopped (``stop_at``): count the step, its truncation (the engine's iteration
+    advanced and that stopped (``epoch``'s EP_STOP): count the step, its truncation (the engine's iteration
     cap, or ``max_ep_steps`` steps), and write their observations, rewards and, if an episode ended,
     episode metrics (``obs_args``/``rew_args``/``met_args``: the arguments of ``_observe``/``_rewards``/
     ``_episode_metrics`` after their masks). ``stopped``: scratch, all False."""
     n_stop = 0
     any_end = False
     for c in range(lo, hi):
-        s = stop_at[c]
+        s = epoch[c, K.EP_STOP]
         st = ran[c] and s != K.STOP_NONE
         ran[c] = False
         stopped[c] = st
@@ -651,7 +651,7 @@ def _after_stop(lo, hi, ran, stopped, stop_at, max_ep_steps, steps, trunc, obs_a
         _observe(m, *obs_args, lo)
         _rewards(m, trunc, *rew_args, lo)
         if any_end:
-            _episode_metrics(m, stop_at, trunc, *met_args, lo)
+            _episode_metrics(m, epoch, trunc, *met_args, lo)
         for c in range(lo, hi):
             stopped[c] = False
 
@@ -677,7 +677,7 @@ def obs_scales(t_ref_ms: float, lambda_sat: float) -> np.ndarray:
 
 def observe(run, mask, obs, k: int, ocfg) -> None:
     """Observation rows of the ``mask`` copies of an ``EngineRun`` (episode start: ``start_epochs``)."""
-    _observe(mask, *_observe_args(run, obs, k, ocfg))
+    _observe(mask, *_observe_args(run, obs, k, ocfg), 0)
 
 
 def _observe_args(run, obs, k: int, ocfg) -> tuple:
@@ -1245,7 +1245,8 @@ class _Core:
         run.set_policy_params(self.params_theta, self.params_margin)
         reward = np.zeros(self.n)
         trunc = np.zeros(self.n, bool)
-        stop_at = run.arrays.epoch[:, K.EP_STOP]   # (a view: read once each copy has stopped)
+        # (whole: a column view's layout would differ for one copy, and compile twice, ~1 min)
+        epoch = run.arrays.epoch   # EP_STOP: read once each copy has stopped
         rew_args, met_args = self._reward_args(reward), self._metric_args()
 
         def kernel(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns,
@@ -1253,13 +1254,13 @@ class _Core:
             chunk, priv, stopped = np.zeros_like(active), np.zeros(1, np.int64), np.zeros_like(active)
             kargs = K.kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, chunk, max_steps,
                                   until_ns, claim=priv, mine=mine)
-            total = _advance_observe(kargs, active, claim, chunk, priv, stopped, stop_at, self.config.max_steps,
+            total = _advance_observe(kargs, active, claim, chunk, priv, stopped, epoch, self.config.max_steps,
                                      self.steps, trunc, _observe_args(run, self.obs, self.k, self.ocfg), rew_args,
                                      met_args)
             return K.checked_total(total, kargs)
 
         def after(ran):   # the same work for copies advanced otherwise (the tests' reference epochs)
-            _after_stop(0, self.n, ran.copy(), np.zeros_like(ran), stop_at, self.config.max_steps, self.steps,
+            _after_stop(0, self.n, ran.copy(), np.zeros_like(ran), epoch, self.config.max_steps, self.steps,
                         trunc, _observe_args(run, self.obs, self.k, self.ocfg), rew_args, met_args)
         kernel.after = after
 
@@ -1299,7 +1300,7 @@ class _Core:
                 self.run.profile.max_num_batched_tokens, self.open_lo)
 
     def _metric_args(self) -> tuple:
-        """``_episode_metrics``'s arguments after its mask, ``stop_at`` and ``trunc``."""
+        """``_episode_metrics``'s arguments after its mask, ``epoch`` and ``trunc``."""
         A = self.run.arrays
         return (self.s0, self.s1, *self.ep_pct_index, self.ep_counts, self.ep_pcts, self.ep_snap, self.ep_slot,
                 *(getattr(A, f) for f in _RECORD_FIELDS[:-1]), self.t2)

@@ -67,7 +67,7 @@ class CostModel:
             raise ProfileError(f"token budget must be >= 1, got {budget}")
         from .scoring import idle_prefill_ns_array  # the engine's own formula (numba)
 
-        p = np.asarray(prompt_tokens, np.int64)
+        p = np.array(prompt_tokens, np.int64)   # (a writable copy: one compiled variant)
         return idle_prefill_ns_array(p.ravel(), int(budget), self.ps).reshape(p.shape)
 
     def per_token_ms(self, budget: int) -> tuple[float, float]:

@@ -45,7 +45,8 @@ def request_metrics(rec: dict, trace) -> dict:
         slos = [np.broadcast_to(np.asarray(s, np.int64), shape) for s in (trace.ttft_slo_ns, trace.tpot_slo_ns)]
     else:
         slos = [np.zeros(shape, np.int64)] * 2
-    flat = [np.ascontiguousarray(c).reshape(-1) for c in cols + slos]
+    # (C-contiguous and writable: a read-only view would compile a second variant)
+    flat = [np.require(c, np.int64, ['C', 'W']).reshape(-1) for c in cols + slos]
     n = flat[0].shape[0]
     ttft, tpot, met = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, bool)
     _request_metrics_flat(*flat, bool(trace.has_slos), ttft, tpot, met)

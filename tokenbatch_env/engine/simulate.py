@@ -224,8 +224,9 @@ class EngineRun:
         """Run the ``active`` copies until each has ended or reached ``until_ns`` (scalar or [C]).
         Returns the number of iterations run."""
         A, C = self.arrays, self.n_copies
+        # (a writable copy: a read-only [C] view would compile a second kernel, ~2 min)
         until = np.full(C, NEVER, np.int64) if until_ns is None else \
-            np.ascontiguousarray(np.broadcast_to(np.asarray(until_ns, np.int64), (C,)))
+            np.broadcast_to(np.asarray(until_ns, np.int64), (C,)).copy()
         base = np.ones(C, bool) if active is None else np.asarray(active, bool)
         total = 0
         while True:
