@@ -118,6 +118,7 @@ tr = Trace.build(arrival_ns=np.arange(6, dtype=np.int64) * 10**6, prompt_tokens=
                  prefix_hashes=np.array([7, 7, 8, 8, 7], np.int64))
 tr.subset([1, 2, 4])
 run = EngineRun([tr] * 3, "linear", config=EngineConfig(max_num_batched_tokens=256))
+ev.evaluate_index_params([tr, tr], "linear", [{}], shed_margins=0.5)    # tuning's path
 run.advance(until_ns=2 * 10**6)                   # a scalar, an array (read-only as broadcast), none
 run.advance(until_ns=np.full(3, 4 * 10**6), active=np.array([True, False, True]))
 run.advance()
@@ -136,7 +137,7 @@ for f in _jit._REGISTRY:
 def test_main_paths_compile_each_function_once():
     """Each compiled function gets one machine-code variant on the package's main paths: the single
     env and the vector env (both autoreset modes), the evaluator, ``EngineRun.advance`` with every
-    form of ``until_ns``, trace subsets, outcomes and the cost model. numba compiles a variant per
+    form of ``until_ns``, tuning's goodput matrix, trace subsets, outcomes and the cost model. numba compiles a variant per
     argument type, and a read-only array or a column view of a one-copy array is another type: such a
     second variant of the kernel cost ~2 minutes of compiling (the suite's time on a clean clone);
     measured in a fresh process, which loads every variant it uses from numba's cache."""
