@@ -17,7 +17,7 @@ from tokenbatch_env.traces.generators import (
     ARRIVAL_RESOLUTION_NS, NS_PREFIX_GROUP, ArrivalSpec, PrefixSpec, TraceSpec, gamma_arrivals,
     generate_trace, lognormal_lengths, mmpp_arrivals, poisson_arrivals, prefix_chains,
     resample_pairs, resample_trace, rng_stream)
-from tokenbatch_env.traces.sla import DEFAULT_SLA, SlaSpec, assign_slas, slo_arrays, ttft_idle_ns
+from tokenbatch_env.traces.sla import DEFAULT_SLA, SlaClass, SlaSpec, assign_slas, slo_arrays, ttft_idle_ns
 from tokenbatch_env.traces.windows import (
     Window, cut_windows, empirical_rate_rps, scale_ints, scale_to_rate, time_scale, window_at)
 
@@ -247,6 +247,17 @@ def test_assign_slas_to_a_trace_without_slos():
     with pytest.raises(ConfigError, match="already has SLOs"):
         assign_slas(a)
     assert assign_slas(a, seed=6, overwrite=True).digest == assign_slas(t, seed=6).digest
+
+
+def test_sla_rule_names_a_prompt_whose_slo_would_exceed_a_day():
+    """A prompt no engine serves in a day (real Azure rows have 5M tokens) gets an error naming it,
+    not a range error on the derived ttft_slo_ns column."""
+    t = Trace.build(arrival_ns=np.arange(3, dtype=np.int64), prompt_tokens=[100, 5_000_000, 200],
+                    output_tokens=[5, 5, 5], name="big")
+    slow = SlaSpec("stress-512", (SlaClass("slow", 1.0, 10.0, 100.0),))   # 10 x 24,085 s
+    with pytest.raises(TraceError, match=r"trace 'big': request 1 \(0-based\) has a 5,000,000-token prompt.*'slow'"):
+        assign_slas(t, slow)
+    assert assign_slas(t.subset([0, 2]), slow).has_slos
 
 
 # ---------------------------------------------------------------------------------------- scaling

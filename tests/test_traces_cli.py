@@ -97,6 +97,9 @@ def test_convert_refuses_unknown_output_extension_before_reading(capsys, tmp_pat
     code, _, err = run(capsys, "convert", FIX / "azure_ok.csv", tmp_path / "x.parquet")
     assert code == 2 and not (tmp_path / "x.parquet").exists()
     assert_one_line_error(err, "use .npz or .csv")
+    code, _, err = run(capsys, "convert", FIX / "azure_ok.csv", tmp_path / "x.npz", "--name", " ")
+    assert code == 2 and not (tmp_path / "x.npz").exists()
+    assert_one_line_error(err, "--name: must not be empty")
 
 
 def test_usage_errors(capsys):

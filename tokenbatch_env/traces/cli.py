@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import TraceError
+from ..errors import ConfigError, TraceError
 from .trace import Trace
 
 _QUANTILES = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
@@ -193,6 +193,8 @@ def _convert(args) -> int:
                          file=args.output)
     from .._io import check_writable
 
+    if args.name is not None and not args.name.strip():
+        raise ConfigError("--name: must not be empty (a trace's name labels its reports)")
     check_writable(args.output, "OUT")
     trace, report = load_trace(args.input, args.format, block_size=args.block_size, name=args.name)
     save_trace(trace, args.output)

@@ -34,8 +34,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..errors import ConfigError
-from .trace import Trace
+from ..errors import ConfigError, TraceError
+from .trace import MAX_SLO_NS, Trace
 
 __all__ = ["SlaClass", "SlaSpec", "DEFAULT_SLA", "ttft_idle_ns", "slo_arrays", "draw_classes",
            "assign_arrays", "assign_slas", "STREAM_CLASSES"]
@@ -146,6 +146,14 @@ def slo_arrays(prompt_tokens, class_id, spec: SlaSpec = DEFAULT_SLA, profile=Non
         if m.any():
             t1[m] = _scale_exact(idle[m], c.ttft_scale)
     t1 = np.maximum(t1, 1)
+    over = np.flatnonzero(t1 > MAX_SLO_NS)
+    if over.size:   # (a prompt no engine serves in a day: say so, not a range error on a derived column)
+        i = int(over[0])
+        c = spec.classes[int(cid.reshape(-1)[i])]
+        raise TraceError(f"request {i} (0-based) has a {int(prompt.reshape(-1)[i]):,}-token prompt: the SLA rule's "
+                         f"TTFT SLO for it (class {c.name!r}: {c.ttft_scale:g} x its idle prefill time, "
+                         f"{idle.reshape(-1)[i] / 1e9:,.0f} s) exceeds a day ({over.size} such request(s)); "
+                         f"drop or cap such prompts, or give the trace its own SLOs")
     t2 = np.array([c.tpot_ns for c in spec.classes], np.int64)[cid]
     prio = np.array([c.priority for c in spec.classes], np.int64)[cid]
     return t1, t2, prio
@@ -182,5 +190,8 @@ def assign_slas(trace: Trace, spec: Optional[SlaSpec | dict] = None, seed: int =
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ConfigError(f"seed: must be an integer >= 0, got {seed!r}")
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), STREAM_CLASSES])))
-    cid, t1, t2, prio = assign_arrays(trace.prompt_tokens, spec, rng)
+    try:
+        cid, t1, t2, prio = assign_arrays(trace.prompt_tokens, spec, rng)
+    except TraceError as e:
+        raise TraceError(f"trace {trace.name!r}: {e}") from None
     return trace.replace(ttft_slo_ns=t1, tpot_slo_ns=t2, priority=prio, class_id=cid)
