@@ -127,8 +127,9 @@ def subset_prefix_ids(n_ids: int, ids: np.ndarray, a: int, b: int) -> tuple:
     parent's ids of the entries present, re-ranked by first appearance (no sorting)."""
     from ..engine.state import window_prefix_ids   # (compiled; imported here: ``import`` stays light)
     out, n_uniq = np.zeros((1, b - a), np.int64), np.zeros(1, np.int64)
-    window_prefix_ids(np.zeros(1, np.int64), np.array([a], np.int64), np.array([b - a], np.int64),
-                      np.array([n_ids], np.int64), np.array(ids, np.int64)[None, :], out, n_uniq)   # (a writable copy: one compiled variant)
+    # (the window's entries copied: a read-only view of the parent's would compile a second variant)
+    window_prefix_ids(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([b - a], np.int64),
+                      np.array([n_ids], np.int64), np.array(ids[a:b], np.int64)[None, :], out, n_uniq)
     return int(n_uniq[0]), out[0]
 
 
