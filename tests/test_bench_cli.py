@@ -105,6 +105,15 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, needle):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_directory_in_a_report_file_place_fails_before_the_runs(tmp_path, capsys, monkeypatch):
+    from tokenbatch_env import evaluate
+    monkeypatch.setattr(evaluate, "run_benchmark", lambda cfg: pytest.fail("ran before the check"))
+    (tmp_path / "x" / "report.md").mkdir(parents=True)
+    rc, out, err = _run(capsys, "--out", str(tmp_path / "x"), "--quiet")
+    assert rc == 2 and err.count("\n") == 1
+    assert "--out " in err and "/x/report.md: cannot write: a directory is in the way" in err
+
+
 @pytest.mark.parametrize("content, needle", [
     ('{"index": {"kappa": NaN}}', "kappa"),
     ('{"index": {"slope": 1000}}', "outside its range"),

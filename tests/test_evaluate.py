@@ -288,6 +288,19 @@ def test_exception_leaves_no_partial_output(tiny_report, tmp_path, monkeypatch):
     assert (old / "report.json").read_text() == "old"
 
 
+def test_a_directory_in_a_report_file_place_is_refused_before_any_file_moves(tiny_report, tmp_path):
+    """No mixed set of old and new report files: the check comes before the first move."""
+    from tokenbatch_env.errors import OutputError
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "report.json").write_text("old")
+    (old / "report.md").mkdir()
+    with pytest.raises(OutputError, match="report file .*/report.md: cannot write: a directory is in the way"):
+        tiny_report.write(old)
+    assert sorted(p.name for p in old.iterdir()) == ["report.json", "report.md"]
+    assert (old / "report.json").read_text() == "old"
+
+
 
 def test_atomic_write_syncs_the_file_before_its_name_and_the_directory_after(tmp_path, monkeypatch):
     """``_io.atomic_path``: the temporary file's bytes are flushed to the disk before it is renamed over

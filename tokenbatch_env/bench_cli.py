@@ -135,11 +135,10 @@ def config_from_args(args):
 
 def run(args) -> int:
     from .evaluate import run_benchmark
-
-    from ._io import check_writable
+    from .report import check_report_out
 
     cfg = config_from_args(args)
-    check_writable(args.out, "--out", directory=True)   # before the runs, not after them
+    check_report_out(args.out, "--out")   # before the runs, not after them
     report = run_benchmark(cfg)
     paths = report.write(args.out)
     if not args.quiet:

@@ -20,6 +20,8 @@ import numpy as np
 
 JSON_NAME, MD_NAME, META_NAME = "report.json", "report.md", "run_meta.json"
 PNG_GOODPUT, PNG_TTFT = "goodput_vs_load.png", "ttft_cdf.png"
+#: a report's files, in the order they move into place (the JSON last)
+REPORT_FILES = (PNG_GOODPUT, PNG_TTFT, MD_NAME, META_NAME, JSON_NAME)
 
 
 # ------------------------------------------------------------------------------------ JSON
@@ -335,6 +337,24 @@ def _sigint_held():
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def _check_file_places(out: Path, what: str = "report file") -> None:
+    """A directory in a report file's place would fail its move halfway, leaving a mixed set of old
+    and new files: refused before any move."""
+    for name in REPORT_FILES:
+        if (out / name).is_dir():
+            from .errors import OutputError
+            raise OutputError(f"{what} {out / name}: cannot write: a directory is in the way (nothing of "
+                              f"the report was written)")
+
+
+def check_report_out(out_dir, what: str) -> None:
+    """Before long work: ``out_dir`` can take a report (``_io.check_writable``, and no directory in a
+    report file's place)."""
+    from ._io import check_writable
+    check_writable(out_dir, what, directory=True)
+    _check_file_places(Path(out_dir), what)
+
+
 def write_report(report, out_dir) -> list:
     """Write report.json, report.md, the PNGs and run_meta.json into ``out_dir``; returns paths."""
     out = Path(out_dir)
@@ -352,7 +372,8 @@ def write_report(report, out_dir) -> list:
         (tmp / MD_NAME).write_text(report_markdown(data), encoding="utf-8")
         (tmp / META_NAME).write_text(json.dumps(report.meta, indent=1, default=str) + "\n", encoding="utf-8")
         (tmp / JSON_NAME).write_text(report_json(data), encoding="utf-8")
-        order = [PNG_GOODPUT, PNG_TTFT, MD_NAME, META_NAME, JSON_NAME]   # the JSON last
+        order = list(REPORT_FILES)   # the JSON last
+        _check_file_places(out)
         with _sigint_held():
             for name in order:
                 os.replace(tmp / name, out / name)
