@@ -119,6 +119,10 @@ tr = Trace.build(arrival_ns=np.arange(6, dtype=np.int64) * 10**6, prompt_tokens=
 tr.subset([1, 2, 4])
 run = EngineRun([tr] * 3, "linear", config=EngineConfig(max_num_batched_tokens=256))
 ev.evaluate_index_params([tr, tr], "linear", [{}], shed_margins=0.5)    # tuning's path
+from tokenbatch_env.engine.profiles import load_profile
+from tokenbatch_env.policies import DropInParams, IndexParams, score_request_priority
+score_request_priority(100, 10.0, 5.0, 1000.0, 400, 0, 0.2,          # the drop-in (and the vLLM plug-in's)
+                       params=DropInParams.from_profile(load_profile("stress-512"), IndexParams(), 1000.0))
 run.advance(until_ns=2 * 10**6)                   # a scalar, an array (read-only as broadcast), none
 run.advance(until_ns=np.full(3, 4 * 10**6), active=np.array([True, False, True]))
 run.advance()
@@ -128,19 +132,31 @@ frozen = np.array([10, 500])
 frozen.flags.writeable = False
 for p in ([10, 500], frozen):
     CostModel(c0=1.0, c_prefill=0.01).idle_prefill_ns(p, 256)
+# every variant compiled for the current sources: this process's, and those in numba's on-disk index
+# (which also lists the variants compiled as callees of others, never loaded into their dispatchers)
 for f in _jit._REGISTRY:
-    if len(getattr(f, "signatures", ())) > 1:
-        print(f"{f.py_func.__module__}.{f.py_func.__name__}: {len(f.signatures)}")
+    name = f"{f.py_func.__module__}.{f.py_func.__name__}"
+    if not name.startswith("tokenbatch_env."):
+        continue
+    sigs = sorted({tuple(map(str, s)) for s in f.signatures}
+                  | {tuple(map(str, k[0])) for k in f._cache._cache_file._load_index()})
+    if len(sigs) > 1:   # name, variants, and where the first two differ (argument: types)
+        diff = [f"{i}: {x} / {y}" for i, (x, y) in enumerate(zip(*sigs[:2])) if x != y]
+        print(f"{name}: {len(sigs)} variants; arguments {'; '.join(diff) or 'differ in number'}")
 """
 
 
 def test_main_paths_compile_each_function_once():
     """Each compiled function gets one machine-code variant on the package's main paths: the single
     env and the vector env (both autoreset modes), the evaluator, ``EngineRun.advance`` with every
-    form of ``until_ns``, tuning's goodput matrix, trace subsets, outcomes and the cost model. numba compiles a variant per
-    argument type, and a read-only array or a column view of a one-copy array is another type: such a
-    second variant of the kernel cost ~2 minutes of compiling (the suite's time on a clean clone);
-    measured in a fresh process, which loads every variant it uses from numba's cache."""
+    form of ``until_ns``, tuning's goodput matrix, the drop-in score, trace subsets, outcomes and the
+    cost model (and
+    whatever the tests before this one compiled). numba compiles a variant per argument type, and a
+    read-only array, a column view of a one-copy array, a literal constant or an omitted default is
+    another type: a second variant of the kernel cost ~2 minutes of compiling (the suite's time on a
+    clean clone). Counted in a fresh process over its own variants and numba's on-disk index, which
+    also holds the variants compiled as callees of other functions (a process that loads a caller
+    from the cache never sees those); the index is numba's private API (``_load_index``)."""
     r = subprocess.run([sys.executable, "-c", _ONE_VARIANT_PROBE], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == "", f"compiled more than once:\n{r.stdout}"

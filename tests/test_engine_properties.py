@@ -108,6 +108,49 @@ def test_invariants(trace, policy, cfg):
     assert 0.0 <= rec["met"].mean() <= 1.0 if n else True
 
 
+def _pool_consistent(run):
+    """Copy 0's free queue holds n_free blocks, no running request's block is in it or in another's
+    table, and each running request has its own table slot, none of them listed free."""
+    A = run.arrays
+    nb = A.bhash.shape[1]
+    queue, b = [], A.fq_next[0, nb]            # nb, nb + 1: the queue's front and back sentinels
+    while b != nb + 1 and len(queue) <= nb:
+        queue.append(int(b))
+        b = A.fq_next[0, b]
+    assert len(queue) == A.n_free[0] and len(set(queue)) == len(queue)
+    running = np.flatnonzero(A.status[0] == K.RUNNING)
+    slots = A.slot_of[0, running]
+    assert (slots >= 0).all() and len(set(slots.tolist())) == len(slots)
+    assert not set(slots.tolist()) & set(A.slot_free[0, :A.n_slot_free[0]].tolist())
+    owned = [int(x) for r in running for x in A.table[0, A.slot_of[0, r], :A.held[0, r]]]
+    assert len(set(owned)) == len(owned) and not set(owned) & set(queue)
+
+
+def test_swapped_requests_leave_no_table_slot_to_share():
+    """Swapped-out requests kept their table slots, which are sized for max_num_seqs running ones:
+    an admission with none free took another request's slot (a negative index), both tables then
+    claimed the same blocks, and the free queue broke (found by hypothesis: a segfault)."""
+    from tokenbatch_env.engine.simulate import EngineRun
+    n = 16
+    trace = Trace.build(arrival_ns=np.array([0] + [250] * 4 + [355] * 11, np.int64),
+                        prompt_tokens=[257, 1, 1, 1, 43, 105, 1, 125, 1, 259, 1, 256, 128, 100, 294, 143],
+                        output_tokens=[43, 42, 46, 44, 57, 45, 1, 1, 32, 1, 1, 3, 44, 35, 17, 60],
+                        ttft_slo_ns=np.full(n, 200_000_000), tpot_slo_ns=np.full(n, 30_000_000),
+                        priority=[1, 0, 0, 2, 1, 1, 1, 0, 2, 2, 2, 1, 0, 2, 2, 0])
+    cfg = dict(num_blocks=34, max_num_batched_tokens=64, max_num_seqs=4, prefix_caching=False, swap=True,
+               swap_space_gib=4.0, skip_hol=True, waiting_preempts=True, async_scheduling=False,
+               admission_control=False, resume_first=False, timeout_running=False, max_wait_ms=None)
+    run = EngineRun([trace], "linear", "priority", EngineConfig(max_iterations=10_000, jumps=False, **cfg),
+                    estimates=[trace.output_tokens * 1.3])
+    swapped = 0
+    while not run.done.all():
+        assert run.advance(until_ns=run.arrays.now + 1) > 0   # one iteration
+        _pool_consistent(run)
+        swapped = max(swapped, int(run.arrays.n_swap[0]))
+    assert swapped > 0 and run.arrays.n_ended[0] == n
+    assert run.arrays.n_free[0] == 33 and run.arrays.n_slot_free[0] == 4
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(traces(max_n=15), min_size=2, max_size=4), policies, configs)
 def test_copies_stepped_together_equal_each_alone(trs, policy, cfg):

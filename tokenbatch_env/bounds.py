@@ -102,9 +102,9 @@ import dataclasses
 import math
 from typing import Optional, Union
 
-import numba as nb
 import numpy as np
 
+from .engine._jit import guard_stale_cache, njit
 from .engine.profiles import Profile, load_profile
 from .traces.trace import Trace
 
@@ -155,7 +155,7 @@ def best_case_hits(trace: Trace, block_size: int, prefix_caching: bool = True) -
     return block_size * np.minimum(blocks, np.maximum(N - 1, 0) // block_size)
 
 
-@nb.njit(cache=True)
+@njit
 def min_prefill_ps2_one(N, h, c0, cp, cc2, cat, B):
     """Twice the minimum, over all chunkings (chunks <= B), of the ps cost of prefilling tokens
     [h, N) in one pass (module doc, (a)), for one request. Integer; exact for alpha >= 0."""
@@ -186,7 +186,7 @@ def min_prefill_ps2_one(N, h, c0, cp, cc2, cat, B):
     return base + best
 
 
-@nb.njit(cache=True)
+@njit
 def min_prefill_exceeds(N, h, c0, cp, cc2, cat, B, limit_ns):
     """``(min_prefill_ps2_one(N, h, ...) + 1999) // 2000 > limit_ns`` (the shortest prefill of [h, N),
     rounded up to ns, exceeds a limit), settled where possible by bounds that cost one division:
@@ -207,7 +207,7 @@ def min_prefill_exceeds(N, h, c0, cp, cc2, cat, B, limit_ns):
     return (min_prefill_ps2_one(N, h, c0, cp, cc2, cat, B) + 1999) // 2000 > limit_ns
 
 
-@nb.njit(cache=True)
+@njit
 def _min_prefill_ps2_all(N, h, c0, cp, cc2, cat, B, out):
     for i in range(N.shape[0]):
         out[i] = min_prefill_ps2_one(N[i], h[i], c0, cp, cc2, cat, B)
@@ -216,11 +216,12 @@ def _min_prefill_ps2_all(N, h, c0, cp, cc2, cat, B, out):
 def min_prefill_ps2(N, h, ps: np.ndarray, B: int) -> np.ndarray:
     """``min_prefill_ps2_one`` over arrays (broadcast)."""
     N, h = np.broadcast_arrays(np.asarray(N, np.int64), np.asarray(h, np.int64))
+    shape = N.shape
     out = np.empty(N.size, np.int64)
     c0, cp, cc2, cat = (int(x) for x in ps[:4])
-    _min_prefill_ps2_all(np.ascontiguousarray(N.ravel()), np.ascontiguousarray(h.ravel()), c0, cp, cc2, cat,
-                         int(B), out)
-    return out.reshape(N.shape)
+    N, h = (np.require(x.ravel(), None, ["C", "W"]) for x in (N, h))   # (one compiled variant)
+    _min_prefill_ps2_all(N, h, c0, cp, cc2, cat, int(B), out)
+    return out.reshape(shape)
 
 
 def _ceil_div(a, b):
@@ -307,7 +308,7 @@ def request_parts(trace: Trace, prof: Profile, prefix_caching: bool = True) -> _
 
 
 # ------------------------------------------------------------------------------ the interval DP
-@nb.njit(cache=True)
+@njit
 def _interval_dp(t, ia, idd, rank, w, span):
     n = ia.shape[0]
     K = t.shape[0]
@@ -462,3 +463,8 @@ def upper_bound(trace: Trace, profile: Union[str, Profile], *, prefix_caching: O
         n_rejected_or_capped=int(parts.capped.sum()), n_ttft_impossible=int(parts.ttft_bad.sum()),
         n_tpot_impossible=int(parts.tpot_bad.sum()), exact_dp=bool(ex1 and ex2),
         max_span=max(sp1, sp2), attainable=ok.copy(), ttft_min_ns=parts.ttft_min_ns)
+
+
+# (compiled with the engine's decorator, so the checks on every compiled function see these too; they
+# link no other file, so the flush on an engine change only costs a short recompile)
+guard_stale_cache([min_prefill_ps2_one, min_prefill_exceeds, _min_prefill_ps2_all, _interval_dp], tag="bounds")

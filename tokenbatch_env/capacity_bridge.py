@@ -275,7 +275,9 @@ def audit_trace(trace, profile, *, contract: Optional[BatchingContract] = None,
         raise ConfigError(f"trace {trace.name!r}: every prompt is >= max_model_len {max_len} of "
                           f"profile {profile.name!r}; nothing to audit")
     P = trace.prompt_tokens[served].astype(np.int64)
-    O, _capped = capped_outputs(P, trace.output_tokens[served].astype(np.int64), max_len)
+    # (as one row: the engine's [copies, requests] arrays, so one compiled variant)
+    O, _capped = (x[0] for x in capped_outputs(P[None, :], trace.output_tokens[served].astype(np.int64)[None, :],
+                                               max_len))
     n_capped = int(_capped.sum())
 
     # --- scope and contract

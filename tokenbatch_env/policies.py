@@ -237,9 +237,10 @@ def _drop_in(p, d, wait_ms, t1_ms, free_blocks, ratio, theta, ps, u_p, u_d, budg
     to_deadline = t1_ms - wait_ms
     slack = to_deadline - _s.idle_prefill_ns(p, done, budget, ps) / 1e6
     blocks = (p + bs - 1) // bs
-    return _s.policy_score(_s.P_INDEX, theta, ratio, s_ms, d_left, slack, t1_ms, False,
+    # (np.bool_ and queue_pos given: the kernel's argument types, so one compiled variant)
+    return _s.policy_score(_s.P_INDEX, theta, ratio, s_ms, d_left, slack, t1_ms, np.bool_(False),
                            free_blocks / usable, float(blocks), float(usable), to_deadline, 0.0,
-                           float(bs))
+                           float(bs), 0.0)
 
 
 # ``_drop_in`` links the engine's score formula (scoring.py): flush its cached machine code when any

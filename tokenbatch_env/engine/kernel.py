@@ -775,6 +775,12 @@ def _preempt(c, vi, acc, run_ids, n_run, sched, req, pool, slots, queues, swap_o
                 _fq_prepend(fq_prev, fq_next, n_free, c, b, cursor)
                 cursor = b
             n_cached[c, v] = 0
+            # its table slot is freed too (a swap-in claims new blocks, in a slot taken then): the
+            # slots are sized for the running requests, and swapped ones keeping theirs could leave an
+            # admission none (it then took another request's, corrupting both tables)
+            slot_free[c, n_slot_free[c]] = s
+            n_slot_free[c] += 1
+            slot_of[c, v] = -1
             host_free[c] -= h
             swapped[c, v] += h
             acc[2] += h
@@ -1533,6 +1539,8 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                     host_free[c] += h
                     acc[2] += h
                     held[c, r] = 0
+                    n_slot_free[c] -= 1   # (a free one: fewer than max_num_seqs run)
+                    slot_of[c, r] = slot_free[c, n_slot_free[c]]
                     _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held,
                            c, r, h, head)
                     status[c, r] = RUNNING
@@ -1580,7 +1588,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         # Only requests never preempted before are eligible victims: scores change
                         # when a request moves between queues, and without this two requests could
                         # preempt each other forever (each victim can lose its place once).
-                        vi = -1
+                        vi = np.int64(-1)   # (typed: a literal -1 compiled _preempt twice)
                         for k in range(n_run[c]):
                             if n_preempt[c, run_ids[c, k]] > 0:
                                 continue
@@ -1672,10 +1680,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         swap_ids[c, q] = swap_ids[c, q + 1]
                     n_swap[c] -= 1
                     host_free[c] += held[c, r]
-                    held[c, r] = 0
-                    slot_free[c, n_slot_free[c]] = slot_of[c, r]
-                    n_slot_free[c] += 1
-                    slot_of[c, r] = -1
+                    held[c, r] = 0   # (its slot was freed as it was swapped out)
                     recomputed[c, r] += computed[c, r]
                     computed[c, r] = 0
                     resumed[c, r] = True

@@ -150,7 +150,7 @@ def idle_prefill_ns(prefill_tokens, computed_before, budget, ps):
 def idle_prefill_ns_array(prefill_tokens, budget, ps):
     out = prefill_tokens.copy()
     for i in range(prefill_tokens.shape[0]):
-        out[i] = idle_prefill_ns(prefill_tokens[i], 0, budget, ps)
+        out[i] = idle_prefill_ns(prefill_tokens[i], np.int64(0), budget, ps)   # (typed: no literal variant)
     return out
 
 

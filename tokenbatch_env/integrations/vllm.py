@@ -355,7 +355,7 @@ class _TokenBatchMixin:
                 tier = -1 if (not first_out and slack_ms < 0.0) else 0
                 sc = _s.policy_score(pid, theta, ratio, s_ms, d_left, slack_ms, info.t1_ns / 1e6,
                                      first_out, kvf, float(blocks_needed), usable, to_deadline_ms,
-                                     float(arrival + info.t1_ns), float(bs))
+                                     float(arrival + info.t1_ns), float(bs), 0.0)   # (the kernel's types)
                 if sc != sc:
                     from ..errors import PolicyError
                     raise PolicyError(f"TokenBatch plug-in: policy {self.tokenbatch.label} produced a "
