@@ -109,8 +109,10 @@ def test_invariants(trace, policy, cfg):
 
 
 def _pool_consistent(run):
-    """Copy 0's free queue holds n_free blocks, no running request's block is in it or in another's
-    table, and each running request has its own table slot, none of them listed free."""
+    """Copy 0's block pool and table slots agree: the free queue holds n_free distinct blocks, none
+    referenced; every block's reference count is the number of tables holding it (requests with a
+    slot: running, or finished and not yet released under async scheduling); slots are distinct and
+    none of them is listed free."""
     A = run.arrays
     nb = A.bhash.shape[1]
     queue, b = [], A.fq_next[0, nb]            # nb, nb + 1: the queue's front and back sentinels
@@ -118,12 +120,15 @@ def _pool_consistent(run):
         queue.append(int(b))
         b = A.fq_next[0, b]
     assert len(queue) == A.n_free[0] and len(set(queue)) == len(queue)
-    running = np.flatnonzero(A.status[0] == K.RUNNING)
-    slots = A.slot_of[0, running]
-    assert (slots >= 0).all() and len(set(slots.tolist())) == len(slots)
-    assert not set(slots.tolist()) & set(A.slot_free[0, :A.n_slot_free[0]].tolist())
-    owned = [int(x) for r in running for x in A.table[0, A.slot_of[0, r], :A.held[0, r]]]
-    assert len(set(owned)) == len(owned) and not set(owned) & set(queue)
+    assert (A.ref[0, queue] == 0).all()
+    holders = np.flatnonzero(A.slot_of[0] >= 0)
+    slots = A.slot_of[0, holders].tolist()
+    assert len(set(slots)) == len(slots)
+    assert not set(slots) & set(A.slot_free[0, :A.n_slot_free[0]].tolist())
+    refs = np.zeros(nb, np.int64)
+    for r in holders:
+        np.add.at(refs, A.table[0, A.slot_of[0, r], :A.held[0, r]], 1)
+    assert np.array_equal(refs, A.ref[0])
 
 
 def test_swapped_requests_leave_no_table_slot_to_share():
@@ -149,6 +154,17 @@ def test_swapped_requests_leave_no_table_slot_to_share():
         swapped = max(swapped, int(run.arrays.n_swap[0]))
     assert swapped > 0 and run.arrays.n_ended[0] == n
     assert run.arrays.n_free[0] == 33 and run.arrays.n_slot_free[0] == 4
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), policies, configs)
+def test_pool_and_slots_consistent_after_every_iteration(trace, policy, cfg):
+    from tokenbatch_env.engine.simulate import EngineRun
+    run = EngineRun([trace], "linear", _policy(policy), EngineConfig(max_iterations=200_000, **cfg),
+                    estimates=[trace.output_tokens * 1.3])
+    while not run.done.all():
+        run.advance(until_ns=run.arrays.now + 1)   # one iteration (or the idle engine's jump)
+        _pool_consistent(run)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

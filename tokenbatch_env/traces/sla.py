@@ -152,8 +152,9 @@ def slo_arrays(prompt_tokens, class_id, spec: SlaSpec = DEFAULT_SLA, profile=Non
         c = spec.classes[int(cid.reshape(-1)[i])]
         raise TraceError(f"request {i} (0-based) has a {int(prompt.reshape(-1)[i]):,}-token prompt: the SLA rule's "
                          f"TTFT SLO for it (class {c.name!r}: {c.ttft_scale:g} x its idle prefill time, "
-                         f"{idle.reshape(-1)[i] / 1e9:,.0f} s) exceeds a day ({over.size} such request(s)); "
-                         f"drop or cap such prompts, or give the trace its own SLOs")
+                         f"{idle.reshape(-1)[i] / 1e9:.6g} s) exceeds a day ({over.size} such request(s)); "
+                         f"drop or cap such prompts, lower the class's ttft_scale, or give the trace its own "
+                         f"SLOs")
     t2 = np.array([c.tpot_ns for c in spec.classes], np.int64)[cid]
     prio = np.array([c.priority for c in spec.classes], np.int64)[cid]
     return t1, t2, prio
