@@ -11,9 +11,9 @@ from tokenbatch_env.traces import Trace
 
 
 @st.composite
-def traces(draw, max_n=25):
+def traces(draw, max_n=25, max_gap_ns=40_000_000):
     n = draw(st.integers(0, max_n))
-    gaps = draw(st.lists(st.integers(0, 40_000_000), min_size=n, max_size=n))
+    gaps = draw(st.lists(st.integers(0, max_gap_ns), min_size=n, max_size=n))
     prompt = draw(st.lists(st.integers(1, 300), min_size=n, max_size=n))
     output = draw(st.lists(st.integers(1, 60), min_size=n, max_size=n))
     groups = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
@@ -165,6 +165,21 @@ def test_pool_and_slots_consistent_after_every_iteration(trace, policy, cfg):
     while not run.done.all():
         run.advance(until_ns=run.arrays.now + 1)   # one iteration (or the idle engine's jump)
         _pool_consistent(run)
+
+
+#: swap-heavy configurations: few table slots, tight pools, waiting requests preempting running ones
+swap_configs = st.fixed_dictionaries({
+    "num_blocks": st.integers(22, 40), "max_num_batched_tokens": st.sampled_from([16, 64]),
+    "max_num_seqs": st.sampled_from([2, 3, 4]), "prefix_caching": st.booleans(),
+    "async_scheduling": st.booleans(), "skip_hol": st.booleans(), "waiting_preempts": st.just(True),
+    "swap": st.just(True), "swap_space_gib": st.sampled_from([0.01, 4.0]),
+})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(max_gap_ns=2_000_000), st.sampled_from(["priority", "edf", "index"]), swap_configs)   # bursts
+def test_pool_and_slots_consistent_under_swap_pressure(trace, policy, cfg):
+    test_pool_and_slots_consistent_after_every_iteration.hypothesis.inner_test(trace, policy, cfg)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
