@@ -159,6 +159,10 @@ def test_swapped_requests_leave_no_table_slot_to_share():
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), policies, configs)
 def test_pool_and_slots_consistent_after_every_iteration(trace, policy, cfg):
+    _run_checking_the_pool(trace, policy, cfg)
+
+
+def _run_checking_the_pool(trace, policy, cfg):
     from tokenbatch_env.engine.simulate import EngineRun
     run = EngineRun([trace], "linear", _policy(policy), EngineConfig(max_iterations=200_000, **cfg),
                     estimates=[trace.output_tokens * 1.3])
@@ -179,7 +183,7 @@ swap_configs = st.fixed_dictionaries({
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(max_gap_ns=2_000_000), st.sampled_from(["priority", "edf", "index"]), swap_configs)   # bursts
 def test_pool_and_slots_consistent_under_swap_pressure(trace, policy, cfg):
-    test_pool_and_slots_consistent_after_every_iteration.hypothesis.inner_test(trace, policy, cfg)
+    _run_checking_the_pool(trace, policy, cfg)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
