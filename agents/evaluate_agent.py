@@ -104,10 +104,11 @@ def agent_markdown(rows: list, eid: str) -> str:
 
 
 def main(argv=None) -> int:
-    from tokenbatch_env._io import atomic_path, check_writable
+    from tokenbatch_env._io import atomic_path
     from tokenbatch_env.control import agent_spec
     from tokenbatch_env.errors import TokenBatchError
     from tokenbatch_env.evaluate import BenchConfig, load_params_file, load_schedule, load_weights, run_benchmark
+    from tokenbatch_env.report import check_report_out
 
     args = build_parser().parse_args(argv)
     try:
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
             raise TokenBatchError(f"bad numeric option: {e}") from None
         m0 = Path(args.model[0])
         out = Path(args.out) if args.out else (m0 if m0.is_dir() else m0.parent) / "test"
-        check_writable(out, "--out", directory=True)   # before the runs, not after them
+        check_report_out(out, "--out")   # before the runs, not after them (as tokenbatch bench)
         cfg = BenchConfig(suite=args.suite or train["env"]["suite"], split=args.split,
                           profile=train["env"]["profile"], policies=pols, shed=True, loads=loads,
                           max_traces=max_traces, bootstrap_b=b, bootstrap_seed=seed, upper_bound=False,

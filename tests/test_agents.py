@@ -112,6 +112,14 @@ def test_evaluate_agent_through_the_evaluator_is_deterministic(trained, tmp_path
     assert (tmp_path / "a" / "agent_vs.md").read_text().startswith("# Agent vs comparators")
 
 
+def test_evaluate_agent_refuses_a_blocked_report_file_before_the_runs(trained, tmp_path, capsys, monkeypatch):
+    from tokenbatch_env import evaluate
+    monkeypatch.setattr(evaluate, "run_benchmark", lambda cfg: pytest.fail("ran before the check"))
+    (tmp_path / "o" / "report.md").mkdir(parents=True)
+    assert evaluate_agent.main(["--model", str(trained / "best"), "--out", str(tmp_path / "o")]) == 2
+    assert "--out " in (err := capsys.readouterr().err) and "report.md: cannot write: a directory is in the way" in err
+
+
 def test_evaluate_agent_pools_several_agents(trained, tmp_path):
     """--pool: the agents' mean goodput per trace as one more agent, paired with the report's own
     bootstrap (one agent pooled alone gives exactly the evaluator's paired numbers)."""

@@ -372,13 +372,12 @@ def write_report(report, out_dir) -> list:
         (tmp / MD_NAME).write_text(report_markdown(data), encoding="utf-8")
         (tmp / META_NAME).write_text(json.dumps(report.meta, indent=1, default=str) + "\n", encoding="utf-8")
         (tmp / JSON_NAME).write_text(report_json(data), encoding="utf-8")
-        order = list(REPORT_FILES)   # the JSON last
         _check_file_places(out)
         with _sigint_held():
-            for name in order:
+            for name in REPORT_FILES:   # (the JSON last)
                 os.replace(tmp / name, out / name)
         done = True
-        return [out / n for n in order]
+        return [out / n for n in REPORT_FILES]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if created and not done:
