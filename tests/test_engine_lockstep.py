@@ -7,12 +7,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import json, sys
 import numpy as np
+import pytest
 sys.path.insert(0, "tests")
 from engine_helpers import tiny_trace, run
 from tokenbatch_env.policies import engine_policy
@@ -70,6 +72,38 @@ def test_prefetch_is_a_pure_hint():
     assert prefetch(np.zeros((2, 2)), 1, 1) is None
 
 
+def test_package_code_indexes_without_wraparound_and_others_keep_it():
+    """``_jit.WRAPAROUND_OFF``: functions compiled in this package take a negative index as out of
+    range (with bounds checks on, an IndexError; the engine never uses one), while any other
+    compiled function, here this test module's, keeps Python's wraparound. The probes are compiled
+    with bounds checks so that the difference is an exception, not a stray read."""
+    import numba
+
+    from tokenbatch_env.engine import _jit
+
+    assert _jit.WRAPAROUND_OFF
+
+    def probe(a, i):
+        return a[i]
+
+    def probe2(a, i, j):
+        return a[i, j]
+
+    a = np.arange(6)
+    b = a.reshape(2, 3)
+    theirs, theirs2 = numba.njit(boundscheck=True)(probe), numba.njit(boundscheck=True)(probe2)
+    assert theirs(a, -1) == 5 and theirs2(b, -1, -2) == 4
+    for f in (probe, probe2):
+        f.__module__ = "tokenbatch_env.engine.probe"   # compiled as if defined in the package
+    ours, ours2 = numba.njit(boundscheck=True)(probe), numba.njit(boundscheck=True)(probe2)
+    assert ours(a, 5) == 5 and ours2(b, 1, 1) == 4
+    with pytest.raises(IndexError):
+        ours(a, -1)
+    with pytest.raises(IndexError):
+        ours2(b, 1, -1)
+    assert theirs(a, -6) == 0   # the other function, compiled after, still wraps
+
+
 def test_every_compiled_function_is_guarded_against_stale_cached_code():
     """numba keys a function's cached machine code on its own file only: every compiled function
     (not an inlined helper) registered by ``engine._jit`` must be flushed by a ``guard_stale_cache``
@@ -90,6 +124,7 @@ def test_every_compiled_function_is_guarded_against_stale_cached_code():
 
 _ONE_VARIANT_PROBE = r"""
 import numpy as np
+import pytest
 from gymnasium.vector import AutoresetMode
 import tokenbatch_env.evaluate as ev
 from tokenbatch_env.engine import _jit

@@ -38,8 +38,46 @@ def fetch_add(arr, i, v):
     return old
 
 
+def _without_wraparound() -> bool:
+    """Compile this package's integer array indices without Python's negative-index wraparound.
+
+    numba wraps every signed index (``i < 0 ? i + n : i``) and offers no opt-out short of unsigned
+    index types (numba PR #929; issue #3205 asks for one). Without the selects the env's step ran ~10%
+    faster (benchmarks/README.md, session 18), with the same results. The engine never indexes with a
+    negative value: CI (``.ci/run``, step 3) runs the engine's and the env's tests again with bounds
+    checks on (``NUMBA_BOUNDSCHECK=1``: a negative index then raises IndexError), and compiled
+    results equal interpreted ones (``tests/test_engine_lockstep.py``). Scoped by the LLVM function
+    being built, so that other packages' compiled code (and numba's own overloads, compiled as
+    functions of their own) keeps Python's semantics. With a numba whose indexing lacks this hook,
+    indices wrap as before (the same results, slower; ``WRAPAROUND_OFF`` is then False and a test
+    fails)."""
+    try:
+        from numba.core import types
+        from numba.np import arrayobj
+    except ImportError:  # pragma: no cover
+        return False
+    wrapped = getattr(arrayobj, "fix_integer_index", None)
+    if wrapped is None:  # pragma: no cover - another numba
+        return False
+    if getattr(wrapped, "tokenbatch_scope", None):
+        return True
+    pkg = __name__.split(".")[0]
+    scope = f"{len(pkg)}{pkg}"   # in the mangled name of every function defined in this package
+
+    def fix_integer_index(context, builder, idxty, idx, size):
+        if idxty.signed and scope in builder.function.name:
+            return context.cast(builder, idx, idxty, types.intp)
+        return wrapped(context, builder, idxty, idx, size)
+    fix_integer_index.tokenbatch_scope = scope
+    arrayobj.fix_integer_index = fix_integer_index
+    return True
+
+
 try:  # numba is a runtime dependency; without it the same functions run interpreted
     from numba import njit as _numba_njit
+
+    #: this package's compiled code indexes without negative-index wraparound (``_without_wraparound``)
+    WRAPAROUND_OFF = _without_wraparound()
 
     def njit(fn):
         d = _numba_njit(cache=True, nogil=True)(fn)
@@ -134,6 +172,8 @@ try:  # numba is a runtime dependency; without it the same functions run interpr
         if isinstance(arr, _types.Array) and arr.ndim == 1 and arr.dtype == _types.int64:
             return lambda arr, i, v: _fetch_add(arr, i, v)
 except ImportError:  # pragma: no cover
+    WRAPAROUND_OFF = False
+
     def njit(fn):
         fn.py_func = fn
         return fn
