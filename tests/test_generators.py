@@ -260,6 +260,16 @@ def test_sla_rule_names_a_prompt_whose_slo_would_exceed_a_day():
     assert assign_slas(t.subset([0, 2]), slow).has_slos
 
 
+def test_generated_trace_whose_slo_would_exceed_a_day_is_named():
+    huge = spec(lengths__prompt={"mu": 15.0, "sigma": 0.01}, lengths__max_model_len=10_000_000, num_requests=3,
+                prefix=..., sla={"profile": "stress-512",
+                                 "classes": [{"name": "slow", "weight": 1.0, "ttft_scale": 100.0, "tpot_ms": 100.0}]})
+    with pytest.raises(TraceError, match=r"^trace 't-s3': request 0 \(0-based\) has a 3,275,779-token prompt"):
+        generate_trace(huge, 3)
+    with pytest.raises(TraceError, match=r"^trace 'mine': request 0"):
+        generate_trace(huge, 3, name="mine")
+
+
 # ---------------------------------------------------------------------------------------- scaling
 def test_time_scale_exact_and_commutes_with_subset():
     t = generate_trace(spec(), 9)

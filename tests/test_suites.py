@@ -173,6 +173,21 @@ def test_generate_command_writes_npz_and_manifest(tmp_path, capsys):
     assert "200 traces" in capsys.readouterr().out
 
 
+def test_generate_command_writes_nothing_when_a_trace_fails(tmp_path, monkeypatch):
+    real = S.Suite.trace
+
+    def trace(self, split, i, **kw):   # the last split's last trace fails its check
+        if split == self.splits[-1] and i == len(self.spec.split_range(split)) - 1:
+            raise ManifestMismatchError(f"{split} {i}: digest differs")
+        return real(self, split, i, **kw)
+
+    monkeypatch.setattr(S.Suite, "trace", trace)
+    out = tmp_path / "out"
+    with pytest.raises(ManifestMismatchError, match="digest differs"):
+        generate_command(str(small_spec(tmp_path)), str(out))
+    assert not out.exists() or not any(out.rglob("*"))
+
+
 def test_cli_generate_into_the_cache_and_from_a_path(tmp_path):
     from tokenbatch_env.cli import main
 

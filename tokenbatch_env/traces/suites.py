@@ -447,12 +447,13 @@ def generate_command(spec: str, out: Optional[str]) -> int:
     suite = load_suite(spec)
     base = (suite.cache_path(suite.splits[0], 0).parents[1] if out is None else Path(out))
     check_writable(base, "--out" if out is not None else "the suite's cache directory", directory=True)
-    traces = {}
-    for s in suite.splits:
-        traces[s] = suite.traces(s, use_cache=out is None)
-        for i, t in enumerate(traces[s]):
-            save_npz(t, base / s / f"{suite.spec.trace_name(s, i)}.npz")
+    # every split generated (and checked against the manifest) before the first file is written:
+    # a trace that fails leaves no partial suite behind
+    traces = suite.all_traces(use_cache=out is None)
     manifest = compute_manifest(suite.spec, traces=traces, lambda_sat=suite.lambda_sat)
+    for s, split_traces in traces.items():
+        for i, t in enumerate(split_traces):
+            save_npz(t, base / s / f"{suite.spec.trace_name(s, i)}.npz")
     write_text_atomic(base / "manifest.json", _manifest_text(manifest))
     n = sum(len(v) for v in traces.values())
     state = "verified against the shipped manifest" if suite.verified else "no manifest to verify against"
