@@ -71,7 +71,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, TraceError
+from ..errors import ConfigError
 from .sla import STREAM_CLASSES, SlaSpec, assign_arrays
 from .trace import MAX_TOKENS, NS_PREFIX_GROUP, Trace, block_hash
 
@@ -590,10 +590,7 @@ def _assemble(spec: TraceSpec, seed: int, arrivals, prompt, output, name) -> Tra
     kw: dict = {}
     name = name or f"{spec.name}-s{seed}"
     if spec.sla is not None:
-        try:
-            cls_id, t1, t2, prio = assign_arrays(prompt, spec.sla, rng_stream(seed, STREAM_CLASSES))
-        except TraceError as e:   # named as assign_slas names it
-            raise TraceError(f"trace {name!r}: {e}") from None
+        cls_id, t1, t2, prio = assign_arrays(prompt, spec.sla, rng_stream(seed, STREAM_CLASSES), name)
         kw = dict(ttft_slo_ns=t1, tpot_slo_ns=t2, priority=prio, class_id=cls_id)
     return Trace.build(arrival_ns=arrivals, prompt_tokens=prompt, output_tokens=output,
                        prefix_offsets=offsets, prefix_hashes=hashes, block_size=spec.block_size,

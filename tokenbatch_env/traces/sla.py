@@ -168,11 +168,17 @@ def draw_classes(rng: np.random.Generator, n: int, spec: SlaSpec = DEFAULT_SLA) 
                       len(w) - 1).astype(np.int64)
 
 
-def assign_arrays(prompt_tokens, spec: SlaSpec, rng: np.random.Generator):
-    """(class_id, ttft_slo_ns, tpot_slo_ns, priority) for the prompts, classes drawn from ``rng``."""
+def assign_arrays(prompt_tokens, spec: SlaSpec, rng: np.random.Generator, trace_name: Optional[str] = None):
+    """(class_id, ttft_slo_ns, tpot_slo_ns, priority) for the prompts, classes drawn from ``rng``; the
+    rule's errors name the trace ``trace_name``, if given."""
     prompt = np.asarray(prompt_tokens, np.int64)
     cid = draw_classes(rng, prompt.size, spec)
-    t1, t2, prio = slo_arrays(prompt, cid, spec)
+    try:
+        t1, t2, prio = slo_arrays(prompt, cid, spec)
+    except TraceError as e:
+        if trace_name is None:
+            raise
+        raise TraceError(f"trace {trace_name!r}: {e}") from None
     return cid, t1, t2, prio
 
 
@@ -191,8 +197,5 @@ def assign_slas(trace: Trace, spec: Optional[SlaSpec | dict] = None, seed: int =
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ConfigError(f"seed: must be an integer >= 0, got {seed!r}")
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), STREAM_CLASSES])))
-    try:
-        cid, t1, t2, prio = assign_arrays(trace.prompt_tokens, spec, rng)
-    except TraceError as e:
-        raise TraceError(f"trace {trace.name!r}: {e}") from None
+    cid, t1, t2, prio = assign_arrays(trace.prompt_tokens, spec, rng, trace.name)
     return trace.replace(ttft_slo_ns=t1, tpot_slo_ns=t2, priority=prio, class_id=cid)
