@@ -156,9 +156,10 @@ def _kernel_path(params, prompt_total, hits, est, wait_ms, t1_ms, free):
                                             np.asarray(params.cost_ps[:4], np.int64)) / 1e6
     blocks_needed = (prompt_total + bs - 1) // bs - hits
     theta = params.index.theta_vector(params.t_ref_ms)
+    # (queue_pos given: the kernel's argument types, so no second compiled variant)
     score = S.policy_score(S.P_INDEX, theta, hits * bs / prompt_total, s_ms, d_left, slack, t1_ms, False,
                            free / params.usable_blocks, float(blocks_needed), float(params.usable_blocks),
-                           to_deadline, 0.0, float(bs))
+                           to_deadline, 0.0, float(bs), 0.0)
     return score, (-1 if slack < 0.0 else 0)
 
 

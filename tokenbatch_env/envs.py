@@ -476,6 +476,13 @@ def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token,
             arr = arrival[c, j]
             if arr > t and not trunc[c]:
                 break
+            k = j - s0
+            if certain[c, k] or met_seen[c, k]:
+                # settled (a certain miss can never be met; a met request has ended): skipped, as the
+                # scan would find nothing new (it stays behind an open request until that settles)
+                if settled:
+                    open_lo[c] = k + 1
+                continue
             es = end_state[c, j]
             ft = first_token[c, j]
             o = out_len[c, j]
@@ -483,7 +490,6 @@ def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token,
             met = (es == K.E_COMPLETED and ft - arr <= t1[c, j]
                    and (o <= 1 or finish[c, j] - ft <= t2[c, j] * (o - 1 if o > 1 else 1)))
             ttft_lost = ft < 0 and arr <= t and t > arr + t1[c, j]
-            k = j - s0
             if ft < 0 and arr <= t and not ended and not ttft_lost and not certain[c, k]:
                 # TTFT unreachable: even an idle engine, with every cacheable prefix block cached,
                 # could not emit the first token by arrival + T1 (the analogue of tpot_lost)
