@@ -1,25 +1,27 @@
 """TokenBatch-v0 throughput benchmark (run by hand; not a unit test).
 
-    python benchmarks/bench_env.py                  # 1,024 copies, 100 timed steps
-    python benchmarks/bench_env.py --copies 256 --steps 50
-    python benchmarks/bench_env.py --no-sync        # skip the (slow) SyncVectorEnv baseline
+    python benchmarks/bench_env.py                  # 1,024 copies: (a)/(b) paired, 20 rounds; (c)
+    python benchmarks/bench_env.py --sequential     # also (a) then (b) one after the other, 100 steps each
+    python benchmarks/bench_env.py --copies 256 --rounds 10
     python benchmarks/bench_env.py --rho 2 3 --interval-ms 20   # less simulation per step
-    python benchmarks/bench_env.py --threads 1 --no-sync --no-adapter   # native env, one engine thread
-    python benchmarks/bench_env.py --breakdown --no-sync --no-adapter   # where (a)'s time goes
-    python benchmarks/bench_env.py --paired 10 --no-sync --no-adapter   # (a)/(b) alternated in 10 rounds
+    python benchmarks/bench_env.py --threads 1 --paired 0 --no-adapter   # native env alone, one engine thread
+    python benchmarks/bench_env.py --breakdown --paired 0 --no-adapter   # where (a)'s time goes
 
 Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
-  (a) native ``TokenBatchVectorEnv`` env-steps/s (copies x steps / wall seconds);
-  (b) ``gymnasium.vector.SyncVectorEnv`` of ``TokenBatchEnv`` copies, same config, seeds and actions
-      (so the very same trajectories: checked), env-steps/s, and the speed-up (a)/(b), with its
-      verdict at 1,024 copies (target >= 30x, judged unrounded);
+  (a) native ``TokenBatchVectorEnv`` env-steps/s (copies x steps / wall seconds), alone (--steps);
+  (a)/(b) paired (the speed-up, with its verdict at 1,024 copies: target >= 30x, judged unrounded):
+      (a) and (b), ``gymnasium.vector.SyncVectorEnv`` of ``TokenBatchEnv`` copies with the same config,
+      seeds and actions (so the very same trajectories: checked by the rewards), alternated in
+      --paired R rounds of --native-steps-per-round native and --sync-steps-per-round SyncVectorEnv
+      steps, so that both see the same phases of the machine (this VM's speed drifts by tens of
+      percent within seconds, and not alike for one interpreter thread and two engine threads): both
+      rates, their ratio, and the ratio's median and range over the rounds. Each round's first native
+      step starts from caches the SyncVectorEnv steps filled, so short rounds lower (a): 5 native
+      steps per round gave 9-18% less than 20 (session 15). --paired 0: off;
+  --sequential: (b) measured after (a) (--steps each), and their ratio, as before session 21;
   (c) the SB3 adapter (``tokenbatch_env.sb3``, SAME_STEP) over the native env vs the raw native env
       in SAME_STEP mode, stepped alternately (same seeds and actions): env-steps/s and the adapter's
-      overhead (total time, and the median of the per-step time ratios).
-  --paired R: (a) and (b) again, alternated in R rounds (both see the same phases of the machine):
-      both rates, their ratio, and the ratio's median and range over the rounds; each round's first
-      native step starts from caches the SyncVectorEnv steps filled, so short rounds (--steps / R
-      native steps) lower (a): 5 per round gave 9-18% less than 20 per round (session 15);
+      overhead (total time, and the median of the per-step time ratios);
   --breakdown: (a)'s wall time per copy-step split into the engine with the observations, rewards
       and episode metrics of the copies it advanced (``advance_to_decision``: each engine thread
       claims a batch of copies at a time, advances them, then observes and rewards them and computes
@@ -207,17 +209,19 @@ def _versus_target(ratio: float, copies: int) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--copies", type=int, default=1024)
-    ap.add_argument("--sync-copies", type=int, default=None, help="copies for (b) (default: --copies)")
+    ap.add_argument("--sync-copies", type=int, default=None, help="copies for the sequential (b) (default: --copies)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--warm", type=int, default=10)
-    ap.add_argument("--no-sync", action="store_true")
+    ap.add_argument("--sequential", action="store_true",
+                    help="also measure (b) after (a), --steps each, and their ratio (the method before session 21)")
+    ap.add_argument("--no-sync", action="store_true", help="with --sequential: measure (a) alone (commands "
+                    "before session 21 passed it to skip the sequential (b), which now needs --sequential)")
     ap.add_argument("--no-adapter", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="also split (a)'s time per copy-step into parts")
-    ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
-                    help="also measure (a) and (b) alternated in ROUNDS rounds of --steps / ROUNDS native steps "
-                         "and --sync-steps-per-round SyncVectorEnv steps (their ratio under the same machine "
-                         "phases; --no-sync skips the sequential (b))")
-    ap.add_argument("--sync-steps-per-round", type=int, default=2)
+    ap.add_argument("--paired", type=int, default=20, metavar="ROUNDS",
+                    help="(a) and (b) alternated in ROUNDS rounds (default 20; 0: off), the speed-up's measure")
+    ap.add_argument("--native-steps-per-round", type=int, default=20)
+    ap.add_argument("--sync-steps-per-round", type=int, default=4)
     ap.add_argument("--rho", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                     help="load range (default 0.8 1.5)")
     ap.add_argument("--interval-ms", type=float, default=None, help="decision_interval_ms (default 100)")
@@ -225,9 +229,11 @@ def main(argv=None) -> int:
                     help="engine threads of the native env, (a) and (c) (default: the env's, the available "
                          "cores from 64 copies on); SyncVectorEnv's single envs use 1")
     a = ap.parse_args(argv)
-    if a.paired < 0 or a.sync_steps_per_round < 1:
-        ap.error(f"--paired must be >= 0 (0: off) and --sync-steps-per-round >= 1, got {a.paired} and "
-                 f"{a.sync_steps_per_round}")
+    if a.paired < 0 or a.native_steps_per_round < 1 or a.sync_steps_per_round < 1:
+        ap.error(f"--paired must be >= 0 (0: off), --native-steps-per-round and --sync-steps-per-round >= 1, "
+                 f"got {a.paired}, {a.native_steps_per_round} and {a.sync_steps_per_round}")
+    if a.steps < 1 or a.warm < 0 or a.copies < 1:
+        ap.error(f"--copies and --steps must be >= 1 and --warm >= 0, got {a.copies}, {a.steps} and {a.warm}")
     if a.threads is not None:
         ENV_KW["threads"] = a.threads
     if a.rho is not None:
@@ -248,7 +254,7 @@ def main(argv=None) -> int:
         parts = bench_breakdown(n, T, W)
         print(f"    (a) per copy-step, wall us ({n} copies): "
               + "; ".join(f"{k} {v:.2f}" for k, v in parts.items()))
-    if not a.no_sync:
+    if a.sequential and not a.no_sync:
         ns = a.sync_copies or n
         sy = bench_sync(ns, T, W)
         same = ns == n and np.array_equal(sy["rewards"], nat["rewards"])
@@ -259,7 +265,7 @@ def main(argv=None) -> int:
         ratio = ref["steps_per_s"] / sy["steps_per_s"]
         print(f"    speed-up native / sync at {ns} copies: {_versus_target(ratio, ns)}")
     if a.paired:
-        k = max(1, T // a.paired)
+        k = a.native_steps_per_round
         pr = bench_paired(n, a.paired, k, a.sync_steps_per_round, W)
         rr = pr["round_ratios"]
         print(f"(a)/(b) paired, {a.paired} rounds of {k} native and {a.sync_steps_per_round} SyncVectorEnv steps "

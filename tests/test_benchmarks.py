@@ -18,11 +18,16 @@ def _load():
 
 
 def test_bench_env_tiny(capsys):
+    """The default run (the speed-up measured paired) on a tiny budget, with the sequential (b) and
+    the breakdown."""
     bench = _load()
-    assert bench.main(["--copies", "3", "--steps", "4", "--warm", "1", "--breakdown"]) == 0
+    assert bench.main(["--copies", "3", "--steps", "4", "--warm", "1", "--breakdown", "--sequential", "--paired", "2",
+                       "--native-steps-per-round", "2", "--sync-steps-per-round", "1"]) == 0
     out = capsys.readouterr().out
     assert "same rewards as (a): True" in out and "(same rewards: True)" in out
-    assert "x (the target, >= 30x, is at 1,024 copies)" in next(ln for ln in out.splitlines() if "speed-up" in ln)
+    speedups = [ln for ln in out.splitlines() if "speed-up" in ln]
+    assert len(speedups) == 2 and all("x (the target, >= 30x, is at 1,024 copies)" in ln for ln in speedups)
+    assert "paired, 2 rounds of 2 native and 1 SyncVectorEnv steps" in speedups[1]
     adapter = next(ln for ln in out.splitlines() if ln.startswith("(c)"))
     assert "alternated step by step" in adapter and "median per step" in adapter
     line = next(ln for ln in out.splitlines() if "per copy-step" in ln)
@@ -35,8 +40,8 @@ def test_bench_env_paired_tiny(capsys):
     """``--paired``: native and SyncVectorEnv alternated in rounds, on the same actions (rewards
     checked on the steps both took); both rates and the per-round ratios printed."""
     bench = _load()
-    assert bench.main(["--copies", "3", "--steps", "6", "--warm", "1", "--paired", "3", "--no-sync",
-                       "--no-adapter", "--sync-steps-per-round", "1"]) == 0
+    assert bench.main(["--copies", "3", "--steps", "6", "--warm", "1", "--paired", "3", "--native-steps-per-round",
+                       "2", "--no-adapter", "--sync-steps-per-round", "1"]) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if "paired" in ln)
     assert "3 rounds of 2 native and 1 SyncVectorEnv steps" in line and line.endswith("same rewards: True")
@@ -55,8 +60,14 @@ def test_speed_up_verdict_judged_unrounded():
 
 def test_bench_env_paired_bad_input(capsys):
     bench = _load()
-    for args in (["--paired", "-1"], ["--paired", "2", "--sync-steps-per-round", "0"]):
+    for args in (["--paired", "-1"], ["--paired", "2", "--sync-steps-per-round", "0"],
+                 ["--native-steps-per-round", "0"]):
         with pytest.raises(SystemExit) as e:
-            bench.main(args + ["--no-sync", "--no-adapter"])
+            bench.main(args + ["--no-adapter"])
         assert e.value.code == 2
         assert "--paired must be >= 0" in capsys.readouterr().err
+    for args in (["--steps", "0"], ["--copies", "0"], ["--warm", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(args + ["--no-adapter"])
+        assert e.value.code == 2
+        assert "--copies and --steps must be >= 1" in capsys.readouterr().err
