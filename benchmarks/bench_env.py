@@ -2,10 +2,10 @@
 
     python benchmarks/bench_env.py                  # 1,024 copies: (a)/(b) paired, 20 rounds; (c)
     python benchmarks/bench_env.py --sequential     # also (a) then (b) one after the other, 100 steps each
-    python benchmarks/bench_env.py --copies 256 --rounds 10
+    python benchmarks/bench_env.py --copies 256 --paired 10
     python benchmarks/bench_env.py --rho 2 3 --interval-ms 20   # less simulation per step
-    python benchmarks/bench_env.py --threads 1 --paired 0 --no-adapter   # native env alone, one engine thread
-    python benchmarks/bench_env.py --breakdown --paired 0 --no-adapter   # where (a)'s time goes
+    python benchmarks/bench_env.py --threads 1 --no-sync --no-adapter   # native env alone, one engine thread
+    python benchmarks/bench_env.py --breakdown --no-sync --no-adapter   # where (a)'s time goes
 
 Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
   (a) native ``TokenBatchVectorEnv`` env-steps/s (copies x steps / wall seconds), alone (--steps);
@@ -17,8 +17,10 @@ Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
       percent within seconds, and not alike for one interpreter thread and two engine threads): both
       rates, their ratio, and the ratio's median and range over the rounds. Each round's first native
       step starts from caches the SyncVectorEnv steps filled, so short rounds lower (a): 5 native
-      steps per round gave 9-18% less than 20 (session 15). --paired 0: off;
+      steps per round gave 9-18% less than 20 (session 15). --paired 0 (or --no-sync): off;
   --sequential: (b) measured after (a) (--steps each), and their ratio, as before session 21;
+  --no-sync: no SyncVectorEnv at all (neither the paired measurement, unless --paired is given,
+      nor the sequential (b));
   (c) the SB3 adapter (``tokenbatch_env.sb3``, SAME_STEP) over the native env vs the raw native env
       in SAME_STEP mode, stepped alternately (same seeds and actions): env-steps/s and the adapter's
       overhead (total time, and the median of the per-step time ratios);
@@ -210,18 +212,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--copies", type=int, default=1024)
     ap.add_argument("--sync-copies", type=int, default=None, help="copies for the sequential (b) (default: --copies)")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--warm", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=100,
+                    help="timed steps of (a) alone, the sequential (b), --breakdown and (c) (not of the paired rounds)")
+    ap.add_argument("--warm", type=int, default=10, help="untimed steps first, each env")
     ap.add_argument("--sequential", action="store_true",
                     help="also measure (b) after (a), --steps each, and their ratio (the method before session 21)")
-    ap.add_argument("--no-sync", action="store_true", help="with --sequential: measure (a) alone (commands "
-                    "before session 21 passed it to skip the sequential (b), which now needs --sequential)")
+    ap.add_argument("--no-sync", action="store_true",
+                    help="no SyncVectorEnv: neither the paired measurement (unless --paired is given) nor the "
+                         "sequential (b)")
     ap.add_argument("--no-adapter", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="also split (a)'s time per copy-step into parts")
-    ap.add_argument("--paired", type=int, default=20, metavar="ROUNDS",
-                    help="(a) and (b) alternated in ROUNDS rounds (default 20; 0: off), the speed-up's measure")
-    ap.add_argument("--native-steps-per-round", type=int, default=20)
-    ap.add_argument("--sync-steps-per-round", type=int, default=4)
+    ap.add_argument("--paired", type=int, default=None, metavar="ROUNDS",
+                    help="(a) and (b) alternated in ROUNDS rounds, the speed-up's measure (default 20, or 0 with "
+                         "--no-sync; 0: off)")
+    ap.add_argument("--native-steps-per-round", type=int, default=20, help="native steps per paired round")
+    ap.add_argument("--sync-steps-per-round", type=int, default=4, help="SyncVectorEnv steps per paired round")
     ap.add_argument("--rho", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                     help="load range (default 0.8 1.5)")
     ap.add_argument("--interval-ms", type=float, default=None, help="decision_interval_ms (default 100)")
@@ -229,11 +234,14 @@ def main(argv=None) -> int:
                     help="engine threads of the native env, (a) and (c) (default: the env's, the available "
                          "cores from 64 copies on); SyncVectorEnv's single envs use 1")
     a = ap.parse_args(argv)
+    if a.paired is None:
+        a.paired = 0 if a.no_sync else 20
     if a.paired < 0 or a.native_steps_per_round < 1 or a.sync_steps_per_round < 1:
         ap.error(f"--paired must be >= 0 (0: off), --native-steps-per-round and --sync-steps-per-round >= 1, "
                  f"got {a.paired}, {a.native_steps_per_round} and {a.sync_steps_per_round}")
-    if a.steps < 1 or a.warm < 0 or a.copies < 1:
-        ap.error(f"--copies and --steps must be >= 1 and --warm >= 0, got {a.copies}, {a.steps} and {a.warm}")
+    if a.steps < 1 or a.warm < 0 or a.copies < 1 or (a.sync_copies is not None and a.sync_copies < 1):
+        ap.error(f"--copies, --sync-copies and --steps must be >= 1 and --warm >= 0, got {a.copies}, "
+                 f"{a.sync_copies}, {a.steps} and {a.warm}")
     if a.threads is not None:
         ENV_KW["threads"] = a.threads
     if a.rho is not None:

@@ -50,6 +50,17 @@ def test_bench_env_paired_tiny(capsys):
     assert len(r["round_ratios"]) == 2 and r["native_sps"] > 0 and r["sync_sps"] > 0 and r["same_rewards"]
 
 
+def test_no_sync_runs_the_native_env_alone(capsys):
+    """--no-sync (as in the commands of earlier sessions): no SyncVectorEnv, unless --paired is given."""
+    bench = _load()
+    assert bench.main(["--copies", "2", "--steps", "2", "--warm", "1", "--no-sync", "--no-adapter"]) == 0
+    out = capsys.readouterr().out
+    assert "(a) native" in out and "SyncVectorEnv" not in out and "speed-up" not in out
+    assert bench.main(["--copies", "2", "--steps", "2", "--warm", "1", "--no-sync", "--no-adapter", "--paired", "1",
+                       "--native-steps-per-round", "1", "--sync-steps-per-round", "1"]) == 0
+    assert "(a)/(b) paired, 1 rounds" in capsys.readouterr().out
+
+
 def test_speed_up_verdict_judged_unrounded():
     bench = _load()
     assert bench._versus_target(29.996, 1024) == "29.99x (target >= 30x: missed)"
@@ -66,8 +77,8 @@ def test_bench_env_paired_bad_input(capsys):
             bench.main(args + ["--no-adapter"])
         assert e.value.code == 2
         assert "--paired must be >= 0" in capsys.readouterr().err
-    for args in (["--steps", "0"], ["--copies", "0"], ["--warm", "-1"]):
+    for args in (["--steps", "0"], ["--copies", "0"], ["--warm", "-1"], ["--sequential", "--sync-copies", "0"]):
         with pytest.raises(SystemExit) as e:
             bench.main(args + ["--no-adapter"])
         assert e.value.code == 2
-        assert "--copies and --steps must be >= 1" in capsys.readouterr().err
+        assert "--copies, --sync-copies and --steps must be >= 1" in capsys.readouterr().err

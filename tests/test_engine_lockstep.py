@@ -186,7 +186,9 @@ def test_main_paths_compile_each_function_once():
     env and the vector env (both autoreset modes), the evaluator, ``EngineRun.advance`` with every
     form of ``until_ns``, tuning's goodput matrix, the drop-in score, trace subsets, outcomes and the
     cost model (and
-    whatever the tests before this one compiled). numba compiles a variant per argument type, and a
+    whatever the tests before this one compiled, in either pytest-xdist worker: they share numba's
+    on-disk cache, so a test compiling a second variant of a package function fails this one
+    whenever it ran first). numba compiles a variant per argument type, and a
     read-only array, a column view of a one-copy array, a literal constant or an omitted default is
     another type: a second variant of the kernel cost ~2 minutes of compiling (the suite's time on a
     clean clone). Counted in a fresh process over its own variants and numba's on-disk index, which

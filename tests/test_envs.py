@@ -491,11 +491,52 @@ def test_unreachable_ttft_counts_before_the_deadline_and_is_never_met(shed):
     assert early > 0 and done >= 8
 
 
+def _rewards_by_definition(core, live, trunc, certain, met_seen, count_met):
+    """The step rewards of ``TokenBatchEnv`` ("Rewards") in plain Python, every scored request
+    rescanned from the first (no settled prefix, no skipped requests): (rewards, certain, met_seen)
+    from the marks before the step. The rule itself is ``_rewards``' (the same bound for an
+    unreachable TTFT), the bookkeeping is not."""
+    from tokenbatch_env.bounds import min_prefill_exceeds
+    from tokenbatch_env.engine import kernel as K
+    A, s0, s1, t_min, ps = core.run.arrays, core.s0, core.s1, core.t_min_ns, core.ps_cost
+    budget = core.run.profile.max_num_batched_tokens
+    out, certain, met_seen = np.zeros(len(live)), certain.copy(), met_seen.copy()
+    for c in np.flatnonzero(live):
+        t, n = int(A.now[c]), 0
+        for j in range(s0, s1):
+            arr, es, ft, o = int(A.arrival[c, j]), int(A.end_state[c, j]), int(A.first_token[c, j]), int(A.out_len[c, j])
+            if arr > t and not trunc[c]:
+                break
+            t1, t2, k = int(A.t1[c, j]), int(core.t2[c, j]), j - s0
+            ended = es != K.E_NONE
+            met = (es == K.E_COMPLETED and ft - arr <= t1
+                   and (o <= 1 or int(A.finish[c, j]) - ft <= t2 * max(o - 1, 1)))
+            ttft_lost = ft < 0 and arr <= t and t > arr + t1
+            if ft < 0 and arr <= t and not ended and not ttft_lost:
+                n_tok = int(A.prompt[c, j])
+                h = max(int(core.h_best[c, j]), int(A.computed[c, j]))
+                if A.n_preempt[c, j] > 0:
+                    h = n_tok - 1
+                h = min(max(h, 0), n_tok - 1)
+                ttft_lost = bool(min_prefill_exceeds(n_tok, h, ps[0], ps[1], ps[2], ps[3], budget, arr + t1 - t))
+            tpot_lost = ft >= 0 and not ended and o > 1 and t + (o - int(A.gen[c, j])) * t_min - ft > t2 * (o - 1)
+            lost = ((ended and not met) or ttft_lost or tpot_lost or (bool(A.capped[c, j]) and arr <= t)
+                    or (trunc[c] and not ended))
+            if count_met:
+                n += int(met and not met_seen[c, k])
+            else:
+                n -= int(lost and not certain[c, k])
+            certain[c, k] |= lost
+            met_seen[c, k] |= met
+        out[c] = n
+    return out, certain, met_seen
+
+
 @pytest.mark.parametrize("mode", ["certain_miss", "met"])
 def test_rewards_skip_only_settled_requests(mode):
-    """The reward pass skips each copy's settled prefix (ended or certain requests): rescanning every
-    scored request from the state before each step gives the same rewards and marks."""
-    from tokenbatch_env.envs import _rewards
+    """The reward pass skips each copy's settled prefix and, behind an open request, the settled
+    requests (a certain miss, or a met one): rescanning every scored request by the rule, from the
+    marks before each step, gives the same rewards and marks."""
     N = 6
     env = TokenBatchVectorEnv(N, rho=(0.8, 2.4), reward_mode=mode, max_episode_steps=60, **SMALL)
     env.reset(seed=11)
@@ -507,13 +548,7 @@ def test_rewards_skip_only_settled_requests(mode):
         skipped += int(core.open_lo.sum())
         live = ~env._needs_reset
         _, r, _, tr, _ = env.step(rng.uniform(-0.3, 0.3, (N, len(ACTION_NAMES))))
-        A = core.run.arrays
-        certain, met_seen = before
-        out = np.zeros(N)
-        _rewards(live, tr, core.s0, core.s1, core.t_min_ns, mode == "met", A.now, A.end_state, A.first_token,
-                 A.finish, A.arrival, A.t1, core.t2, A.out_len, A.gen, A.capped, certain, met_seen, out, A.prompt,
-                 A.computed, A.n_preempt, core.h_best, core.ps_cost, core.run.profile.max_num_batched_tokens,
-                 np.zeros(N, np.int64), 0)
+        out, certain, met_seen = _rewards_by_definition(core, live, tr, *before, mode == "met")
         assert np.array_equal(out[live], r[live])
         assert np.array_equal(certain[live], core.certain[live]) and np.array_equal(met_seen[live], core.met_seen[live])
     assert skipped > 0

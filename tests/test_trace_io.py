@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import time
 import zipfile
 from pathlib import Path
 
@@ -31,17 +30,11 @@ def fixture(name: str) -> str:
     return str(FIX / name)
 
 
-def timed_load(path, **kw):
-    t0 = time.perf_counter()
-    result = tio.load_trace(path, **kw)
-    return result, time.perf_counter() - t0
-
-
 # ------------------------------------------------------------------------------------ real traces
 def test_azure_code_real():
     path = shared_path(*AZURE, "AzureLLMInferenceTrace_code.csv")
     assert tio.detect_format(path) == "azure"
-    (trace, report), seconds = timed_load(path)
+    trace, report = tio.load_trace(path)
     assert len(trace) == 8819 and report.rows_read == 8819 and report.dropped == 0
     # 18:17:03.9799600 -> 18:17:04.0319600 -> 18:17:04.0781490
     assert trace.arrival_ns[:3].tolist() == [0, 52_000_000, 98_189_000]
@@ -52,19 +45,17 @@ def test_azure_code_real():
     assert not trace.has_slos and trace.prefix_hashes.size == 0
     assert trace.source == "azure:AzureLLMInferenceTrace_code.csv"
     assert trace.digest == "05cfbfe3b6022194d9797227498188f545b5b1dbb57c79cb0cd405428b6dea52"
-    assert seconds < 3.0, f"loading took {seconds:.2f} s"
 
 
 def test_azure_conv_real_and_round_trips(tmp_path):
     path = shared_path(*AZURE, "AzureLLMInferenceTrace_conv.csv")
-    (trace, report), seconds = timed_load(path)
+    trace, report = tio.load_trace(path)
     assert len(trace) == 19366
     assert trace.arrival_ns[:2].tolist() == [0, 4_314_579_000]  # 18:15:46.6805900 -> :50.9951690
     assert trace.prompt_tokens[:3].tolist() == [374, 396, 879]
     assert trace.output_tokens[:3].tolist() == [44, 109, 55]
     assert int(trace.arrival_ns[-1]) == 3_501_721_937_000
     assert int(trace.output_tokens.max()) == 1000 and int((trace.output_tokens == 1000).sum()) == 11
-    assert seconds < 3.0, f"loading took {seconds:.2f} s"
     for out in (tmp_path / "conv.npz", tmp_path / "conv.csv"):
         tio.save_trace(trace, out)
         back, _ = tio.load_trace(out)
@@ -74,7 +65,7 @@ def test_azure_conv_real_and_round_trips(tmp_path):
 def test_mooncake_conversation_real():
     path = shared_path(*MOONCAKE, "conversation_trace.jsonl")
     assert tio.detect_format(path) == "mooncake"
-    (trace, report), seconds = timed_load(path)
+    trace, report = tio.load_trace(path)
     assert len(trace) == 12031 and report.rows_read == 12031
     assert trace.arrival_ns[:4].tolist() == [0, 0, 0, 0]  # equal timestamps are legal
     assert int(trace.arrival_ns[-1]) == 3_536_999 * 10**6
@@ -89,7 +80,6 @@ def test_mooncake_conversation_real():
     chain1 = trace.prefix_chain(1)
     assert np.array_equal(chain1[:32], chain0[:32]) and chain1[32] != chain0[32]
     assert (trace.prefix_lengths <= trace.prompt_tokens // trace.block_size).all()
-    assert seconds < 3.0, f"loading took {seconds:.2f} s"
 
 
 def test_mooncake_synthetic_real(tmp_path):

@@ -418,9 +418,9 @@ def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token,
     """Step rewards of the ``live`` copies (see ``TokenBatchEnv``, "Rewards"): scored requests [s0, s1)
     whose miss became certain (or, ``count_met``, that were met) since the last step; ``certain`` and
     ``met_seen`` ([N, s1 - s0]) remember what was counted. A request whose miss is certain, or that
-    ended, is settled (nothing it does can count again): ``open_lo[c]`` skips the settled prefix, and
-    the scan stops at the first request not yet arrived (nothing about it can count before
-    truncation). Copies below ``lo`` are not looked at."""
+    ended, is settled (nothing it does can count again): ``open_lo[c]`` skips the settled prefix, the
+    scan passes over the settled requests behind an open one, and it stops at the first request not
+    yet arrived (nothing about it can count before truncation). Copies below ``lo`` are not looked at."""
     # borrowed views (``engine._jit.borrow``): no reference counting per helper call
     live = borrow(live)
     trunc = borrow(trunc)
