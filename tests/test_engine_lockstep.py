@@ -104,6 +104,24 @@ def test_package_code_indexes_without_wraparound_and_others_keep_it():
     assert theirs(a, -6) == 0   # the other function, compiled after, still wraps
 
 
+def test_compiled_functions_read_and_write_their_cache_under_a_lock():
+    """Two processes (the xdist workers) saving two signatures of one function at once could leave
+    numba's index pointing at the other's machine code: every registered dispatcher's cache is read,
+    written and flushed under ``_jit._cache_lock``, which another process cannot take meanwhile."""
+    pytest.importorskip("fcntl")   # (POSIX: without it the lock is a no-op)
+    from tokenbatch_env.engine import _jit, kernel
+    caches = [d._cache for d in _jit._REGISTRY if hasattr(d, "_cache")]
+    assert len(caches) >= 40 and all(getattr(c, "tokenbatch_locked", False) for c in caches)
+    cache = kernel._run_copies._cache
+    lock = Path(cache.cache_path) / "tokenbatch.lock"
+    probe = ("import fcntl, sys\nf = open(sys.argv[1], 'a+b')\ntry:\n    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)\n"
+             "    print('free')\nexcept BlockingIOError:\n    print('held')")
+    with _jit._cache_lock(cache, True):
+        held = subprocess.run([sys.executable, "-c", probe, str(lock)], capture_output=True, text=True, timeout=60)
+    free = subprocess.run([sys.executable, "-c", probe, str(lock)], capture_output=True, text=True, timeout=60)
+    assert (held.stdout.strip(), free.stdout.strip()) == ("held", "free"), (held.stderr, free.stderr)
+
+
 def test_every_compiled_function_is_guarded_against_stale_cached_code():
     """numba keys a function's cached machine code on its own file only: every compiled function
     (not an inlined helper) registered by ``engine._jit`` must be flushed by a ``guard_stale_cache``

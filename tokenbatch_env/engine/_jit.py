@@ -8,6 +8,7 @@ cached machine code of the given dispatchers whenever any engine source file cha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from pathlib import Path
@@ -73,6 +74,53 @@ def _without_wraparound() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _cache_lock(cache, exclusive: bool):
+    """An advisory lock on a numba cache directory (``fcntl.flock``; nothing where it is missing)."""
+    try:
+        import fcntl
+        path = Path(cache.cache_path)
+        path.mkdir(parents=True, exist_ok=True)
+        f = open(path / "tokenbatch.lock", "a+b")
+    except (ImportError, OSError):   # (no fcntl, or a read-only cache: numba then caches nothing anyway)
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _locked_cache(d):
+    """``d`` with its on-disk cache read and written under ``_cache_lock``. numba saves an overload
+    as two files, the function's index (written first) and the overload's data, numbered by what the
+    index held, with no lock: two processes saving two signatures of one function at once (the
+    tests' two xdist workers, several tuning workers on a fresh install) can leave the index
+    pointing one signature at the other's machine code, which a later process loads and calls. Under
+    the lock an index and its data change together."""
+    cache = getattr(d, "_cache", None)
+    if cache is None or not hasattr(cache, "save_overload") or getattr(cache, "tokenbatch_locked", False):
+        return d
+    save, load, flush = cache.save_overload, cache.load_overload, cache.flush
+
+    def save_overload(sig, data):
+        with _cache_lock(cache, True):
+            return save(sig, data)
+
+    def load_overload(sig, target_context):
+        with _cache_lock(cache, False):
+            return load(sig, target_context)
+
+    def flush_locked():
+        with _cache_lock(cache, True):
+            return flush()
+    cache.save_overload, cache.load_overload, cache.flush = save_overload, load_overload, flush_locked
+    cache.tokenbatch_locked = True
+    return d
+
+
 try:  # numba is a runtime dependency; without it the same functions run interpreted
     from numba import njit as _numba_njit
 
@@ -81,14 +129,14 @@ try:  # numba is a runtime dependency; without it the same functions run interpr
 
     def njit(fn):
         d = _numba_njit(cache=True, nogil=True)(fn)
-        _REGISTRY.append(d)
+        _REGISTRY.append(_locked_cache(d))
         return d
 
     def helper(fn):
         """Small helpers, inlined at numba-IR level (no call). numba still increfs and decrefs each
         array argument per call: the kernel passes ``borrow``-ed views, for which that is a no-op."""
         d = _numba_njit(cache=True, nogil=True, inline="always")(fn)
-        _REGISTRY.append(d)
+        _REGISTRY.append(_locked_cache(d))
         return d
     from numba.core import types as _types
     from numba.extending import intrinsic as _intrinsic, overload as _overload
