@@ -542,16 +542,18 @@ def test_rewards_skip_only_settled_requests(mode):
     env.reset(seed=11)
     core = env.core
     rng = np.random.default_rng(0)
-    skipped = 0
+    skipped = behind = 0
     for _ in range(300):
         before = (core.certain.copy(), core.met_seen.copy())
         skipped += int(core.open_lo.sum())
+        past = np.arange(core.certain.shape[1]) >= core.open_lo[:, None]   # marked requests behind an open one
+        behind += int(((before[0] | before[1]) & past).sum())
         live = ~env._needs_reset
         _, r, _, tr, _ = env.step(rng.uniform(-0.3, 0.3, (N, len(ACTION_NAMES))))
         out, certain, met_seen = _rewards_by_definition(core, live, tr, *before, mode == "met")
         assert np.array_equal(out[live], r[live])
         assert np.array_equal(certain[live], core.certain[live]) and np.array_equal(met_seen[live], core.met_seen[live])
-    assert skipped > 0
+    assert skipped > 0 and behind > 0
 
 
 def test_truncation_counts_open_requests():

@@ -483,6 +483,7 @@ def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token,
                 if settled:
                     open_lo[c] = k + 1
                 continue
+            # (from here on the request is unmarked: neither certain nor met_seen)
             es = end_state[c, j]
             ft = first_token[c, j]
             o = out_len[c, j]
@@ -490,7 +491,7 @@ def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token,
             met = (es == K.E_COMPLETED and ft - arr <= t1[c, j]
                    and (o <= 1 or finish[c, j] - ft <= t2[c, j] * (o - 1 if o > 1 else 1)))
             ttft_lost = ft < 0 and arr <= t and t > arr + t1[c, j]
-            if ft < 0 and arr <= t and not ended and not ttft_lost and not certain[c, k]:
+            if ft < 0 and arr <= t and not ended and not ttft_lost:
                 # TTFT unreachable: even an idle engine, with every cacheable prefix block cached,
                 # could not emit the first token by arrival + T1 (the analogue of tpot_lost)
                 n_tok = prompt[c, j]
@@ -507,14 +508,14 @@ def _rewards(live, trunc, s0, s1, t_min, count_met, now, end_state, first_token,
             lost = ((ended and not met) or ttft_lost or tpot_lost or (capped[c, j] and arr <= t)
                     or (trunc[c] and not ended))
             if count_met:
-                if met and not met_seen[c, k]:
+                if met:
                     n += 1
-            elif lost and not certain[c, k]:
+            elif lost:
                 n -= 1
-            certain[c, k] |= lost
-            met_seen[c, k] |= met
+            certain[c, k] = lost
+            met_seen[c, k] = met
             if settled:
-                if ended or certain[c, k]:
+                if ended or lost:
                     open_lo[c] = k + 1
                 else:
                     settled = False
