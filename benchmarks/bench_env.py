@@ -15,7 +15,8 @@ Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
       --paired R rounds of --native-steps-per-round native and --sync-steps-per-round SyncVectorEnv
       steps, so that both see the same phases of the machine (this VM's speed drifts by tens of
       percent within seconds, and not alike for one interpreter thread and two engine threads): both
-      rates, their ratio, and the ratio's median and range over the rounds. Each round's first native
+      rates, their ratio with a 95% bootstrap interval over the rounds (``ratio_ci``: how far one run's
+      ratio moves with the phases it saw), and the ratio's median and range per round. Each round's first native
       step starts from caches the SyncVectorEnv steps filled, so short rounds lower (a): 5 native
       steps per round gave 9-18% less than 20 (session 15). --paired 0 (or --no-sync): off;
   --sequential: (b) measured after (a) (--steps each), and their ratio, as before session 21;
@@ -163,7 +164,20 @@ def bench_paired(n: int, rounds: int, native_steps: int, sync_steps: int, warm: 
     return {"native_sps": n * native_steps * rounds / sum(spent["native"]),
             "sync_sps": n * sync_steps * rounds / sum(spent["sync"]),
             "round_ratios": rate["native"] / rate["sync"],
+            "ratio_ci": ratio_ci(spent["native"], spent["sync"], native_steps, sync_steps),
             "same_rewards": all(np.array_equal(a, b) for a, b in zip(rew["native"][:m], rew["sync"][:m]))}
+
+
+def ratio_ci(native_s, sync_s, native_steps: int, sync_steps: int, level: float = 0.95, b: int = 2000,
+             seed: int = 0) -> tuple:
+    """A percentile bootstrap interval of the paired speed-up (native over SyncVectorEnv env-steps/s,
+    each over all rounds) from the rounds' wall times, rounds resampled whole (a round's two sides saw
+    the same phase of the machine): how far this one run's ratio could move with the phases it
+    happened to see. Deterministic (``seed``)."""
+    nat, syn = np.asarray(native_s, float), np.asarray(sync_s, float)
+    idx = np.random.default_rng(seed).integers(0, nat.size, (b, nat.size))
+    ratios = (native_steps / nat[idx].sum(1)) / (sync_steps / syn[idx].sum(1))
+    return tuple(np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2]))
 
 
 def bench_adapter(n: int, steps: int, warm: int) -> dict:
@@ -278,7 +292,8 @@ def main(argv=None) -> int:
         rr = pr["round_ratios"]
         print(f"(a)/(b) paired, {a.paired} rounds of {k} native and {a.sync_steps_per_round} SyncVectorEnv steps "
               f"({n} copies): native {pr['native_sps']:,.0f}, sync {pr['sync_sps']:,.0f} env-steps/s, speed-up "
-              f"{_versus_target(pr['native_sps'] / pr['sync_sps'], n)} (rounds: median {np.median(rr):.1f}x, "
+              f"{_versus_target(pr['native_sps'] / pr['sync_sps'], n)} (95% bootstrap interval over the rounds "
+              f"{pr['ratio_ci'][0]:.1f}-{pr['ratio_ci'][1]:.1f}x; rounds: median {np.median(rr):.1f}x, "
               f"{rr.min():.1f}-{rr.max():.1f}x); same rewards: {pr['same_rewards']}")
     if not a.no_adapter:
         ad = bench_adapter(n, T, W)

@@ -45,9 +45,28 @@ def test_bench_env_paired_tiny(capsys):
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if "paired" in ln)
     assert "3 rounds of 2 native and 1 SyncVectorEnv steps" in line and line.endswith("same rewards: True")
-    assert "x (the target, >= 30x, is at 1,024 copies)" in line
+    assert "x (the target, >= 30x, is at 1,024 copies)" in line and "95% bootstrap interval over the rounds" in line
     r = bench.bench_paired(3, 2, 2, 1, 1)
     assert len(r["round_ratios"]) == 2 and r["native_sps"] > 0 and r["sync_sps"] > 0 and r["same_rewards"]
+    lo, hi = r["ratio_ci"]
+    assert lo <= r["native_sps"] / r["sync_sps"] <= hi
+
+
+def test_paired_ratio_interval():
+    """The interval resamples whole rounds: equal rounds give a point, its ends are ratios of
+    resampled sums (bounded by the extreme rounds'), it narrows with more rounds, and it is
+    deterministic."""
+    import numpy as np
+    bench = _load()
+    assert bench.ratio_ci([0.1] * 5, [2.0] * 5, 20, 4) == pytest.approx((100.0, 100.0))
+    rng = np.random.default_rng(3)
+    nat, syn = rng.uniform(0.08, 0.12, 40), rng.uniform(1.5, 2.5, 40)
+    lo, hi = bench.ratio_ci(nat, syn, 20, 4)
+    per_round = (20 / nat) / (4 / syn)
+    assert per_round.min() < lo < (20 / nat.sum()) / (4 / syn.sum()) < hi < per_round.max()
+    lo4, hi4 = bench.ratio_ci(np.tile(nat, 4), np.tile(syn, 4), 20, 4)
+    assert hi4 - lo4 < 0.7 * (hi - lo)
+    assert bench.ratio_ci(nat, syn, 20, 4) == (lo, hi)
 
 
 def test_no_sync_runs_the_native_env_alone(capsys):
