@@ -624,6 +624,43 @@ def test_zero_action_is_theta_star_and_ranges():
     assert (off.map_actions(np.ones((1, 8)))[1] < 0).all()   # shedding stays off
 
 
+def test_map_actions_equals_the_per_parameter_formulas_to_the_bit():
+    """The mapping, done for all parameters at once, gives each entry exactly as the documented
+    formula of its own parameter (the env's docstring): linear base + a (hi - lo), log
+    base exp(a ln(hi/lo)), log1p expm1(ln(1 + base) + a ln(1 + hi)), clipped, a = 0 -> base; so one
+    copy and 1,024 copies, and the earlier column-by-column code, agree bit for bit."""
+    import math
+
+    from tokenbatch_env.engine import scoring as S
+    from tokenbatch_env.envs import map_actions
+    from tokenbatch_env.policies import INDEX_RANGES, SHED_RANGE
+    cols = {"kappa": S.I_KAPPA, "slope": S.I_SLOPE, "gamma": S.I_GAMMA, "theta": S.I_THETA,
+            "beta": S.I_BETA, "w_prefix": S.I_W_PREFIX, "a_edf": S.I_A_EDF}
+    rng = np.random.default_rng(7)
+    for n in (1, 3, 1024):
+        a = rng.uniform(-1, 1, (n, 8))
+        a[rng.random((n, 8)) < 0.15] = 0.0
+        a[rng.random((n, 8)) < 0.05] = 1.0
+        ts = rng.uniform(0, 20, S.N_THETA)
+        ts[S.I_SLOPE] = rng.uniform(0.01, 100)
+        theta, margin = map_actions(a, "index", ts, 0.4)
+        for j, name in enumerate(ACTION_NAMES[:-1]):
+            lo, hi, scale = INDEX_RANGES[name]
+            x, base = a[:, j], ts[cols[name]]
+            v = (base * np.exp(x * math.log(hi / lo)) if scale == "log" else
+                 np.expm1(np.log1p(base) + x * math.log1p(hi)) if scale == "log1p" else base + x * (hi - lo))
+            want = np.where(x == 0.0, base, np.clip(v, lo, hi))
+            assert np.array_equal(theta[:, cols[name]].view(np.int64), want.view(np.int64)), (n, name)
+        lo, hi = SHED_RANGE
+        x = a[:, -1]
+        want = np.where(x == 0.0, 0.4, np.clip(0.4 + x * (hi - lo), lo, hi))
+        assert np.array_equal(margin.view(np.int64), want.view(np.int64))
+        untouched = [c for c in range(S.N_THETA) if c not in cols.values()]
+        assert np.array_equal(theta[:, untouched], np.tile(ts[untouched], (n, 1)))
+        one = np.concatenate([map_actions(a[i:i + 1], "index", ts, 0.4)[0] for i in range(min(n, 5))])
+        assert np.array_equal(one.view(np.int64), theta[:min(n, 5)].view(np.int64))
+
+
 def test_base_params_json(tmp_path):
     p = tmp_path / "best.json"
     p.write_text(json.dumps({"index": {"kappa": 2.0, "slope": 3.0, "a_edf": 1.5}, "shed_margin": 0.25}))
