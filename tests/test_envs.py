@@ -636,29 +636,38 @@ def test_map_actions_equals_the_per_parameter_formulas_to_the_bit():
     from tokenbatch_env.policies import INDEX_RANGES, SHED_RANGE
     cols = {"kappa": S.I_KAPPA, "slope": S.I_SLOPE, "gamma": S.I_GAMMA, "theta": S.I_THETA,
             "beta": S.I_BETA, "w_prefix": S.I_W_PREFIX, "a_edf": S.I_A_EDF}
+    bits = lambda v: np.asarray(v, np.float64).view(np.int64)   # noqa: E731
     rng = np.random.default_rng(7)
     for n in (1, 3, 1024):
         a = rng.uniform(-1, 1, (n, 8))
-        a[rng.random((n, 8)) < 0.15] = 0.0
-        a[rng.random((n, 8)) < 0.05] = 1.0
+        for v, p in ((0.0, 0.15), (1.0, 0.05), (-1.0, 0.05), (-0.0, 0.05), (1e-300, 0.03)):
+            a[rng.random((n, 8)) < p] = v
         ts = rng.uniform(0, 20, S.N_THETA)
-        ts[S.I_SLOPE] = rng.uniform(0.01, 100)
-        theta, margin = map_actions(a, "index", ts, 0.4)
-        for j, name in enumerate(ACTION_NAMES[:-1]):
-            lo, hi, scale = INDEX_RANGES[name]
-            x, base = a[:, j], ts[cols[name]]
-            v = (base * np.exp(x * math.log(hi / lo)) if scale == "log" else
-                 np.expm1(np.log1p(base) + x * math.log1p(hi)) if scale == "log1p" else base + x * (hi - lo))
-            want = np.where(x == 0.0, base, np.clip(v, lo, hi))
-            assert np.array_equal(theta[:, cols[name]].view(np.int64), want.view(np.int64)), (n, name)
-        lo, hi = SHED_RANGE
-        x = a[:, -1]
-        want = np.where(x == 0.0, 0.4, np.clip(0.4 + x * (hi - lo), lo, hi))
-        assert np.array_equal(margin.view(np.int64), want.view(np.int64))
-        untouched = [c for c in range(S.N_THETA) if c not in cols.values()]
-        assert np.array_equal(theta[:, untouched], np.tile(ts[untouched], (n, 1)))
-        one = np.concatenate([map_actions(a[i:i + 1], "index", ts, 0.4)[0] for i in range(min(n, 5))])
-        assert np.array_equal(one.view(np.int64), theta[:min(n, 5)].view(np.int64))
+        for name, (lo, hi, _) in INDEX_RANGES.items():   # bases inside their ranges, at a bound, beyond
+            ts[cols[name]] = rng.choice([rng.uniform(lo, hi), lo, hi, 2 * hi])
+        for margin, shed in ((0.4, True), (2.0, True), (0.0, True), (3.0, True), (None, True), (0.4, False)):
+            act = a if shed else a[:, :-1]
+            theta, out = map_actions(act, "index", ts, margin, shed)
+            for j, name in enumerate(ACTION_NAMES[:-1]):
+                lo, hi, scale = INDEX_RANGES[name]
+                x, base = act[:, j], ts[cols[name]]
+                v = (base * np.exp(x * math.log(hi / lo)) if scale == "log" else
+                     np.expm1(np.log1p(base) + x * math.log1p(hi)) if scale == "log1p" else base + x * (hi - lo))
+                want = np.where(x == 0.0, base, np.clip(v, lo, hi))
+                assert np.array_equal(bits(theta[:, cols[name]]), bits(want)), (n, name, margin, shed)
+            lo, hi = SHED_RANGE
+            x = act[:, -1] if shed else np.zeros(n)
+            want = (np.full(n, -1.0) if margin is None else
+                    np.where(x == 0.0, margin, np.clip(margin + x * (hi - lo), lo, hi)))
+            assert np.array_equal(bits(out), bits(want)), (n, margin, shed)
+            untouched = [c for c in range(S.N_THETA) if c not in cols.values()]
+            assert np.array_equal(theta[:, untouched], np.tile(ts[untouched], (n, 1)))
+            one = np.concatenate([map_actions(act[i:i + 1], "index", ts, margin, shed)[0] for i in range(n)])
+            assert np.array_equal(bits(one), bits(theta))
+    w = rng.uniform(-1, 1, (4, S.N_WEIGHTS + 1))   # the weights mode: w* + a on the weights alone
+    theta, _ = map_actions(w, "weights", ts, 0.4)
+    assert np.array_equal(theta[:, :S.N_WEIGHTS], ts[:S.N_WEIGHTS] + w[:, :S.N_WEIGHTS])
+    assert np.array_equal(theta[:, S.N_WEIGHTS:], np.tile(ts[S.N_WEIGHTS:], (4, 1)))
 
 
 def test_base_params_json(tmp_path):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import gymnasium as gym
 import numpy as np
@@ -703,20 +703,35 @@ def _observe_scratch(R: int):
             np.empty((R, _N_REQ_FEATS)))
 
 
+class _IndexPlan(NamedTuple):
+    """The ``index`` mode's mapping by parameter (in action order): theta columns, bounds; the
+    linear ones with their spans, the log and log1p ones with their log factors. Read-only."""
+
+    cols: np.ndarray
+    lin: np.ndarray
+    span: np.ndarray
+    logs: tuple
+    log1ps: tuple
+    lo: np.ndarray
+    hi: np.ndarray
+
+
 @functools.lru_cache(maxsize=None)
-def _index_plan() -> dict:
-    """The ``index`` mode's mapping as column groups (built once): action columns, theta columns,
-    bounds; the linear ones with their spans, the log and log1p ones with their log factors."""
+def _index_plan() -> _IndexPlan:
     from .policies import INDEX_RANGES
     names = ACTION_NAMES[:-1]
-    rng = [INDEX_RANGES[n] for n in names]
-    lin = [j for j, (_, _, sc) in enumerate(rng) if sc == "linear"]
-    logs = [(j, math.log(hi / lo)) for j, (lo, hi, sc) in enumerate(rng) if sc == "log"]
-    log1ps = [(j, math.log1p(hi)) for j, (lo, hi, sc) in enumerate(rng) if sc == "log1p"]
-    assert len(lin) + len(logs) + len(log1ps) == len(names), "an index range of unknown scale"
-    return dict(cols=np.array([_THETA_COL[n] for n in names]), lin=np.array(lin),
-                span=np.array([rng[j][1] - rng[j][0] for j in lin]), logs=logs, log1ps=log1ps,
-                lo=np.array([r[0] for r in rng]), hi=np.array([r[1] for r in rng]))
+    ranges = [INDEX_RANGES[n] for n in names]
+    unknown = [n for n, (_, _, sc) in zip(names, ranges) if sc not in ("linear", "log", "log1p")]
+    if unknown:
+        raise ValueError(f"index ranges of unknown scale: {unknown}")
+    lin = [j for j, (_, _, sc) in enumerate(ranges) if sc == "linear"]
+    arrays = [np.array([_THETA_COL[n] for n in names]), np.array(lin),
+              np.array([ranges[j][1] - ranges[j][0] for j in lin])]
+    bounds = [np.array([r[0] for r in ranges]), np.array([r[1] for r in ranges])]
+    for v in arrays + bounds:
+        v.setflags(write=False)
+    return _IndexPlan(*arrays, tuple((j, math.log(hi / lo)) for j, (lo, hi, sc) in enumerate(ranges) if sc == "log"),
+                      tuple((j, math.log1p(hi)) for j, (lo, hi, sc) in enumerate(ranges) if sc == "log1p"), *bounds)
 
 
 def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: Optional[float],
@@ -725,27 +740,31 @@ def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: O
     ``index``: per-parameter residuals (see ``TokenBatchEnv``); ``weights``: w = w* + a (only the
     direction w/|w| matters to the score). Margin -1 = shedding off. Without ``shed_action`` the
     actions have no last (margin) column and the margin is the base one. The parameters are
-    mapped together, a few numpy calls in all: at one copy (the single env) numpy's per-call cost
-    is nearly the whole cost, 40 us a step column by column, 15 us so (benchmarks/README.md)."""
+    mapped together, in a few numpy calls: at one copy (the single env) numpy's per-call cost is
+    nearly the whole cost (benchmarks/README.md, session 23)."""
     from .policies import SHED_RANGE
     a = np.asarray(a, np.float64)
+    theta_star = np.asarray(theta_star)
     theta = np.tile(theta_star, (a.shape[0], 1))
     if mode == "weights":
         theta[:, :S.N_WEIGHTS] += a[:, :S.N_WEIGHTS]
     else:
-        P = _index_plan()
-        cols, lin = P["cols"], P["lin"]
+        plan = _index_plan()
+        cols, lin = plan.cols, plan.lin
         base = theta_star[cols]
-        # one row per parameter (contiguous rows: the log and log1p ones pass exp/expm1 a fresh
-        # contiguous array, as column by column; the rest is exact arithmetic in the same order)
+        # Each entry as its parameter's own formula gives it, to the bit: one row per parameter
+        # (the log and log1p ones pass exp/expm1 a fresh contiguous array, as column by column
+        # did), the rest exact arithmetic in the same order. np.minimum/np.maximum equal np.clip
+        # here but for a -0.0 inside the bounds, which needs a zero action (taken from ``base``
+        # below) or a span under 1 (none is).
         xt = np.ascontiguousarray(a[:, :cols.size].T)
         v = np.empty(xt.shape)
-        v[lin] = base[lin, None] + xt[lin] * P["span"][:, None]
-        for j, f in P["logs"]:
+        v[lin] = base[lin, None] + xt[lin] * plan.span[:, None]
+        for j, f in plan.logs:
             v[j] = base[j] * np.exp(xt[j] * f)
-        for j, f in P["log1ps"]:
+        for j, f in plan.log1ps:
             v[j] = np.expm1(np.log1p(base[j]) + xt[j] * f)
-        clipped = np.minimum(np.maximum(v, P["lo"][:, None]), P["hi"][:, None])
+        clipped = np.minimum(np.maximum(v, plan.lo[:, None]), plan.hi[:, None])
         theta[:, cols] = np.where(xt == 0.0, base[:, None], clipped).T
     x = a[:, -1] if shed_action else np.zeros(a.shape[0])
     if base_margin is None:
