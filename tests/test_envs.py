@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tokenbatch_env  # noqa: F401  (registers TokenBatch-v0)
+from tokenbatch_env.engine import scoring as S
 from tokenbatch_env.envs import (ACTION_NAMES, ActionError, TokenBatchConfig, TokenBatchEnv,
                                  TokenBatchVectorEnv, obs_layout)
 from tokenbatch_env.errors import ConfigError
@@ -603,6 +604,11 @@ def test_observation_not_internal_buffer():
 
 
 # ---------------------------------------------------------------------------- actions
+#: theta's column of each index action, restated here (the env's own table is ``envs._THETA_COL``)
+_INDEX_COLS = {"kappa": S.I_KAPPA, "slope": S.I_SLOPE, "gamma": S.I_GAMMA, "theta": S.I_THETA,
+               "beta": S.I_BETA, "w_prefix": S.I_W_PREFIX, "a_edf": S.I_A_EDF}
+
+
 def test_zero_action_is_theta_star_and_ranges():
     from tokenbatch_env.policies import INDEX_RANGES, IndexParams
     env = TokenBatchVectorEnv(1, shed_margin=0.5, **SMALL)
@@ -612,11 +618,8 @@ def test_zero_action_is_theta_star_and_ranges():
     assert np.array_equal(theta[0], ts) and margin[0] == 0.5
     for a in (-1.0, 1.0, 0.37):
         theta, margin = core.map_actions(np.full((1, 8), a))
-        from tokenbatch_env.engine import scoring as S
-        cols = {"kappa": S.I_KAPPA, "slope": S.I_SLOPE, "gamma": S.I_GAMMA, "theta": S.I_THETA,
-                "beta": S.I_BETA, "w_prefix": S.I_W_PREFIX, "a_edf": S.I_A_EDF}
         for name, (lo, hi, _) in INDEX_RANGES.items():
-            assert lo <= theta[0, cols[name]] <= hi
+            assert lo <= theta[0, _INDEX_COLS[name]] <= hi
         assert 0 <= margin[0] <= 2
     theta, _ = core.map_actions(np.array([[0, 1, 0, 0, 0, 0, 0, 0]], float))
     assert theta[0, S.I_SLOPE] == pytest.approx(min(100.0, 1.0 * 1e4))
@@ -631,11 +634,8 @@ def test_map_actions_equals_the_per_parameter_formulas_to_the_bit():
     copy and 1,024 copies, and the earlier column-by-column code, agree bit for bit."""
     import math
 
-    from tokenbatch_env.engine import scoring as S
     from tokenbatch_env.envs import map_actions
     from tokenbatch_env.policies import INDEX_RANGES, SHED_RANGE
-    cols = {"kappa": S.I_KAPPA, "slope": S.I_SLOPE, "gamma": S.I_GAMMA, "theta": S.I_THETA,
-            "beta": S.I_BETA, "w_prefix": S.I_W_PREFIX, "a_edf": S.I_A_EDF}
     bits = lambda v: np.asarray(v, np.float64).view(np.int64)   # noqa: E731
     rng = np.random.default_rng(7)
     for n in (1, 3, 1024):
@@ -644,23 +644,23 @@ def test_map_actions_equals_the_per_parameter_formulas_to_the_bit():
             a[rng.random((n, 8)) < p] = v
         ts = rng.uniform(0, 20, S.N_THETA)
         for name, (lo, hi, _) in INDEX_RANGES.items():   # bases inside their ranges, at a bound, beyond
-            ts[cols[name]] = rng.choice([rng.uniform(lo, hi), lo, hi, 2 * hi])
+            ts[_INDEX_COLS[name]] = rng.choice([rng.uniform(lo, hi), lo, hi, 2 * hi])
         for margin, shed in ((0.4, True), (2.0, True), (0.0, True), (3.0, True), (None, True), (0.4, False)):
             act = a if shed else a[:, :-1]
             theta, out = map_actions(act, "index", ts, margin, shed)
             for j, name in enumerate(ACTION_NAMES[:-1]):
                 lo, hi, scale = INDEX_RANGES[name]
-                x, base = act[:, j], ts[cols[name]]
+                x, base = act[:, j], ts[_INDEX_COLS[name]]
                 v = (base * np.exp(x * math.log(hi / lo)) if scale == "log" else
                      np.expm1(np.log1p(base) + x * math.log1p(hi)) if scale == "log1p" else base + x * (hi - lo))
                 want = np.where(x == 0.0, base, np.clip(v, lo, hi))
-                assert np.array_equal(bits(theta[:, cols[name]]), bits(want)), (n, name, margin, shed)
+                assert np.array_equal(bits(theta[:, _INDEX_COLS[name]]), bits(want)), (n, name, margin, shed)
             lo, hi = SHED_RANGE
             x = act[:, -1] if shed else np.zeros(n)
             want = (np.full(n, -1.0) if margin is None else
                     np.where(x == 0.0, margin, np.clip(margin + x * (hi - lo), lo, hi)))
             assert np.array_equal(bits(out), bits(want)), (n, margin, shed)
-            untouched = [c for c in range(S.N_THETA) if c not in cols.values()]
+            untouched = [c for c in range(S.N_THETA) if c not in _INDEX_COLS.values()]
             assert np.array_equal(theta[:, untouched], np.tile(ts[untouched], (n, 1)))
             one = np.concatenate([map_actions(act[i:i + 1], "index", ts, margin, shed)[0] for i in range(n)])
             assert np.array_equal(bits(one), bits(theta))
@@ -674,7 +674,6 @@ def test_base_params_json(tmp_path):
     p = tmp_path / "best.json"
     p.write_text(json.dumps({"index": {"kappa": 2.0, "slope": 3.0, "a_edf": 1.5}, "shed_margin": 0.25}))
     env = TokenBatchVectorEnv(1, base_params=str(p), **SMALL)
-    from tokenbatch_env.engine import scoring as S
     ts = env.core.theta_star
     assert ts[S.I_KAPPA] == 2.0 and ts[S.I_SLOPE] == 3.0 and ts[S.I_A_EDF] == 1.5
     assert env.core.base_margin == 0.25
@@ -930,7 +929,6 @@ def test_without_the_shed_action_the_margin_stays_at_the_base(mode):
 # ---------------------------------------------------------------------------- weights action mode
 def test_weights_mode_spaces_check_env_and_mapping(tmp_path):
     from gymnasium.utils.env_checker import check_env
-    from tokenbatch_env.engine import scoring as S
     from tokenbatch_env.envs import WEIGHT_ACTION_NAMES
 
     env = gym.make("TokenBatch-v0", action_mode="weights", **SMALL)

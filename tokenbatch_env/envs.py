@@ -725,13 +725,16 @@ def _index_plan() -> _IndexPlan:
     if unknown:
         raise ValueError(f"index ranges of unknown scale: {unknown}")
     lin = [j for j, (_, _, sc) in enumerate(ranges) if sc == "linear"]
-    arrays = [np.array([_THETA_COL[n] for n in names]), np.array(lin),
-              np.array([ranges[j][1] - ranges[j][0] for j in lin])]
-    bounds = [np.array([r[0] for r in ranges]), np.array([r[1] for r in ranges])]
-    for v in arrays + bounds:
-        v.setflags(write=False)
-    return _IndexPlan(*arrays, tuple((j, math.log(hi / lo)) for j, (lo, hi, sc) in enumerate(ranges) if sc == "log"),
-                      tuple((j, math.log1p(hi)) for j, (lo, hi, sc) in enumerate(ranges) if sc == "log1p"), *bounds)
+    plan = _IndexPlan(
+        cols=np.array([_THETA_COL[n] for n in names]), lin=np.array(lin),
+        span=np.array([ranges[j][1] - ranges[j][0] for j in lin]),
+        logs=tuple((j, math.log(hi / lo)) for j, (lo, hi, sc) in enumerate(ranges) if sc == "log"),
+        log1ps=tuple((j, math.log1p(hi)) for j, (lo, hi, sc) in enumerate(ranges) if sc == "log1p"),
+        lo=np.array([r[0] for r in ranges]), hi=np.array([r[1] for r in ranges]))
+    for v in plan:
+        if isinstance(v, np.ndarray):
+            v.setflags(write=False)
+    return plan
 
 
 def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: Optional[float],
