@@ -6,6 +6,7 @@
     python benchmarks/bench_env.py --rho 2 3 --interval-ms 20   # less simulation per step
     python benchmarks/bench_env.py --threads 1 --no-sync --no-adapter   # native env alone, one engine thread
     python benchmarks/bench_env.py --breakdown --no-sync --no-adapter   # where (a)'s time goes
+    python benchmarks/bench_env.py --ceiling --no-sync --no-adapter     # (d): the speed-up the engine allows
 
 Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
   (a) native ``TokenBatchVectorEnv`` env-steps/s (copies x steps / wall seconds), alone (--steps);
@@ -25,6 +26,14 @@ Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
   (c) the SB3 adapter (``tokenbatch_env.sb3``, SAME_STEP) over the native env vs the raw native env
       in SAME_STEP mode, stepped alternately (same seeds and actions): env-steps/s and the adapter's
       overhead (total time, and the median of the per-step time ratios);
+  (d) --ceiling [ROUNDS]: the native env at its threads, the native env with one engine thread and
+      SyncVectorEnv, alternated in ROUNDS rounds (default 10) of --native-steps-per-round steps each
+      on the same actions: a SyncVectorEnv env-step, a native copy-step (its serial Python, its
+      resets, its threads' kernel time), and ``k1``, the compiled work per copy-step with one thread
+      (the kernel calls: engine, observations, rewards, episode metrics: what batching cannot remove,
+      and what the single env does too); the ceiling threads x SyncVectorEnv / k1 (the speed-up if
+      all else were free and the threads shared k1 perfectly), the rest the target allows, and the
+      k1 it needs with the rest as measured (``ceiling_model``);
   --breakdown: (a)'s wall time per copy-step split into the engine with the observations, rewards
       and episode metrics of the copies it advanced (``advance_to_decision``: each engine thread
       claims a batch of copies at a time, advances them, then observes and rewards them and computes
@@ -44,6 +53,9 @@ import numpy as np
 CONFIG = dict(suite="seed-200", split="train", profile="stress-512", rho=(0.8, 1.5))
 #: keywords of the native env beyond the config (``--threads``)
 ENV_KW: dict = {}
+
+#: the issue's speed target: native env-steps/s over SyncVectorEnv's, at TARGET_COPIES copies
+TARGET, TARGET_COPIES = 30.0, 1024
 
 
 def _actions(n: int, steps: int, seed: int = 0) -> np.ndarray:
@@ -180,6 +192,97 @@ def ratio_ci(native_s, sync_s, native_steps: int, sync_steps: int, level: float 
     return tuple(np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2]))
 
 
+def _timed_parts(env) -> dict:
+    """Wrap the native env's engine call (``advance_to_decision``), its resets (``reset_copies``, run
+    inside it in an engine thread) and its kernel calls (the functions ``map_groups`` runs with
+    ``split=False``: each engine thread's kernel, observations, rewards and episode metrics; summed
+    over the threads) to add up their wall seconds: returns the running totals."""
+    spent = {"advance": 0.0, "resets": 0.0, "kernel": 0.0}
+
+    def timer(fn, key):
+        def run(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return run
+    run = env.core.run
+    run.advance_to_decision = timer(run.advance_to_decision, "advance")
+    env.core.reset_copies = timer(env.core.reset_copies, "resets")
+    map_groups = run.map_groups
+
+    def timed_map_groups(fn, act, *args, split=True, **kw):
+        return map_groups(fn if split else timer(fn, "kernel"), act, *args, split=split, **kw)
+    run.map_groups = timed_map_groups
+    return spent
+
+
+def ceiling_model(k1: float, sync: float, native: float, native_kernel: float, threads: int,
+                  target: float = TARGET) -> dict:
+    """What the measured parts allow (all in us per env-step, i.e. per copy-step):
+
+    - ``k1``: the compiled work per copy-step with one engine thread (engine, observations, rewards,
+      episode metrics: the native env's kernel calls), which batching cannot remove; the single env
+      does the same work in its own kernel call each step;
+    - ``sync``: a SyncVectorEnv env-step; ``native``: a native copy-step with ``threads`` threads,
+      whose kernel calls took ``native_kernel`` (added up over the threads).
+
+    ``ceiling`` = threads * sync / k1: the speed-up if everything but that work cost nothing and the
+    threads shared it perfectly. ``share`` = native_kernel / k1: what sharing it costs. ``rest`` =
+    native - native_kernel / threads: the rest of a native copy-step (serial Python, the resets'
+    share, the threads' uneven ends). ``rest_allowed``: the rest at which ``target`` x is met with k1
+    and ``share`` as measured. ``k_needed``: the k1 that meets ``target`` x with ``rest``, ``share`` and
+    the single env's other work (sync - k1) held, i.e. native = k share / threads + rest and
+    sync = sync - k1 + k: (sync - k1 - target rest) / (target share / threads - 1); <= 0: not even
+    with free compiled work; None when target share <= threads (the model's ratio then rises with k)."""
+    share = native_kernel / k1
+    rest = native - native_kernel / threads
+    denom = target * share / threads - 1
+    return {"ceiling": threads * sync / k1, "share": share, "rest": rest, "budget": sync / target,
+            "rest_allowed": sync / target - k1 * share / threads,
+            "k_needed": None if denom <= 0 else (sync - k1 - target * rest) / denom}
+
+
+def bench_ceiling(n: int, rounds: int, steps: int, warm: int) -> dict:
+    """(d): the native env at its threads, the native env with one engine thread (its kernel calls:
+    the compiled work per copy-step, ``k1``) and SyncVectorEnv, alternated in rounds of ``steps``
+    steps each (same seeds and actions: the same trajectories, checked by the rewards, each env timed
+    on the same steps) so that all three see the same phases of the machine; then ``ceiling_model``
+    of their totals. (Resets laid out before an engine call rather than during it, rare at many
+    copies, count in both the serial Python and the resets.)"""
+    import gymnasium as gym
+
+    from tokenbatch_env.envs import TokenBatchEnv, TokenBatchVectorEnv, default_threads
+    threads = ENV_KW.get("threads", default_threads(n))
+    envs = {"native": TokenBatchVectorEnv(n, **CONFIG, **ENV_KW),
+            "one thread": TokenBatchVectorEnv(n, **CONFIG, **{**ENV_KW, "threads": 1}),
+            "sync": gym.vector.SyncVectorEnv([lambda: TokenBatchEnv(**CONFIG) for _ in range(n)],
+                                             autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)}
+    acts = _actions(n, warm + rounds * steps)
+    rew = {}
+    for name, env in envs.items():
+        env.reset(seed=0)
+        rew[name] = [np.asarray(env.step(a)[1]).copy() for a in acts[:warm]]
+    parts = {name: _timed_parts(envs[name]) for name in ("native", "one thread")}
+    spent = dict.fromkeys(envs, 0.0)
+    for r in range(rounds):
+        for name, env in envs.items():
+            t0 = time.perf_counter()
+            for a in acts[warm + r * steps:warm + (r + 1) * steps]:
+                rew[name].append(np.asarray(env.step(a)[1]).copy())
+            spent[name] += time.perf_counter() - t0
+    us = {name: 1e6 * spent[name] / (n * rounds * steps) for name in envs}
+    per = {name: {k: 1e6 * v / (n * rounds * steps) for k, v in p.items()} for name, p in parts.items()}
+    k1 = per["one thread"]["kernel"]
+    same = all(np.array_equal(a, b) and np.array_equal(a, c) for a, b, c in zip(*rew.values()))
+    return {"threads": threads, "k1": k1, "sync_us": us["sync"], "native_us": us["native"],
+            "one_thread_us": us["one thread"], "native_resets_us": per["native"]["resets"],
+            "native_serial_us": us["native"] - per["native"]["advance"], "native_kernel_us": per["native"]["kernel"],
+            "speedup": us["sync"] / us["native"], "same_rewards": same,
+            **ceiling_model(k1, us["sync"], us["native"], per["native"]["kernel"], threads)}
+
+
 def bench_adapter(n: int, steps: int, warm: int) -> dict:
     """(c): the SB3 adapter and the raw native env in SAME_STEP, same seeds and actions, stepped
     alternately (one step each, in turn first), so that both see the same phases of the machine."""
@@ -207,10 +310,6 @@ def bench_adapter(n: int, steps: int, warm: int) -> dict:
     return {"adapter_sps": n * steps / t_ad.sum(), "raw_sps": n * steps / t_raw.sum(),
             "step_ratio_median": float(np.median(t_ad / t_raw)),
             "same_rewards": all(np.array_equal(x, y) for x, y in zip(rew["adapter"], rew["raw"]))}
-
-
-#: the issue's speed target: native env-steps/s over SyncVectorEnv's, at TARGET_COPIES copies
-TARGET, TARGET_COPIES = 30.0, 1024
 
 
 def _versus_target(ratio: float, copies: int) -> str:
@@ -244,6 +343,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rho", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                     help="load range (default 0.8 1.5)")
     ap.add_argument("--interval-ms", type=float, default=None, help="decision_interval_ms (default 100)")
+    ap.add_argument("--ceiling", type=int, nargs="?", const=10, default=None, metavar="ROUNDS",
+                    help="(d): the native env at its threads, with one engine thread, and SyncVectorEnv alternated "
+                         "in ROUNDS rounds (default 10) of --native-steps-per-round steps each: the compiled work "
+                         "per copy-step and the speed-up it allows")
     ap.add_argument("--threads", type=int, default=None,
                     help="engine threads of the native env, (a) and (c) (default: the env's, the available "
                          "cores from 64 copies on); SyncVectorEnv's single envs use 1")
@@ -253,6 +356,8 @@ def main(argv=None) -> int:
     if a.paired < 0 or a.native_steps_per_round < 1 or a.sync_steps_per_round < 1:
         ap.error(f"--paired must be >= 0 (0: off), --native-steps-per-round and --sync-steps-per-round >= 1, "
                  f"got {a.paired}, {a.native_steps_per_round} and {a.sync_steps_per_round}")
+    if a.ceiling is not None and a.ceiling < 1:
+        ap.error(f"--ceiling must be >= 1 round, got {a.ceiling}")
     if a.steps < 1 or a.warm < 0 or a.copies < 1 or (a.sync_copies is not None and a.sync_copies < 1):
         ap.error(f"--copies, --sync-copies and --steps must be >= 1 and --warm >= 0, got {a.copies}, "
                  f"{a.sync_copies}, {a.steps} and {a.warm}")
@@ -295,6 +400,28 @@ def main(argv=None) -> int:
               f"{_versus_target(pr['native_sps'] / pr['sync_sps'], n)} (95% bootstrap interval over the rounds "
               f"{pr['ratio_ci'][0]:.1f}-{pr['ratio_ci'][1]:.1f}x; rounds: median {np.median(rr):.1f}x, "
               f"{rr.min():.1f}-{rr.max():.1f}x); same rewards: {pr['same_rewards']}")
+    if a.ceiling:
+        k = a.native_steps_per_round
+        c = bench_ceiling(n, a.ceiling, k, W)
+        th = c["threads"]
+        ths = f"{th} thread{'s' if th != 1 else ''}"
+        need = c["k_needed"]
+        if need is None:
+            verdict = f"the model does not apply ({TARGET:g}x x share <= {ths})"
+        elif need <= 0:
+            verdict = f"no k1 meets {TARGET:g}x with the rest as measured"
+        else:
+            verdict = (f"with the rest, the share and the single env's other work ({c['sync_us'] - c['k1']:.1f} us) "
+                       f"as measured, {TARGET:g}x needs k1 <= {need:.2f} us ({100 * (need / c['k1'] - 1):+.0f}%)")
+        print(f"(d) ceiling, {a.ceiling} rounds of {k} steps of each env ({n} copies), us per env-step: "
+              f"SyncVectorEnv {c['sync_us']:.1f}; native at {ths} {c['native_us']:.2f} (serial Python "
+              f"{c['native_serial_us']:.2f}, resets in one thread {c['native_resets_us']:.2f}, its threads' kernels "
+              f"{c['native_kernel_us']:.2f} = {c['share']:.2f} k1; speed-up {c['speedup']:.1f}x), at one thread "
+              f"{c['one_thread_us']:.2f}, of which the compiled work k1 {c['k1']:.2f} (the kernel calls: engine, "
+              f"observations, rewards, episode metrics). Ceiling {th} x SyncVectorEnv / k1 = {c['ceiling']:.1f}x "
+              f"(all else free, {ths} sharing k1 perfectly). {TARGET:g}x allows {c['budget']:.2f} us per native "
+              f"copy-step: the kernels' {c['native_kernel_us'] / th:.2f} + the rest {c['rest']:.2f} now, i.e. the "
+              f"rest at most {c['rest_allowed']:.2f}; {verdict}; same rewards: {c['same_rewards']}")
     if not a.no_adapter:
         ad = bench_adapter(n, T, W)
         print(f"(c) SB3 adapter, {n} copies, alternated step by step with the raw SAME_STEP env: "

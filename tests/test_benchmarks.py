@@ -101,3 +101,39 @@ def test_bench_env_paired_bad_input(capsys):
             bench.main(args + ["--no-adapter"])
         assert e.value.code == 2
         assert "--copies, --sync-copies and --steps must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--ceiling", "0", "--no-adapter"])
+    assert e.value.code == 2 and "--ceiling must be >= 1 round, got 0" in capsys.readouterr().err
+
+
+def test_bench_env_ceiling_tiny(capsys):
+    """``--ceiling``: the native env at its threads, with one thread, and SyncVectorEnv alternated on
+    the same actions and steps; the compiled work per copy-step and the speed-up it allows printed."""
+    bench = _load()
+    assert bench.main(["--copies", "3", "--steps", "2", "--warm", "1", "--no-sync", "--no-adapter", "--ceiling", "2",
+                       "--native-steps-per-round", "2"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("(d)"))
+    assert "(d) ceiling, 2 rounds of 2 steps of each env (3 copies)" in line and "native at 1 thread " in line
+    assert "Ceiling 1 x SyncVectorEnv / k1 = " in line and line.endswith("same rewards: True")
+    c = bench.bench_ceiling(3, 2, 3, 1)
+    assert c["same_rewards"] and c["threads"] == 1
+    assert 0 < c["k1"] < c["one_thread_us"] and 0 < c["native_kernel_us"] < c["native_us"]
+    assert c["native_resets_us"] >= 0 and c["native_serial_us"] > 0
+    assert c["ceiling"] == pytest.approx(c["sync_us"] / c["k1"])
+    assert c["speedup"] == pytest.approx(c["sync_us"] / c["native_us"])
+    assert c["rest"] == pytest.approx(c["native_us"] - c["native_kernel_us"])
+
+
+def test_ceiling_model():
+    """The model's k1 for the target meets the target, with the native env's rest and share and the
+    single env's other work held; the rest it allows meets it with k1 held; a rest too large for any
+    k1 gives k_needed <= 0; a target within the threads' share, None."""
+    bench = _load()
+    m = bench.ceiling_model(10.0, 160.0, 7.0, 11.0, 2)
+    assert m["ceiling"] == pytest.approx(32.0) and m["share"] == pytest.approx(1.1)
+    assert m["rest"] == pytest.approx(1.5) and m["budget"] == pytest.approx(160.0 / 30)
+    k = m["k_needed"]
+    assert 0 < k < 10.0 and (160.0 - 10.0 + k) / (k * 1.1 / 2 + 1.5) == pytest.approx(30.0)
+    assert 160.0 / (10.0 * 1.1 / 2 + m["rest_allowed"]) == pytest.approx(30.0)
+    assert bench.ceiling_model(10.0, 160.0, 11.0, 11.0, 2)["k_needed"] <= 0   # a rest of 5.5 us > 160/30
+    assert bench.ceiling_model(10.0, 160.0, 7.0, 11.0, 64)["k_needed"] is None   # 30 x 1.1 <= 64
