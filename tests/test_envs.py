@@ -713,10 +713,72 @@ def test_bad_actions():
     (dict(clip_actions="yes"), "clip_actions"), (dict(max_steps=0), "max_steps"),
     (dict(not_a_field=1), "valid config fields"),
     (dict(rho=(1e-12, 1.0)), "rho: a load of 1e-12 is too low for seed-200"),
+    (dict(rho=5e-324), "rho: a load of 5e-324 is too low for seed-200"),   # (its time factor overflows a float)
+    (dict(decision_interval_ms=1e13), r"decision_interval_ms: must be a finite number in \[1e-6, 1e\+09\]"),
+    (dict(max_iterations=10 ** 30), "max_iterations: must be at most 2"),
+    (dict(max_steps=2 ** 63), "max_steps: must be at most 2"),
+    (dict(predictor=3), "predictor: must be None, a kind"),
+    (dict(base_params="/nonexistent/best.json"), "base_params: file '/nonexistent/best.json' not found"),
 ])
 def test_bad_config(kw, field):
     with pytest.raises(ConfigError, match=field):
         TokenBatchEnv(**kw)
+
+
+def test_bad_config_objects_and_directories(tmp_path):
+    """A config that is not a TokenBatchConfig, unknown keywords beside one, and a directory given as
+    base_params: ConfigErrors that name what is wrong."""
+    with pytest.raises(ConfigError, match="config: must be a TokenBatchConfig .* got dict"):
+        TokenBatchVectorEnv(2, config={"window": 16})
+    with pytest.raises(ConfigError, match="unexpected keyword argument 'foo'; valid config fields: suite"):
+        TokenBatchVectorEnv(2, config=TokenBatchConfig(**SMALL), foo=1)
+    with pytest.raises(ConfigError, match=f"base_params: '{tmp_path}' is a directory, not a parameters JSON"):
+        TokenBatchVectorEnv(1, base_params=str(tmp_path), **SMALL)
+
+
+def test_bad_seeds_name_the_copy_and_seed_nothing():
+    """A bad seed (a float, a string, a negative one in a list) is refused before any copy is
+    seeded: the copies' generators go on as if the call had not been made."""
+    venv = TokenBatchVectorEnv(3, **SMALL)
+    venv.reset(seed=0)
+    for bad, msg in ((1.5, "seed: must be None, an integer or a sequence of 3"), ("3", "got '3'"),
+                     ([5, -1, 7], r"seed: must be an integer >= 0 or None, got -1 \(copy 1\)"),
+                     ([5, 2.5, None], "got 2.5")):
+        with pytest.raises(ConfigError, match=msg):
+            venv.reset(seed=bad)
+    ref = TokenBatchVectorEnv(3, **SMALL)
+    ref.reset(seed=0)
+    o1, i1 = venv.reset()
+    o2, i2 = ref.reset()
+    assert np.array_equal(o1, o2) and np.array_equal(i1["window_start"], i2["window_start"])
+    assert np.array_equal(i1["trace_index"], i2["trace_index"]) and np.array_equal(i1["rho"], i2["rho"])
+
+
+def test_actions_must_be_real_numbers():
+    """Strings (even numeric ones), objects and complex numbers are refused, not parsed or cut to
+    their real part; bools and integers are numbers."""
+    env = TokenBatchEnv(**SMALL)
+    env.reset(seed=0)
+    for bad in ("abc", {"a": 1}, np.array(["0.5"] * 8), np.zeros(8, complex), [0.0] * 7 + [None]):
+        with pytest.raises(ActionError, match="actions must be real numbers"):
+            env.step(bad)
+    venv = TokenBatchVectorEnv(2, **SMALL)
+    venv.reset(seed=0)
+    with pytest.raises(ActionError, match="actions must be numbers, got list"):
+        venv.step([[0.0] * 8, [0.0] * 7])
+    with pytest.raises(ActionError, match=r"action 2\.0 at copy 1, dimension 3 \(theta\) is outside"):
+        venv.step(np.array([[0.0] * 8, [0, 0, 0, 2, 0, 0, 0, 0]]))
+    for ok in (np.zeros(8, bool), np.zeros(8, int), [0] * 8):
+        env.reset(seed=0)
+        env.step(ok)
+
+
+def test_single_env_reset_options():
+    env = TokenBatchEnv(**SMALL)
+    env.reset(seed=0, options={"reset_mask": np.ones(1, bool)})   # (a vector env's option: ignored)
+    for bad in ({"foo": 1}, "reset_mask"):
+        with pytest.raises(ConfigError, match="reset options: none are supported"):
+            env.reset(options=bad)
 
 
 def test_config_accepts_names():

@@ -100,6 +100,25 @@ def test_adapter_attr_methods():
     assert v.env_method("close", indices=0) == [None]
     with pytest.raises(ConfigError):
         make_sb3_vec_env(2, autoreset_mode="NEXT_STEP", **SMALL)
+    with pytest.raises(ConfigError, match="autoreset_mode: must be one of"):
+        make_sb3_vec_env(2, autoreset_mode="sometimes", **SMALL)
+
+
+def test_adapter_actions_checked_and_spellings():
+    """The adapter takes SAME_STEP in every spelling the config takes, and refuses actions of the
+    wrong size or kind with ActionError (not NumPy's reshape error)."""
+    from tokenbatch_env.envs import ActionError
+    v = make_sb3_vec_env(3, autoreset_mode="same-step", **SMALL)
+    v.reset()
+    for bad, msg in ((np.zeros((3, 7)), r"actions must have shape \(3, 8\), got \(3, 7\)"),
+                     (np.array([["x"] * 8] * 3), "actions must be real numbers")):
+        with pytest.raises(ActionError, match=msg):
+            v.step_async(bad)
+    a = np.zeros((3, 8))
+    v.step_async(a)
+    a[:] = 0.5   # (the adapter keeps its own copy)
+    assert not v._actions.any()
+    v.step_wait()
 
 
 @pytest.mark.slow

@@ -97,6 +97,24 @@ def _is_num(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
+def autoreset_mode_of(value) -> AutoresetMode:
+    """``value`` as a ``gymnasium.vector.AutoresetMode`` (the member, or its name or value in any
+    case, ``-`` for ``_``), else ``ConfigError``."""
+    am = value
+    if isinstance(am, str):
+        by_name = {m.name.lower(): m for m in AutoresetMode} | {m.value.lower(): m for m in AutoresetMode}
+        am = by_name.get(am.lower().replace("-", "_"), am)
+    if not isinstance(am, AutoresetMode):
+        raise ConfigError(f"autoreset_mode: must be one of {[m.name for m in AutoresetMode]} "
+                          f"(gymnasium.vector.AutoresetMode), got {value!r}")
+    return am
+
+
+#: bounds of the counts and the decision interval (the engine's clocks and counters are int64)
+_MAX_COUNT = 2 ** 62
+_MAX_INTERVAL_MS = 1e9
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenBatchConfig:
     """Everything that defines a TokenBatch-v0 environment (validated; ConfigError names the field).
@@ -150,23 +168,20 @@ class TokenBatchConfig:
             v = getattr(self, f)
             if not _is_int(v) or v < low:
                 raise ConfigError(f"{f}: must be an integer >= {low}, got {v!r}")
+            if v > _MAX_COUNT:   # (the engine counts in int64)
+                raise ConfigError(f"{f}: must be at most 2**62, got {v!r}")
             set_(f, int(v))
         d = self.decision_interval_ms
-        if not _is_num(d) or not math.isfinite(float(d)) or float(d) <= 0 or float(d) * 1e6 < 1:
-            raise ConfigError(f"decision_interval_ms: must be a positive finite number (>= 1e-6), got {d!r}")
+        if (not _is_num(d) or not math.isfinite(float(d)) or float(d) <= 0 or float(d) * 1e6 < 1
+                or float(d) > _MAX_INTERVAL_MS):
+            raise ConfigError(f"decision_interval_ms: must be a finite number in [1e-6, {_MAX_INTERVAL_MS:g}] "
+                              f"(ms), got {d!r}")
         set_("decision_interval_ms", float(d))
         if self.action_mode not in ACTION_MODES:
             raise ConfigError(f"action_mode: must be one of {ACTION_MODES}, got {self.action_mode!r}")
         if self.reward_mode not in REWARD_MODES:
             raise ConfigError(f"reward_mode: must be one of {REWARD_MODES}, got {self.reward_mode!r}")
-        am = self.autoreset_mode
-        if isinstance(am, str):
-            by_name = {m.name.lower(): m for m in AutoresetMode} | {m.value.lower(): m for m in AutoresetMode}
-            am = by_name.get(am.lower().replace("-", "_"), am)
-        if not isinstance(am, AutoresetMode):
-            raise ConfigError(f"autoreset_mode: must be one of {[m.name for m in AutoresetMode]} "
-                              f"(gymnasium.vector.AutoresetMode), got {self.autoreset_mode!r}")
-        set_("autoreset_mode", am)
+        set_("autoreset_mode", autoreset_mode_of(self.autoreset_mode))
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise ConfigError(f"seed: must be None or an integer >= 0, got {self.seed!r}")
         if self.base_params is not None and not isinstance(self.base_params, str):
@@ -181,7 +196,10 @@ class TokenBatchConfig:
                 raise ConfigError(f"{f}: must be a bool, got {getattr(self, f)!r}")
             set_(f, bool(getattr(self, f)))
         if self.predictor is not None:
-            from .predictors import PredictorSpec
+            from .predictors import KINDS, PredictorSpec
+            if not isinstance(self.predictor, (str, dict, PredictorSpec)):
+                raise ConfigError(f"predictor: must be None, a kind ({', '.join(KINDS)}) or a dict with kind, "
+                                  f"sigma and seed, got {self.predictor!r}")
             try:
                 set_("predictor", PredictorSpec.from_dict(self.predictor))
             except (TypeError, ValueError) as e:
@@ -1079,8 +1097,8 @@ class _Core:
         # base parameters theta* and shed margin
         weights = LinearWeights()
         if cfg.base_params is not None:
-            params, margins = load_params_file(cfg.base_params)
-            weights = load_weights(cfg.base_params) or weights
+            params, margins = load_params_file(cfg.base_params, "base_params")
+            weights = load_weights(cfg.base_params, "base_params") or weights
             margin = dict(margins).get("index" if cfg.action_mode == "index" else "weights", cfg.shed_margin)
             margin = None if margin is None or math.isinf(margin) else float(margin)
         else:
@@ -1400,6 +1418,18 @@ class _Core:
 
 
 # ------------------------------------------------------------------ the vector env
+def _as_numbers(actions) -> np.ndarray:
+    """``actions`` as a new float64 array, or ``ActionError`` if they are not real numbers (strings,
+    complex numbers and objects are refused, not parsed or truncated)."""
+    try:
+        arr = np.asarray(actions)
+    except (TypeError, ValueError):   # (ragged sequences)
+        raise ActionError(f"actions must be numbers, got {type(actions).__name__}") from None
+    if arr.dtype.kind not in "biuf":
+        raise ActionError(f"actions must be real numbers, got {type(actions).__name__} of dtype {arr.dtype}")
+    return np.array(arr, dtype=np.float64)
+
+
 def _add(infos: dict, info: dict, rows: np.ndarray, n: int) -> None:
     """Gymnasium's vector info convention: ``info[key]`` an array over copies, ``info['_key']`` its
     mask; ``info`` holds one array per key over the copies ``rows``."""
@@ -1443,17 +1473,16 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
     def __init__(self, num_envs: int = 1, config: Optional[TokenBatchConfig] = None, *,
                  max_episode_steps: Optional[int] = None, render_mode: Optional[str] = None,
                  threads: Optional[int] = None, **kwargs):
-        if config is None:
-            if max_episode_steps is not None:
-                kwargs.setdefault("max_steps", max_episode_steps)
-            try:
-                config = TokenBatchConfig(**kwargs)
-            except TypeError as e:
-                valid = [f.name for f in dataclasses.fields(TokenBatchConfig)]
-                raise ConfigError(f"{e}; valid config fields: {', '.join(valid)}") from None
-        elif kwargs or max_episode_steps is not None:
-            config = dataclasses.replace(config, **kwargs,
-                                         **({} if max_episode_steps is None else {"max_steps": max_episode_steps}))
+        if config is not None and not isinstance(config, TokenBatchConfig):
+            raise ConfigError(f"config: must be a TokenBatchConfig (or pass its fields as keywords), got "
+                              f"{type(config).__name__}")
+        if max_episode_steps is not None:
+            kwargs.setdefault("max_steps", max_episode_steps)
+        try:
+            config = TokenBatchConfig(**kwargs) if config is None else dataclasses.replace(config, **kwargs)
+        except TypeError as e:
+            valid = [f.name for f in dataclasses.fields(TokenBatchConfig)]
+            raise ConfigError(f"{e}; valid config fields: {', '.join(valid)}") from None
         if render_mode is not None:
             raise ConfigError(f"render_mode: TokenBatch has no renderer; got {render_mode!r}")
         self.render_mode = None
@@ -1493,10 +1522,18 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
         if seed is not None:
             if _is_int(seed):
                 seeds = [int(seed) + i for i in range(n)]
+            elif isinstance(seed, (str, bytes)) or not isinstance(seed, (Sequence, np.ndarray)):
+                raise ConfigError(f"seed: must be None, an integer or a sequence of {n} (integers or None), "
+                                  f"got {seed!r}")
             else:
                 seeds = list(seed)
                 if len(seeds) != n:
                     raise ConfigError(f"seed: expected an int or {n} seeds, got {len(seeds)}")
+            # every seed checked before any copy is seeded (a bad one leaves all generators as they were)
+            for c, s in enumerate(seeds):
+                if s is not None and (not _is_int(s) or s < 0):
+                    raise ConfigError(f"seed: must be an integer >= 0 or None, got {s!r}"
+                                      + (f" (copy {c})" if n > 1 else ""))
             self.core.seed_copies(rows, [seeds[c] for c in rows])
         self.core.reset_copies(rows)
         self._needs_reset[rows] = False
@@ -1509,10 +1546,7 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
     # -------------------------------------------------------------- step
     def _check_actions(self, actions) -> np.ndarray:
         n, d = self.num_envs, self.core.action_dim
-        try:
-            a = np.array(actions, dtype=np.float64)
-        except (TypeError, ValueError):
-            raise ActionError(f"actions must be numbers, got {type(actions).__name__}") from None
+        a = _as_numbers(actions)
         if a.shape != (n, d):
             raise ActionError(f"actions must have shape ({n}, {d}) (copies x {', '.join(self.core.action_names)}), "
                               f"got {a.shape}")
@@ -1523,8 +1557,9 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
         if bad.any():
             if not self.config.clip_actions:
                 c, j = np.argwhere(bad)[0]
-                raise ActionError(f"action {a[c, j]!r} at copy {c}, dimension {j} ({self.core.action_names[j]}) is "
-                                  f"outside [-1, 1]; pass clip_actions=True to clip instead")
+                raise ActionError(f"action {float(a[c, j])!r} at copy {c}, dimension {j} "
+                                  f"({self.core.action_names[j]}) is outside [-1, 1]; pass clip_actions=True to "
+                                  f"clip instead")
             a = np.clip(a, -1.0, 1.0)
         return a
 
@@ -1661,9 +1696,13 @@ class TokenBatchEnv(gym.Env):
     the held action, rewards accumulate) while fewer than 2 requests wait and nothing is sheddable
     (no waiting request with negative slack, shedding on). Terminated: every scored request has
     ended. Truncated: ``max_steps`` decision steps or ``max_iterations`` engine iterations; the open
-    scored requests count as not met. At episode end ``info`` carries ``episode_goodput``,
+    scored requests count as not met. (Cap the steps with ``max_steps``: ``gym.make``'s
+    ``max_episode_steps`` adds Gymnasium's ``TimeLimit`` wrapper, which truncates from outside, so
+    the open requests do not count and no episode metrics appear; the vector entry point's
+    ``max_episode_steps`` is ``max_steps``.) At episode end ``info`` carries ``episode_goodput``,
     ``episode_met``, ``episode_shed``, ``episode_timed_out``, ``episode_unfinished``,
-    ``episode_ttft_p99_ms`` (+inf when a request never got a first token), ``episode_return``,
+    ``episode_ttft_p99_ms`` and ``episode_tpot_p99_ms`` (percentiles over the scored requests, a request
+    without a first token counting as +inf TTFT and one not completed as +inf TPOT), ``episode_return``,
     ``episode_length``, ``episode_rho`` and more; ``reset`` info gives ``rho``, ``trace_index``
     and ``window_start``.
 
@@ -1714,13 +1753,14 @@ class TokenBatchEnv(gym.Env):
 
     def reset(self, *, seed: Optional[int] = None, options: Optional[dict] = None):
         super().reset(seed=seed)
-        if options is not None and set(options) - {"reset_mask"}:
-            raise ConfigError(f"reset options: none are supported, got {options!r}")
+        if options is not None and (not isinstance(options, dict) or set(options) - {"reset_mask"}):
+            raise ConfigError(f"reset options: none are supported (a vector env's 'reset_mask' is accepted and "
+                              f"ignored), got {options!r}")
         obs, infos = self._vec.reset(seed=None if seed is None else [seed])
         return obs[0], self._unbatch(infos)
 
     def step(self, action):
-        a = np.asarray(action, dtype=np.float64) if not isinstance(action, np.ndarray) else action
+        a = _as_numbers(action)
         if a.shape != (self._vec.core.action_dim,):
             raise ActionError(f"action must have shape ({self._vec.core.action_dim},) "
                               f"({', '.join(self._vec.core.action_names)}), got {np.shape(a)}")

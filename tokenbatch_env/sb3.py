@@ -15,6 +15,7 @@ was truncated (step or iteration cap) rather than terminated. Episode metrics (`
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import numpy as np
@@ -61,6 +62,7 @@ def sb3_vec_env_class():
     from gymnasium.vector import AutoresetMode
     from stable_baselines3.common.vec_env import VecEnv
 
+    from .envs import ActionError, _as_numbers
     from .errors import ConfigError
 
     class TokenBatchSB3VecEnv(VecEnv):
@@ -88,8 +90,11 @@ def sb3_vec_env_class():
             return np.array(obs, copy=True)
 
         def step_async(self, actions: np.ndarray) -> None:
-            self._actions = np.array(actions, dtype=np.float64, copy=True).reshape(
-                self.num_envs, *self.action_space.shape)
+            a = _as_numbers(actions)   # (a new array: the caller's is never kept)
+            shape = (self.num_envs, *self.action_space.shape)
+            if a.size != math.prod(shape):
+                raise ActionError(f"actions must have shape {shape}, got {a.shape}")
+            self._actions = a.reshape(shape)
 
         def step_wait(self):
             if self._actions is None:
@@ -144,9 +149,9 @@ def make_sb3_vec_env(num_envs: int = 1, **config):
     and ``threads``, the native env's engine threads; ``autoreset_mode`` is forced to SAME_STEP)."""
     from gymnasium.vector import AutoresetMode
 
-    from .envs import TokenBatchVectorEnv
+    from .envs import TokenBatchVectorEnv, autoreset_mode_of
     am = config.pop("autoreset_mode", AutoresetMode.SAME_STEP)
-    if am not in (AutoresetMode.SAME_STEP, "SAME_STEP", "same_step", "SameStep"):
+    if autoreset_mode_of(am) != AutoresetMode.SAME_STEP:
         from .errors import ConfigError
         raise ConfigError(f"autoreset_mode: the SB3 adapter needs SAME_STEP, got {am!r}")
     venv = TokenBatchVectorEnv(num_envs, autoreset_mode=AutoresetMode.SAME_STEP, **config)
