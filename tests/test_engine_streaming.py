@@ -175,6 +175,25 @@ def test_cli_records_csv_equals_records(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_cli_refuses_an_output_that_is_its_input_or_the_other_output(tmp_path, capsys):
+    """``--records``/``--iterations`` naming the input trace, or the same file as each other (however
+    spelled), exit 2 before the run and leave the files as they were."""
+    path = tmp_path / "t.npz"
+    save_npz(scale_to_rate(_trace(), 8.0), path)
+    before = path.read_bytes()
+    assert main(["simulate", "--trace", str(path), "--records", str(path)]) == 2
+    assert "--records " + str(path) + ": the same file as --trace" in capsys.readouterr().err
+    assert path.read_bytes() == before
+    out = tmp_path / "o.csv"
+    assert main(["simulate", "--trace", str(path), "--records", str(out),
+                 "--iterations", str(tmp_path / "." / "o.csv")]) == 2
+    assert ": the same file as --records" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]
+    assert main(["simulate", "--trace", str(path), "--rho", "1e-12"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenbatch: error: --rho 1e-12: a load too low for this trace") and err.count("\n") == 1
+
+
 def test_failed_run_leaves_no_records_file(tmp_path, monkeypatch):
     path = tmp_path / "t.npz"
     save_npz(scale_to_rate(_trace(), 8.0), path)

@@ -155,6 +155,8 @@ def test_params_file(tmp_path):
     p.write_text(json.dumps({"index": {"kappa": 2.0}, "shed_margin": 0.5, "edf": {"shed_margin": 0.25}}))
     params, margins = ev.load_params_file(str(p))
     assert params.kappa == 2.0 and dict(margins) == {"index": 0.5, "edf": 0.25}
+    p.write_text('{"shed_margin": null, "edf": {"shed_margin": null}, "sjf": {"shed_margin": "inf"}}')
+    assert dict(ev.load_params_file(str(p))[1]) == {"index": math.inf, "edf": math.inf, "sjf": math.inf}
     p.write_text('{"index": {"kappa": NaN}}')
     with pytest.raises(PolicyError):
         ev.load_params_file(str(p))
@@ -239,6 +241,25 @@ def test_goodput_matches_direct_simulation(tiny_report):
     assert row["goodput_per_unit"] == pytest.approx(g, rel=1e-5)
 
 
+def test_manifest_lambda_sat_only_for_the_shipped_profile(tmp_path):
+    """The suite manifest's lambda_sat is the shipped profile's: a profile under that name with other
+    fields (a file reusing the name, or engine overrides) has its saturation rate measured."""
+    from tokenbatch_env.engine.profiles import load_profile
+    from tokenbatch_env.engine.state import EngineConfig
+    cfg = ev.BenchConfig(**TINY)
+    shipped = load_profile(cfg.profile)
+    wl = ev.prepare_workload(cfg, shipped)
+    assert wl.lambda_sat_source == f"suite manifest ({cfg.profile})"
+    smaller = EngineConfig(num_blocks=128).resolve(shipped)
+    f = tmp_path / "mine.json"
+    f.write_text(json.dumps(smaller.to_dict()))
+    mine = load_profile(str(f))
+    assert mine.name == cfg.profile and not ev._is_shipped(mine) and ev._is_shipped(load_profile(cfg.profile))
+    wl2 = ev.prepare_workload(cfg, mine)
+    assert "measured" in wl2.lambda_sat_source and "differs from it" in wl2.lambda_sat_source
+    assert wl2.lambda_sat < 0.6 * wl.lambda_sat   # a quarter of the KV blocks: a lower saturation rate
+
+
 def _inputs(cfg):
     from tokenbatch_env.engine.profiles import load_profile
     prof = cfg.engine.resolve(load_profile(cfg.profile))
@@ -300,6 +321,31 @@ def test_a_directory_in_a_report_file_place_is_refused_before_any_file_moves(tin
     assert sorted(p.name for p in old.iterdir()) == ["report.json", "report.md"]
     assert (old / "report.json").read_text() == "old"
 
+
+
+def test_a_full_disk_is_an_output_error_and_leaves_nothing(tmp_path):
+    """A write that fails for lack of space (or quota, or an I/O error) raises ``OutputError`` naming
+    the target, not the OSError's traceback, and leaves neither the target nor a temporary file;
+    other errors pass through as they are."""
+    import errno
+    import os
+
+    from tokenbatch_env import _io
+    from tokenbatch_env.errors import OutputError
+
+    def full(tmp):
+        tmp.write_text("partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    target = tmp_path / "out.csv"
+    with pytest.raises(OutputError, match=f"{target}: cannot write: No space left on device"):
+        _io.write_with(target, full)
+    assert list(tmp_path.iterdir()) == []
+
+    def other(tmp):
+        raise OSError(errno.EACCES, "denied")
+    with pytest.raises(PermissionError):
+        _io.write_with(target, other)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_atomic_write_syncs_the_file_before_its_name_and_the_directory_after(tmp_path, monkeypatch):

@@ -42,6 +42,21 @@ def test_info_text(capsys):
     assert "burstiness" in out and "prefix" in out and "dropped failed 0" in out
 
 
+def test_info_of_an_empty_trace(capsys, tmp_path):
+    """A canonical CSV with its header and no rows is an empty trace: ``info`` says so ("n/a" where a
+    statistic needs requests; None in JSON), it does not fail inside NumPy."""
+    f = tmp_path / "empty.csv"
+    header = (FIX / "canonical_ok.csv").read_text().splitlines()[1]
+    f.write_text('# tokenbatch-trace v1 {"block_size": 16, "name": "e", "source": "t", "slos": true}\n' + header + "\n")
+    assert len(tio.load_csv(f)) == 0
+    code, out, err = run(capsys, "info", f)
+    assert code == 0 and err == "" and "requests        0" in out
+    assert "SLOs            TTFT n/a..n/a ms (p50 n/a), TPOT n/a..n/a ms (p50 n/a)" in out
+    code, out, _ = run(capsys, "info", f, "--json")
+    s = json.loads(out)
+    assert code == 0 and s["requests"] == 0 and s["ttft_slo_ms"] == {"min": None, "p50": None, "max": None}
+
+
 def test_info_json_reports_dropped_rows(capsys):
     code, out, _ = run(capsys, "info", FIX / "burstgpt_ok.csv", "--json")
     assert code == 0

@@ -5,12 +5,17 @@ never an empty one)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
 from .errors import OutputError
+
+
+#: errors of writing the data itself (the disk or quota full, a file too large, an I/O error)
+_WRITE_ERRNOS = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG", "EIO") if hasattr(errno, n))
 
 
 def _cannot_write(path, e: OSError, what: str = "") -> OutputError:
@@ -55,9 +60,11 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
         except OSError as e:
             raise _cannot_write(path, e) from None
         _fsync(path.parent, directory=True)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
+        if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:   # (a full disk: no traceback)
+            raise _cannot_write(path, e) from None
         raise
 
 

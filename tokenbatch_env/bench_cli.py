@@ -20,9 +20,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default=None, help="suite split (default test)")
     p.add_argument("--profile", default="stress-512", help="engine profile (tokenbatch profiles list)")
     p.add_argument("--policies", default="fcfs,sjf,edf,llf,index",
-                   help="comma-separated: fcfs,priority,sjf,srpt-oracle,edf,llf,empirical-gittins,index (default "
-                        "fcfs,sjf,edf,llf,index; fcfs and edf+shed are always added as baselines; index+shed for "
-                        "seed-200's primary endpoint)")
+                   help="comma-separated: fcfs,priority,sjf,srpt-oracle,edf,llf,empirical-gittins,index,weights "
+                        "(default fcfs,sjf,edf,llf,index; fcfs and edf+shed are always added as baselines; index+shed "
+                        "for seed-200's primary endpoint)")
     p.add_argument("--shed", action="store_true", help="add a +shed row for every policy")
     p.add_argument("--loads", default="0.6,0.8,1.0,1.2,1.5,2.0",
                    help="comma-separated rho values (x lambda_sat; default 0.6,0.8,1.0,1.2,1.5,2.0)")

@@ -216,7 +216,7 @@ def load_params_file(path: str, what: str = "--params") -> tuple:
     margins = {}
 
     def margin(v, who):
-        if v == "inf":
+        if v is None or v == "inf":   # (null, like inf: no shedding)
             v = math.inf
         try:
             check_shed_margin(v)
@@ -447,6 +447,16 @@ def _class_names(spec_sla, n_hint: int) -> list:
         return [f"class {i}" for i in range(n_hint)]
 
 
+def _is_shipped(profile) -> bool:
+    """Whether ``profile`` is the shipped profile of its name, field for field (a suite manifest's
+    ``lambda_sat`` is keyed by name: a file reusing a shipped name, or a profile with engine
+    overrides applied, has its own saturation rate)."""
+    from .engine.profiles import is_profile_file, list_profiles, load_profile
+    if is_profile_file(profile.name) or profile.name not in list_profiles():
+        return False
+    return load_profile(profile.name).to_dict() == profile.to_dict()
+
+
 def prepare_workload(cfg: BenchConfig, profile) -> Workload:
     from .predictors import PredictorSpec, ResidualLife
 
@@ -464,12 +474,15 @@ def prepare_workload(cfg: BenchConfig, profile) -> Workload:
         train = suite.traces(train_split)
         notes = []
         lam = suite.lambda_sat.get(profile.name)
-        if lam is not None:
+        shipped = lam is None or _is_shipped(profile)
+        if lam is not None and shipped:
             lam, src = float(lam), f"suite manifest ({profile.name})"
         else:
             lam = _measure_lambda(train, profile, cfg.engine)
             src = (f"measured (measure_lambda_sat, FCFS backlogged) on {min(len(train), LAMBDA_SAT_TRACES)} "
-                   f"{train_split} traces: the manifest has no entry for {profile.name}")
+                   f"{train_split} traces: " + (f"the manifest has no entry for {profile.name}" if shipped else
+                                                 f"the manifest's entry for {profile.name} is the shipped profile's, "
+                                                 f"and this one differs from it"))
         rl = ResidualLife.from_lengths(np.concatenate([t.output_tokens for t in train])).table
         t_ref = suite.t_ref_ns
         if t_ref is None:

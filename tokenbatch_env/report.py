@@ -378,6 +378,11 @@ def write_report(report, out_dir) -> list:
                 os.replace(tmp / name, out / name)
         done = True
         return [out / n for n in REPORT_FILES]
+    except OSError as e:
+        from ._io import _WRITE_ERRNOS, _cannot_write
+        if e.errno in _WRITE_ERRNOS:   # (a full disk: an OutputError, not a traceback)
+            raise _cannot_write(out, e) from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if created and not done:

@@ -6,11 +6,12 @@ import argparse
 import contextlib
 import csv
 import json
+import os
 
 import numpy as np
 
 from .._io import atomic_path
-from ..errors import ConfigError
+from ..errors import ConfigError, TraceError
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -68,8 +69,12 @@ def run(args) -> int:
 
     from .._io import check_writable
 
+    seen = {os.path.realpath(args.trace): "--trace"}
     for opt, out in (("--records", args.records), ("--iterations", args.iterations)):
         if out is not None:
+            other = seen.setdefault(os.path.realpath(out), opt)
+            if other != opt:   # (one would replace the other, or the input trace)
+                raise ConfigError(f"{opt} {out}: the same file as {other}")
             check_writable(out, opt)   # before the run, not after it
     trace, report = load_trace(args.trace, args.format)
     profile = load_profile(args.profile)
@@ -88,7 +93,10 @@ def run(args) -> int:
     lam = None
     if args.rho is not None:
         lam = measure_lambda_sat(trace, profile, config)
-        trace = scale_to_rate(trace, args.rho * lam)
+        try:
+            trace = scale_to_rate(trace, args.rho * lam)
+        except (ConfigError, TraceError) as e:   # (its times stretched beyond the engine's int64 ns)
+            raise ConfigError(f"--rho {args.rho:g}: a load too low for this trace ({e})") from None
     def end_state_names(cols):
         return dict(cols, end_state=np.array([END_STATE_NAMES[i] for i in cols["end_state"]]))
 

@@ -130,11 +130,10 @@ def summarize(trace: Trace, report=None) -> dict:
         "priorities": int(np.unique(trace.priority).size),
         "digest": trace.digest,
     }
-    if trace.has_slos:
-        out["ttft_slo_ms"] = {k: float(np.quantile(trace.ttft_slo_ns, q)) / 1e6 for k, q in
-                              (("min", 0.0), ("p50", 0.5), ("max", 1.0))}
-        out["tpot_slo_ms"] = {k: float(np.quantile(trace.tpot_slo_ns, q)) / 1e6 for k, q in
-                              (("min", 0.0), ("p50", 0.5), ("max", 1.0))}
+    if trace.has_slos:   # (an empty trace has none to summarise: None, like the length quantiles)
+        for key, v in (("ttft_slo_ms", trace.ttft_slo_ns), ("tpot_slo_ms", trace.tpot_slo_ns)):
+            out[key] = {k: float(np.quantile(v, q)) / 1e6 if n else None
+                        for k, q in (("min", 0.0), ("p50", 0.5), ("max", 1.0))}
     if report is not None:
         out["load"] = {"format": report.format, "rows_read": report.rows_read,
                        "dropped_failed": report.dropped_failed, "dropped": report.dropped}
@@ -173,8 +172,9 @@ def _info(args) -> int:
                  f"(infinite cache, block size {s['block_size']})")
     if s["has_slos"]:
         t1, t2 = s["ttft_slo_ms"], s["tpot_slo_ms"]
-        lines.append(f"SLOs            TTFT {t1['min']:.4g}..{t1['max']:.4g} ms (p50 {t1['p50']:.4g}), "
-                     f"TPOT {t2['min']:.4g}..{t2['max']:.4g} ms (p50 {t2['p50']:.4g})")
+        lines.append(f"SLOs            TTFT {_fmt(t1['min'], '.4g')}..{_fmt(t1['max'], '.4g')} ms (p50 "
+                     f"{_fmt(t1['p50'], '.4g')}), TPOT {_fmt(t2['min'], '.4g')}..{_fmt(t2['max'], '.4g')} ms "
+                     f"(p50 {_fmt(t2['p50'], '.4g')})")
     else:
         lines.append("SLOs            none (assigned by a seeded SLA rule at run time)")
     lines.append(f"classes         {s['classes']} class ids, {s['priorities']} priority levels")
