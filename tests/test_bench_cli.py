@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -78,6 +79,25 @@ def test_real_trace_windows(tmp_path, capsys, shared):
     assert d["workload"]["kind"] == "trace" and d["workload"]["bootstrap"].startswith("moving-block")
     assert d["primary_endpoint"] is None
     assert d["workload"]["requests_scored"] <= 400
+
+
+def test_short_last_window_is_noted(tmp_path):
+    """A trace file's windows tile its scored requests: a last window shorter than --windows is
+    said in the report's notes, not scored as if it were whole."""
+    import numpy as np
+
+    from tokenbatch_env import evaluate as ev
+    from tokenbatch_env.engine.profiles import load_profile
+    from tokenbatch_env.traces.io import save_npz
+    from tokenbatch_env.traces.suites import load_suite
+    path = tmp_path / "t.npz"
+    save_npz(load_suite("seed-200").traces("train")[0].subset(np.arange(150)), path)
+    cfg = ev.BenchConfig(trace_file=str(path), windows=100, warmup=0, cooldown=0, loads=(1.0,),
+                         policies=("fcfs",), bootstrap_b=200, progress=False)
+    wl = ev.prepare_workload(cfg, load_profile("stress-512"))
+    assert "1 of 2 windows hold fewer than 100 scored requests (the trace's last ones: 50)" in wl.notes
+    whole = ev.prepare_workload(dataclasses.replace(cfg, windows=75), load_profile("stress-512"))
+    assert not [n for n in whole.notes if "fewer than" in n]
 
 
 @pytest.mark.parametrize("argv, needle", [

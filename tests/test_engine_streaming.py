@@ -235,6 +235,15 @@ def test_cli_json_is_standard_and_names_both_digests(tmp_path, capsys):
     assert main(["simulate", "--trace", str(path), "--rho", "1.2", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["file_digest"] == trace.digest != d["trace_digest"]   # rescaled to rho 1.2
+    # the profile's content digest: a profile file under a shipped name (other blocks) differs
+    from tokenbatch_env.engine.profiles import load_profile
+    from tokenbatch_env.engine.state import EngineConfig
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(EngineConfig(num_blocks=128).resolve(load_profile("stress-512")).to_dict()))
+    assert main(["simulate", "--trace", str(path), "--profile", str(prof), "--json"]) == 0
+    d2 = json.loads(capsys.readouterr().out)
+    assert d2["profile"] == d["profile"] == "stress-512" and len(d["profile_digest"]) == 64
+    assert d2["profile_digest"] != d["profile_digest"]
 
 
 def test_cli_bad_numbers_name_the_flag(tmp_path, capsys):
@@ -242,6 +251,7 @@ def test_cli_bad_numbers_name_the_flag(tmp_path, capsys):
     save_npz(_trace(), path)
     for argv, msg in ((["--max-wait-ms", "-5"], "--max-wait-ms must be a positive number of ms, got -5.0"),
                       (["--max-wait-ms", "nan"], "--max-wait-ms must be a positive number of ms, got nan"),
-                      (["--rho", "0"], "--rho must be a positive number, got 0.0")):
+                      (["--rho", "0"], "--rho must be a positive number, got 0.0"),
+                      (["--sla-seed", "-1"], "--sla-seed must be an integer >= 0, got -1")):
         assert main(["simulate", "--trace", str(path), *argv]) == 2
         assert capsys.readouterr().err == f"tokenbatch: error: {msg}\n"

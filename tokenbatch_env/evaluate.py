@@ -510,6 +510,10 @@ def prepare_workload(cfg: BenchConfig, profile) -> Workload:
     if not wins:
         raise ConfigError(f"trace {cfg.trace_file!r}: no window of {cfg.windows} scored requests fits "
                           f"(warmup {cfg.warmup}, cooldown {cfg.cooldown}, {len(trace)} requests)")
+    short = [w for w in wins if w.scored_stop - w.scored_start < cfg.windows]
+    if short:   # (cut_windows tiles the whole scored region: the last window may hold fewer requests)
+        notes.append(f"{len(short)} of {len(wins)} windows hold fewer than {cfg.windows} scored requests "
+                     f"(the trace's last ones: {', '.join(str(w.scored_stop - w.scored_start) for w in short)})")
     spans = [(w.parent_start, w.parent_start + len(w.trace), w.scored_start, w.scored_stop) for w in wins]
     units = [w.trace for w in wins]
     scored = [w.scored_mask() for w in wins]

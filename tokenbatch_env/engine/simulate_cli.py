@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import hashlib
 import json
 import os
 
@@ -80,6 +81,8 @@ def run(args) -> int:
     profile = load_profile(args.profile)
     if args.rho is not None and not (np.isfinite(args.rho) and args.rho > 0):
         raise ConfigError(f"--rho must be a positive number, got {args.rho}")
+    if args.sla_seed < 0:
+        raise ConfigError(f"--sla-seed must be an integer >= 0, got {args.sla_seed}")
     if args.max_wait_ms is not None and not (np.isfinite(args.max_wait_ms) and args.max_wait_ms > 0):
         raise ConfigError(f"--max-wait-ms must be a positive number of ms, got {args.max_wait_ms}")
     slo_note = ""
@@ -110,9 +113,12 @@ def run(args) -> int:
         if rec_sink is not None:
             rec_sink.header(rec)  # an empty trace: the header alone
     s = summarize(rec, trace)
+    from ..evaluate import canonical_json
     s.update({"trace": trace.name, "trace_digest": trace.digest, "file_digest": file_digest, "profile": profile.name,
-              "profile_provenance": profile.provenance, "policy": args.policy,
-              "lambda_sat_rps": lam, "rho": args.rho})
+              "profile_provenance": profile.provenance,
+              # (the profile's content: a file may reuse a shipped profile's name)
+              "profile_digest": hashlib.sha256(canonical_json(profile.to_dict()).encode()).hexdigest(),
+              "policy": args.policy, "lambda_sat_rps": lam, "rho": args.rho})
     if args.json:   # standard JSON: +-inf as "inf"/"-inf", NaN as null (as in report.json), values exact
         from ..report import rounded
         print(json.dumps(rounded(s, 17), indent=1, allow_nan=False))
