@@ -100,6 +100,27 @@ def test_short_last_window_is_noted(tmp_path):
     assert not [n for n in whole.notes if "fewer than" in n]
 
 
+def test_trace_lambda_sat_does_not_depend_on_max_traces(tmp_path):
+    """A trace file's load reference comes from its first windows, however many are evaluated: rho
+    means the same with any --max-traces."""
+    import numpy as np
+
+    from tokenbatch_env import evaluate as ev
+    from tokenbatch_env.engine.profiles import load_profile
+    from tokenbatch_env.traces.io import save_npz
+    from tokenbatch_env.traces.suites import load_suite
+    path = tmp_path / "t.npz"
+    save_npz(load_suite("seed-200").traces("train")[0].subset(np.arange(300)), path)
+    cfg = ev.BenchConfig(trace_file=str(path), windows=50, warmup=0, cooldown=0, loads=(1.0,),
+                         policies=("fcfs",), bootstrap_b=200, progress=False)
+    prof = load_profile("stress-512")
+    every = ev.prepare_workload(cfg, prof)
+    one = ev.prepare_workload(dataclasses.replace(cfg, max_traces=1), prof)
+    assert len(every.units) == 6 and len(one.units) == 1
+    assert one.lambda_sat == every.lambda_sat
+    assert every.lambda_sat_source.endswith("on the trace's first 6 windows")
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--policies", "fcfs,bogus"], "unknown policy 'bogus'; valid: fcfs"),
     (["--loads", "0"], "rho must be"),

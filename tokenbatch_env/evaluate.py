@@ -10,8 +10,9 @@ How a benchmark runs
   window; suite traces are independent (percentile bootstrap), windows of one trace are not
   (moving-block bootstrap, block ``metrics.default_block(n)``).
 * **Load.** rho relative to ``lambda_sat`` (FCFS saturation throughput): the suite manifest's
-  value for the profile if recorded, else measured with ``measure_lambda_sat`` on up to 8 train
-  traces (real trace: up to 8 of its windows, unscaled); the report says which. A suite trace is
+  value for the profile if recorded (the shipped profile's: a profile differing from it is
+  measured), else measured with ``measure_lambda_sat`` on up to 8 train traces (real trace: its
+  first 8 windows, unscaled, whatever ``max_traces`` keeps); the report says which. A suite trace is
   rescaled with ``scale_to_rate(trace, rho * lambda_sat, nominal_rps=suite nominal rate)`` (the
   suite's convention: every trace keeps its own burstiness). A real trace is rescaled as a whole
   (its empirical rate becomes ``rho * lambda_sat``) and then cut, so every load scores the same
@@ -505,6 +506,9 @@ def prepare_workload(cfg: BenchConfig, profile) -> Workload:
         trace = assign_slas(trace, seed=0)
         notes.append("SLOs assigned by the default 3-class rule (seed 0): the trace has none")
     wins = cut_windows(trace, cfg.windows, cfg.warmup, cfg.cooldown)
+    # the load's reference rate from the trace's first windows, however many are evaluated (so that
+    # rho means the same with any --max-traces)
+    lam_units = [w.trace for w in wins if len(w.trace) >= 10][:LAMBDA_SAT_TRACES]
     if cfg.max_traces is not None:
         wins = wins[:cfg.max_traces]
     if not wins:
@@ -517,11 +521,10 @@ def prepare_workload(cfg: BenchConfig, profile) -> Workload:
     spans = [(w.parent_start, w.parent_start + len(w.trace), w.scored_start, w.scored_stop) for w in wins]
     units = [w.trace for w in wins]
     scored = [w.scored_mask() for w in wins]
-    lam = _measure_lambda([u for u in units if len(u) >= 10], profile, cfg.engine) \
-        if any(len(u) >= 10 for u in units) else None
-    if lam is None:
+    if not lam_units:
         raise ConfigError("windows too small to measure lambda_sat (need >= 10 requests)")
-    src = f"measured (measure_lambda_sat, FCFS backlogged) on {min(len(units), LAMBDA_SAT_TRACES)} windows"
+    lam = _measure_lambda(lam_units, profile, cfg.engine)
+    src = f"measured (measure_lambda_sat, FCFS backlogged) on the trace's first {len(lam_units)} windows"
     rl = ResidualLife.from_lengths(trace.output_tokens).table
     notes.append("residual-life table (prior predictor) from the trace's own output lengths")
     notes += _unit_notes(len(units))
@@ -1165,7 +1168,8 @@ DEFINITIONS = {
     "cache_miss": "requests whose prefix chain is empty (nothing they could hit in the prefix cache)",
     "max_wait": "max over scheduled requests of first_scheduled - arrival; never-scheduled requests counted apart",
     "relative_goodput": "goodput / FCFS goodput - 1 at the same load (attainment ratio, not capacity)",
-    "upper_bound": "bounds.upper_bound per unit (valid for any policy), mean over units",
+    "upper_bound": "bounds.upper_bound per unit (valid for any policy: a relaxation of the engine that ignores "
+                   "its KV-cache limit, so loose on memory-bound profiles), mean over units",
     "gap_closed": "(policy - FCFS) / (UB - FCFS) on suite means, only where UB - FCFS >= 0.02",
     "capacity": "largest grid rho with goodput >= target at every grid rho' <= rho, bisected inside the cell; "
                 "suite value = geometric mean of per-unit ratios to FCFS (paired CI)",
