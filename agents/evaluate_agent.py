@@ -105,7 +105,7 @@ def agent_markdown(rows: list, eid: str) -> str:
 
 def main(argv=None) -> int:
     from tokenbatch_env._io import atomic_path
-    from tokenbatch_env.control import agent_spec
+    from tokenbatch_env.control import agent_labels, agent_spec, agent_warnings
     from tokenbatch_env.errors import TokenBatchError
     from tokenbatch_env.evaluate import BenchConfig, load_params_file, load_schedule, load_weights, run_benchmark
     from tokenbatch_env.report import check_report_out
@@ -114,8 +114,8 @@ def main(argv=None) -> int:
     try:
         if args.pool and len(args.model) < 2:
             raise TokenBatchError("--pool pools several --model agents: give at least two")
-        specs = [agent_spec(m, label=f"ppo:{Path(m).resolve().parent.name}/{Path(m).name}" if len(args.model) > 1
-                            else None) for m in args.model]
+        labels = agent_labels(args.model) if len(args.model) > 1 else [None]
+        specs = [agent_spec(m, label=lab) for m, lab in zip(args.model, labels)]
         train = json.loads((Path(args.model[0]) / "config.json").read_text()) if Path(args.model[0]).is_dir() \
             else json.loads((Path(args.model[0]).parent / "config.json").read_text())
         kw = {}
@@ -137,6 +137,10 @@ def main(argv=None) -> int:
                           profile=train["env"]["profile"], policies=pols, shed=True, loads=loads,
                           max_traces=max_traces, bootstrap_b=b, bootstrap_seed=seed, upper_bound=False,
                           progress=not args.no_progress, controllers=tuple(specs), **kw)
+        for spec in specs:
+            for w in agent_warnings(json.loads(dict(spec.evidence)["env"]), spec.label, cfg.suite, cfg.split,
+                                    cfg.profile):
+                print(f"evaluate_agent.py: warning: {w}", file=sys.stderr)
         report = run_benchmark(cfg)
         report.write(out)
         rows = agent_rows(report.data, [s.label for s in specs])

@@ -114,7 +114,9 @@ class TrainConfig:
                 "window": self.window, "warmup": self.warmup, "cooldown": self.cooldown,
                 "decision_interval_ms": self.decision_interval_ms, "k": self.k,
                 "action_mode": self.action_mode, "reward_mode": self.reward_mode,
-                "base_params": self.base_params, "seed": self.seed, "shed_action": self.shed_action}
+                # (resolved: evaluation may run from another directory)
+                "base_params": None if self.base_params is None else str(Path(self.base_params).resolve()),
+                "seed": self.seed, "shed_action": self.shed_action}
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -235,7 +237,11 @@ def save_agent(model, venv, cfg: TrainConfig, directory: Path, extra: Optional[d
         write_with(norm_file, lambda p: norm.save(str(p)))
     files = {"model.zip": sha256_file(directory / "model.zip"),
              "vecnormalize.pkl": sha256_file(norm_file) if norm is not None else None}
-    doc = {"train": _jsonable(dataclasses.asdict(cfg)), "env": cfg.env_kwargs(), **(extra or {}), "files": files}
+    # the base parameters' digest: the actions are residuals around them, so evaluation refuses a
+    # changed file (``control.agent_files``)
+    base = cfg.env_kwargs()["base_params"]
+    doc = {"train": _jsonable(dataclasses.asdict(cfg)), "env": cfg.env_kwargs(), **(extra or {}), "files": files,
+           "base_params_sha256": None if base is None else sha256_file(base)}
     write_text_atomic(directory / "config.json", json.dumps(doc, indent=1, default=str) + "\n")
     if norm is None:
         norm_file.unlink(missing_ok=True)   # an earlier run's statistics in this directory

@@ -112,6 +112,14 @@ def test_evaluate_agent_through_the_evaluator_is_deterministic(trained, tmp_path
     assert (tmp_path / "a" / "agent_vs.md").read_text().startswith("# Agent vs comparators")
 
 
+def test_evaluate_agent_warns_when_judged_on_its_training_split(trained, tmp_path, capsys):
+    assert evaluate_agent.main(["--model", str(trained / "best"), "--split", "train", "--max-traces", "2",
+                                "--loads", "1.2", "--bootstrap-b", "100", "--no-progress",
+                                "--out", str(tmp_path / "t")]) == 0
+    assert ("evaluate_agent.py: warning: ppo:best was trained on seed-200/train, the split it is judged on: "
+            "not held out") in capsys.readouterr().err
+
+
 def test_evaluate_agent_refuses_a_blocked_report_file_before_the_runs(trained, tmp_path, capsys, monkeypatch):
     from tokenbatch_env import evaluate
     monkeypatch.setattr(evaluate, "run_benchmark", lambda cfg: pytest.fail("ran before the check"))
@@ -189,6 +197,73 @@ def test_tuning_checks_agents_and_its_output_before_the_search(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(OutputError, match="out: .*/f: cannot write: a file is in the way"):
         T.run_tuning(T.TuneConfig(out=str(tmp_path / "f"), progress=False))
+
+
+def test_agent_labels_are_distinct():
+    from tokenbatch_env.control import agent_labels
+    from tokenbatch_env.errors import ConfigError
+    assert agent_labels(["runs/a/best"]) == ["ppo:best"]
+    assert agent_labels(["runs/a/best", "runs/b/final"]) == ["ppo:best", "ppo:final"]
+    assert agent_labels(["runs/a/best", "runs/b/best"]) == ["ppo:a/best", "ppo:b/best"]
+    with pytest.raises(ConfigError, match="the same agent given twice"):
+        agent_labels(["runs/a/best", "runs/a/best/model.zip"])
+
+
+def test_agent_warnings():
+    from tokenbatch_env.control import agent_warnings
+    kw = {"suite": "seed-200", "split": "train", "profile": "stress-512"}
+    assert agent_warnings(kw, "ppo:a", "seed-200", "test", "stress-512") == []
+    assert agent_warnings(dict(kw, split="test"), "ppo:a", "seed-200", "test", "stress-512") == [
+        "ppo:a was trained on seed-200/test, the split it is judged on: not held out"]
+    assert agent_warnings(kw, "ppo:a", "seed-200", "test", "linear") == [
+        "ppo:a was trained with profile 'stress-512' and is judged with 'linear'"]
+
+
+def test_base_params_are_pinned_and_model_errors_are_clear(tmp_path):
+    """An agent trained around a params file records it resolved, with its digest: evaluation from
+    another directory finds it, and a changed file is refused (its actions are residuals around it)
+    and enters the evidence; a model that cannot be loaded is a ConfigError, not a traceback; two
+    ``<run>/best`` agents get distinct labels when the tuning config is made."""
+    import os
+    import shutil
+
+    from tokenbatch_env import tuning as T
+    from tokenbatch_env._io import sha256_file
+    from tokenbatch_env.control import agent_spec
+    from tokenbatch_env.errors import ConfigError
+    bp = tmp_path / "bp.json"
+    bp.write_text(json.dumps({"index": {"kappa": 2.0}, "shed_margin": 0.5}))
+    out = tmp_path / "run"
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:   # a relative path, as a user types it
+        assert train_ppo.main(TINY + ["--timesteps", "256", "--eval-every", "256", "--base-params", "bp.json",
+                                      "--out", str(out)]) == 0
+    finally:
+        os.chdir(cwd)
+    doc = json.loads((out / "final" / "config.json").read_text())
+    assert doc["env"]["base_params"] == str(bp.resolve()) and doc["base_params_sha256"] == sha256_file(bp)
+    spec = agent_spec(str(out / "final"))
+    assert dict(spec.evidence)["base_params_sha256"] == sha256_file(bp)
+    spec.make(100.0)   # (loads)
+    bp.write_text(json.dumps({"index": {"kappa": 3.0}, "shed_margin": 0.5}))
+    with pytest.raises(ConfigError, match="base parameters .* changed since the training"):
+        agent_spec(str(out / "final"))
+    with pytest.raises(ConfigError, match="changed since the training"):
+        T.TuneConfig(agents=(str(out / "final"),), out=str(tmp_path / "o"))
+    bp.write_text(json.dumps({"index": {"kappa": 2.0}, "shed_margin": 0.5}))
+    bad = tmp_path / "bad"
+    shutil.copytree(out / "final", bad)
+    (bad / "model.zip").write_bytes(b"not a zip")
+    d = json.loads((bad / "config.json").read_text())
+    d["files"]["model.zip"] = sha256_file(bad / "model.zip")
+    (bad / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=r"model\.zip: cannot load the PPO model"):
+        agent_spec(str(bad)).make(100.0)
+    other = tmp_path / "other" / "final"
+    shutil.copytree(out / "final", other)
+    c = T.TuneConfig(agents=(str(out / "final"), str(other)), out=str(tmp_path / "o"))
+    assert len(c.agents) == 2
 
 
 def test_set_extractor_is_permutation_and_padding_invariant():

@@ -128,7 +128,42 @@ def agent_files(model_path: str, option: str = "--model") -> tuple:
             raise ConfigError(f"{option} {model_path}: the files in {d} are not the set config.json was saved "
                               "with (model.zip or vecnormalize.pkl missing or from another save; was the "
                               "training killed while saving?): use another checkpoint or train again")
+    base = env_kw.get("base_params")
+    if base is not None:
+        if not Path(base).is_file():
+            raise ConfigError(f"{option} {model_path}: the agent's base parameters {base!r} (base_params in "
+                              f"{cfg_file}) are not found")
+        want = train.get("base_params_sha256")   # (agents saved before the digest have none)
+        if want is not None and sha256_file(base) != want:
+            raise ConfigError(f"{option} {model_path}: its base parameters {base} changed since the training "
+                              f"(the actions are residuals around them): restore the file or train again")
     return model, norm, env_kw, model_sha, norm_sha
+
+
+def agent_warnings(env_kw: dict, label: str, suite: str, split: str, profile: str) -> list:
+    """What a user should know before trusting an agent's row (not errors: the comparison still runs):
+    the agent trained on the split it is judged on (not held out), or on another suite or profile."""
+    out = []
+    if env_kw.get("suite") == suite and env_kw.get("split") == split:
+        out.append(f"{label} was trained on {suite}/{split}, the split it is judged on: not held out")
+    for what, judged in (("suite", suite), ("profile", profile)):
+        if env_kw.get(what) not in (None, judged):
+            out.append(f"{label} was trained with {what} {env_kw.get(what)!r} and is judged with {judged!r}")
+    return out
+
+
+def agent_labels(paths) -> list:
+    """Leaderboard labels of agents given by path: ``ppo:<dir>``, or ``ppo:<parent>/<dir>`` for all
+    when two would share one (``<run>/best`` of two runs); ``ConfigError`` for the same agent twice."""
+    dirs = [(Path(p).parent if Path(p).suffix == ".zip" else Path(p)).resolve() for p in paths]
+    if len(set(dirs)) < len(dirs):
+        raise ConfigError(f"agents: the same agent given twice: {[str(p) for p in paths]}")
+    labels = [f"ppo:{d.name}" for d in dirs]
+    if len(set(labels)) < len(labels):
+        labels = [f"ppo:{d.parent.name}/{d.name}" for d in dirs]
+    if len(set(labels)) < len(labels):
+        labels = [f"ppo:{d}" for d in dirs]
+    return labels
 
 
 def agent_spec(model_path: str, label: Optional[str] = None, option: str = "--model") -> ControlSpec:
@@ -147,8 +182,10 @@ def agent_spec(model_path: str, label: Optional[str] = None, option: str = "--mo
     base = core.base_params if mode == "index" else core.base_weights
     obs_space, act_space = probe.single_observation_space, probe.single_action_space
     probe.close()
+    base_file = env_kw.get("base_params")
     digests = (("model_sha256", model_sha),
                ("vecnormalize_sha256", norm_sha),
+               ("base_params_sha256", None if base_file is None else sha256_file(base_file)),
                ("env", json.dumps(env_kw, sort_keys=True, default=str)))
 
     def load():

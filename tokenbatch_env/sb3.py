@@ -215,11 +215,20 @@ def load_agent(model_path: str, vecnormalize_path: Optional[str] = None, observa
     custom = {}
     if observation_space is not None:
         custom = {"observation_space": observation_space, "action_space": action_space}
-    model = PPO.load(model_path, device="cpu", custom_objects=custom)
+    from .errors import ConfigError
+    try:
+        model = PPO.load(model_path, device="cpu", custom_objects=custom)
+    except Exception as e:  # noqa: BLE001 - a corrupt zip, or weights of another env's spaces
+        raise ConfigError(f"{model_path}: cannot load the PPO model ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
     norm = None
     if vecnormalize_path is not None:
-        with open(vecnormalize_path, "rb") as f:
-            norm = pickle.load(f)
+        try:
+            with open(vecnormalize_path, "rb") as f:
+                norm = pickle.load(f)
+        except Exception as e:  # noqa: BLE001 - a corrupt or foreign pickle
+            raise ConfigError(f"{vecnormalize_path}: cannot load the normalisation statistics "
+                              f"({type(e).__name__}: {e})") from None
         norm.training = False
 
     def predict(obs):

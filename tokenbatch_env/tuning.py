@@ -156,6 +156,9 @@ class TuneConfig:
             if not Path(a).exists():
                 raise ConfigError(f"agents: {a!r} not found (an agents/train_ppo.py output directory)")
             agent_files(a, "agents:")   # its files, now rather than after the search
+        if ag:
+            from .control import agent_labels
+            agent_labels(ag)   # (distinct agents, distinct labels)
         set_("agents", ag)
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"sampler: unknown {self.sampler!r}; valid: {', '.join(SAMPLERS)}")
@@ -1045,6 +1048,14 @@ def run_tuning(cfg: TuneConfig) -> dict:
         if s not in suite.splits:
             raise ConfigError(f"suite {cfg.suite!r} has no split {s!r}; splits: {', '.join(suite.splits)}")
     objective = TrainObjective(cfg)   # also validates the profile and suite
+    if cfg.agents:   # each agent's env and model load now, not after the search (ConfigError if not)
+        from .control import agent_labels, agent_spec, agent_warnings
+        for a, label in zip(cfg.agents, agent_labels(cfg.agents)):
+            spec = agent_spec(a, option="agents:")
+            spec.make(objective.wl.t_ref_ms)
+            for w in agent_warnings(json.loads(dict(spec.evidence)["env"]), label, cfg.suite, cfg.test_split,
+                                    cfg.profile):
+                print(f"warning: {w}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     obj_eid = hashlib.sha256(canonical_json(objective.evidence_inputs).encode()).hexdigest()
     search = run_search(cfg, objective)
@@ -1065,9 +1076,9 @@ def run_tuning(cfg: TuneConfig) -> dict:
         extra["weights"] = load_weights(str(params_path))
         extra["schedule"] = load_schedule(str(params_path))
     if cfg.agents:
-        from .control import agent_spec
-        extra["controllers"] = tuple(agent_spec(a, label=f"ppo:{Path(a).resolve().name}", option="agents:")
-                                     for a in cfg.agents)
+        from .control import agent_labels, agent_spec
+        extra["controllers"] = tuple(agent_spec(a, label=lab, option="agents:")
+                                     for a, lab in zip(cfg.agents, agent_labels(cfg.agents)))
     bench = run_benchmark(BenchConfig(
         suite=cfg.suite, split=cfg.test_split, profile=cfg.profile, policies=pols, shed=True,
         loads=cfg.eval_loads, index_params=params, shed_margins=margins, params_source=str(params_path),
