@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import threading
 import time
 
 import numpy as np
@@ -100,6 +101,23 @@ PARTS = (("core.run.advance_to_decision", "engine + observations + rewards + epi
           False))
 
 
+_SPENT_LOCK = threading.Lock()
+
+
+def _timed(fn, spent: dict, key: str):
+    """``fn`` that adds its wall seconds to ``spent[key]`` (under a lock: the engine threads' calls
+    end concurrently)."""
+    def run(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            dt = time.perf_counter() - t0
+            with _SPENT_LOCK:
+                spent[key] += dt
+    return run
+
+
 def bench_breakdown(n: int, steps: int, warm: int) -> dict:
     """(a) with the parts of ``PARTS`` timed (wall, per copy-step; the rest is the wall time outside
     the parts that are not nested)."""
@@ -107,16 +125,6 @@ def bench_breakdown(n: int, steps: int, warm: int) -> dict:
     env = TokenBatchVectorEnv(n, **CONFIG, **ENV_KW)
     env.reset(seed=0)
     spent = {label: 0.0 for _, label, _ in PARTS}
-
-    def timed(fn, label):
-        def run(*args, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                spent[label] += time.perf_counter() - t0
-        return run
-
     acts = _actions(n, warm + steps)
     for a in acts[:warm]:
         env.step(a)
@@ -125,7 +133,7 @@ def bench_breakdown(n: int, steps: int, warm: int) -> dict:
         obj = env
         for o in owner:
             obj = getattr(obj, o)
-        setattr(obj, name, timed(getattr(obj, name), label))
+        setattr(obj, name, _timed(getattr(obj, name), spent, label))
     t0 = time.perf_counter()
     for a in acts[warm:]:
         env.step(a)
@@ -198,22 +206,13 @@ def _timed_parts(env) -> dict:
     ``split=False``: each engine thread's kernel, observations, rewards and episode metrics; summed
     over the threads) to add up their wall seconds: returns the running totals."""
     spent = {"advance": 0.0, "resets": 0.0, "kernel": 0.0}
-
-    def timer(fn, key):
-        def run(*args, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                spent[key] += time.perf_counter() - t0
-        return run
     run = env.core.run
-    run.advance_to_decision = timer(run.advance_to_decision, "advance")
-    env.core.reset_copies = timer(env.core.reset_copies, "resets")
+    run.advance_to_decision = _timed(run.advance_to_decision, spent, "advance")
+    env.core.reset_copies = _timed(env.core.reset_copies, spent, "resets")
     map_groups = run.map_groups
 
     def timed_map_groups(fn, act, *args, split=True, **kw):
-        return map_groups(fn if split else timer(fn, "kernel"), act, *args, split=split, **kw)
+        return map_groups(fn if split else _timed(fn, spent, "kernel"), act, *args, split=split, **kw)
     run.map_groups = timed_map_groups
     return spent
 

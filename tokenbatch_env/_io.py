@@ -22,6 +22,18 @@ def _cannot_write(path, e: OSError, what: str = "") -> OutputError:
     return OutputError(f"{what + ' ' if what else ''}{path}: cannot write: {e.strerror or e}")
 
 
+@contextlib.contextmanager
+def write_errors(path) -> Iterator[None]:
+    """Turn an error of writing the data itself (``_WRITE_ERRNOS``: a full disk, ...) raised inside
+    into ``OutputError`` naming ``path``, not a traceback; other errors pass through."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in _WRITE_ERRNOS:
+            raise _cannot_write(path, e) from None
+        raise
+
+
 def _nearest_existing(path: Path) -> Path:
     """``path`` or its nearest ancestor that exists (the root always does); OSError if one may not
     be looked at (``Path.exists`` raises on EACCES)."""
@@ -53,18 +65,17 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
     tmp_path = Path(tmp)
     try:
-        yield tmp_path
-        _fsync(tmp_path)
+        with write_errors(path):
+            yield tmp_path
+            _fsync(tmp_path)
         try:
             os.replace(tmp_path, path)
         except OSError as e:
             raise _cannot_write(path, e) from None
         _fsync(path.parent, directory=True)
-    except BaseException as e:
+    except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
-        if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:   # (a full disk: no traceback)
-            raise _cannot_write(path, e) from None
         raise
 
 

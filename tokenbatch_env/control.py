@@ -103,7 +103,7 @@ def agent_files(model_path: str, option: str = "--model") -> tuple:
     """The files of a trained PPO agent (``agents/train_ppo.py`` output: ``<dir>/model.zip``,
     ``config.json`` and optionally ``vecnormalize.pkl``), checked without loading anything (a clear
     error naming ``option``, the flag that gave the path): (model, vecnormalize or None, the env
-    config's keywords, their digests)."""
+    config's keywords, the digests of the model, the statistics and the base parameters' file)."""
     p = Path(model_path)
     d = p.parent if p.suffix == ".zip" else p
     model = p if p.suffix == ".zip" else d / "model.zip"
@@ -128,16 +128,17 @@ def agent_files(model_path: str, option: str = "--model") -> tuple:
             raise ConfigError(f"{option} {model_path}: the files in {d} are not the set config.json was saved "
                               "with (model.zip or vecnormalize.pkl missing or from another save; was the "
                               "training killed while saving?): use another checkpoint or train again")
-    base = env_kw.get("base_params")
+    base, base_sha = env_kw.get("base_params"), None
     if base is not None:
         if not Path(base).is_file():
             raise ConfigError(f"{option} {model_path}: the agent's base parameters {base!r} (base_params in "
                               f"{cfg_file}) are not found")
+        base_sha = sha256_file(base)
         want = train.get("base_params_sha256")   # (agents saved before the digest have none)
-        if want is not None and sha256_file(base) != want:
+        if want is not None and base_sha != want:
             raise ConfigError(f"{option} {model_path}: its base parameters {base} changed since the training "
                               f"(the actions are residuals around them): restore the file or train again")
-    return model, norm, env_kw, model_sha, norm_sha
+    return model, norm, env_kw, model_sha, norm_sha, base_sha
 
 
 def agent_warnings(env_kw: dict, label: str, suite: str, split: str, profile: str) -> list:
@@ -171,7 +172,7 @@ def agent_spec(model_path: str, label: Optional[str] = None, option: str = "--mo
     and stable-baselines3 (the ``rl`` extra); loaded lazily through ``tokenbatch_env.sb3``."""
     from .envs import TokenBatchConfig
 
-    model, norm, env_kw, model_sha, norm_sha = agent_files(model_path, option)
+    model, norm, env_kw, model_sha, norm_sha, base_sha = agent_files(model_path, option)
     d = model.parent
     env_cfg = TokenBatchConfig(**{k: v for k, v in env_kw.items() if k in
                                   {f.name for f in dataclasses.fields(TokenBatchConfig)}})
@@ -182,10 +183,9 @@ def agent_spec(model_path: str, label: Optional[str] = None, option: str = "--mo
     base = core.base_params if mode == "index" else core.base_weights
     obs_space, act_space = probe.single_observation_space, probe.single_action_space
     probe.close()
-    base_file = env_kw.get("base_params")
     digests = (("model_sha256", model_sha),
                ("vecnormalize_sha256", norm_sha),
-               ("base_params_sha256", None if base_file is None else sha256_file(base_file)),
+               ("base_params_sha256", base_sha),
                ("env", json.dumps(env_kw, sort_keys=True, default=str)))
 
     def load():

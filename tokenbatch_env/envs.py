@@ -1178,10 +1178,10 @@ class _Core:
 
     # -------------------------------------------------------------- episodes
     def seed_copies(self, rows: Sequence[int], seeds: Sequence[Optional[int]]) -> None:
+        """Seed each copy of ``rows`` with its seed (None: keep the copy's generator); the seeds are
+        checked by the caller (``TokenBatchVectorEnv.reset``), every one before any copy is seeded."""
         for c, s in zip(rows, seeds):
-            if s is not None:   # None: keep the copy's generator
-                if not _is_int(s) or s < 0:
-                    raise ConfigError(f"seed: must be an integer >= 0 or None, got {s!r}")
+            if s is not None:
                 self.rngs[c] = np.random.default_rng(int(s))
                 if self._prep is not None:   # its prepared episode came from the old generator
                     self._ready[c] = False

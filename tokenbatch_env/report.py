@@ -363,26 +363,23 @@ def write_report(report, out_dir) -> list:
     data = report.data
     tmp = Path(tempfile.mkdtemp(prefix=".bench-tmp-", dir=out))
     done = False
+    from ._io import write_errors
     try:
-        curves = dict(report.curves)
-        if data["loads"] and "upper_bound" in data["loads"][0]:
-            curves["upper_bound"] = [e["upper_bound"]["mean"] for e in data["loads"]]
-        plot_goodput(curves, tmp / PNG_GOODPUT)
-        plot_ttft_cdf(curves, data["primary_load"], tmp / PNG_TTFT)
-        (tmp / MD_NAME).write_text(report_markdown(data), encoding="utf-8")
-        (tmp / META_NAME).write_text(json.dumps(report.meta, indent=1, default=str) + "\n", encoding="utf-8")
-        (tmp / JSON_NAME).write_text(report_json(data), encoding="utf-8")
+        with write_errors(out):   # (a full disk: an OutputError, not a traceback)
+            curves = dict(report.curves)
+            if data["loads"] and "upper_bound" in data["loads"][0]:
+                curves["upper_bound"] = [e["upper_bound"]["mean"] for e in data["loads"]]
+            plot_goodput(curves, tmp / PNG_GOODPUT)
+            plot_ttft_cdf(curves, data["primary_load"], tmp / PNG_TTFT)
+            (tmp / MD_NAME).write_text(report_markdown(data), encoding="utf-8")
+            (tmp / META_NAME).write_text(json.dumps(report.meta, indent=1, default=str) + "\n", encoding="utf-8")
+            (tmp / JSON_NAME).write_text(report_json(data), encoding="utf-8")
         _check_file_places(out)
         with _sigint_held():
             for name in REPORT_FILES:   # (the JSON last)
                 os.replace(tmp / name, out / name)
         done = True
         return [out / n for n in REPORT_FILES]
-    except OSError as e:
-        from ._io import _WRITE_ERRNOS, _cannot_write
-        if e.errno in _WRITE_ERRNOS:   # (a full disk: an OutputError, not a traceback)
-            raise _cannot_write(out, e) from None
-        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if created and not done:
