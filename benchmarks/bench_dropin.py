@@ -3,7 +3,7 @@
     python benchmarks/bench_dropin.py             # 200,000 calls per measure
     python benchmarks/bench_dropin.py --calls 50000
 
-Prints, see benchmarks/README.md for the definitions:
+Prints, see docs/benchmarks.md for the definitions:
   (a) ``score_request_priority`` from Python: microseconds per call (best of 5 repeats), on
       random requests drawn once up front (profile ``stress-512``, tuned-looking parameters);
   (b) the compiled score alone (``engine.scoring.policy_score`` called from numba, i.e. the

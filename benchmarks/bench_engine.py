@@ -4,7 +4,7 @@
     python benchmarks/bench_engine.py --quick    # 128 copies, no cold-compile measurement
     python benchmarks/bench_engine.py --copies 256
 
-Prints, see benchmarks/README.md for the definitions:
+Prints, see docs/benchmarks.md for the definitions:
   (a) engine steps/s and simulated iterations/s: N copies on ``stress-512`` under FCFS, seed-200 train
       traces cycled to N copies and each scaled to rho = 1.2 (rate 1.2 * lambda_sat);
   (b) the Azure LLM 2023 conversation trace replayed under FCFS on ``llama3-8b-h100``: wall time and

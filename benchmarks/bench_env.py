@@ -8,7 +8,7 @@
     python benchmarks/bench_env.py --breakdown --no-sync --no-adapter   # where (a)'s time goes
     python benchmarks/bench_env.py --ceiling --no-sync --no-adapter     # (d): the speed-up the engine allows
 
-Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
+Prints, see docs/benchmarks.md ("Environment benchmark") for the definitions:
   (a) native ``TokenBatchVectorEnv`` env-steps/s (copies x steps / wall seconds), alone (--steps);
   (a)/(b) paired (the speed-up, with its verdict at 1,024 copies: target >= 30x, judged unrounded):
       (a) and (b), ``gymnasium.vector.SyncVectorEnv`` of ``TokenBatchEnv`` copies with the same config,
@@ -19,8 +19,8 @@ Prints, see benchmarks/README.md ("Environment benchmark") for the definitions:
       rates, their ratio with a 95% bootstrap interval over the rounds (``ratio_ci``: how far one run's
       ratio moves with the phases it saw), and the ratio's median and range per round. Each round's first native
       step starts from caches the SyncVectorEnv steps filled, so short rounds lower (a): 5 native
-      steps per round gave 9-18% less than 20 (session 15). --paired 0 (or --no-sync): off;
-  --sequential: (b) measured after (a) (--steps each), and their ratio, as before session 21;
+      steps per round gave 9-18% less than 20. --paired 0 (or --no-sync): off;
+  --sequential: (b) measured after (a) (--steps each), and their ratio (the earlier, unpaired method);
   --no-sync: no SyncVectorEnv at all (neither the paired measurement, unless --paired is given,
       nor the sequential (b));
   (c) the SB3 adapter (``tokenbatch_env.sb3``, SAME_STEP) over the native env vs the raw native env
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
                     help="timed steps of (a) alone, the sequential (b), --breakdown and (c) (not of the paired rounds)")
     ap.add_argument("--warm", type=int, default=10, help="untimed steps first, each env")
     ap.add_argument("--sequential", action="store_true",
-                    help="also measure (b) after (a), --steps each, and their ratio (the method before session 21)")
+                    help="also measure (b) after (a), --steps each, and their ratio (the earlier, unpaired method)")
     ap.add_argument("--no-sync", action="store_true",
                     help="no SyncVectorEnv: neither the paired measurement (unless --paired is given) nor the "
                          "sequential (b)")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""PPO speed on TokenBatch-v0 (run by hand; figures in benchmarks/README.md).
+"""PPO speed on TokenBatch-v0 (run by hand; figures in docs/benchmarks.md).
 
     python benchmarks/bench_ppo.py                          # 1,024 envs, MlpPolicy and the set policy
     python benchmarks/bench_ppo.py --n-envs 256 --iterations 2 --policies mlp

@@ -1,4 +1,4 @@
-"""The env benchmark script runs end to end on a tiny budget (its figures are in benchmarks/README.md)."""
+"""The env benchmark script runs end to end on a tiny budget (its figures are in docs/benchmarks.md)."""
 
 from __future__ import annotations
 

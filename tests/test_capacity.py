@@ -1,4 +1,4 @@
-"""Capacity audit (DESIGN.md section 9): golden fixture, validation, content ids, violations, CLI.
+"""Capacity audit (docs/design.md section 9): golden fixture, validation, content ids, violations, CLI.
 
 The spec (../shared/seeds/capacity_model_spec.py.txt) lost its line breaks. ``_reconstruct``
 restores them from its token stream, only here, so the spec's own code can be executed and

@@ -1,4 +1,4 @@
-"""`tokenbatch audit --trace FILE --profile NAME`: the engine-to-capacity mapping (DESIGN.md
+"""`tokenbatch audit --trace FILE --profile NAME`: the engine-to-capacity mapping (docs/design.md
 section 9, tokenbatch_env/capacity_bridge.py), run end to end in-process."""
 
 from __future__ import annotations

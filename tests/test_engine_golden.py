@@ -1,4 +1,4 @@
-"""Hand-computed cases, one per engine rule (DESIGN.md section 3). Profile `linear`:
+"""Hand-computed cases, one per engine rule (docs/design.md section 3). Profile `linear`:
 t = 5 ms + 0.05 ms per scheduled token, block size 16."""
 
 import numpy as np

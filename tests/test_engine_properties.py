@@ -185,7 +185,7 @@ swap_configs = st.fixed_dictionaries({
 def test_pool_and_slots_consistent_under_swap_pressure(trace, policy, cfg):
     """Reaches the swap-slot corner of ``test_swapped_requests_leave_no_table_slot_to_share``: with the
     fix of 7957fa2 reverted (swapped-out requests keep their table slots), this test failed under
-    each of eight hypothesis seeds tried (session 20, bounds checks on, 40 examples)."""
+    each of eight hypothesis seeds tried (bounds checks on, 40 examples)."""
     _run_checking_the_pool(trace, policy, cfg)
 
 
@@ -225,7 +225,7 @@ def test_jumps_equal_single_steps(trace, policy, cfg):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), policies, configs, st.sampled_from([5.0, 30.0, 100.0]), st.booleans())
 def test_jumps_equal_single_steps_at_decision_epochs(trace, policy, cfg, interval_ms, shed_on):
-    """Run to decision epochs (DESIGN.md section 5) with and without jumps: the same stops, at the
+    """Run to decision epochs (docs/design.md section 5) with and without jumps: the same stops, at the
     same clocks, with the same state at each."""
     from tokenbatch_env.engine.simulate import EngineRun
     est = [trace.output_tokens * 1.3]

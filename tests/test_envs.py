@@ -844,7 +844,7 @@ def test_single_env_step_after_end_errors():
 
 
 def _advance_epoch_by_epoch(core, live, meanwhile=None, kernel=None):
-    """DESIGN.md section 5's epochs outside the engine: ``EngineRun.advance`` to each epoch in turn,
+    """docs/design.md section 5's epochs outside the engine: ``EngineRun.advance`` to each epoch in turn,
     stopping at the episode's end, the iteration cap, or a needed decision, read off the
     observation (>= 2 waiting, or shedding on and a waiting request with its TTFT lost); then the
     env's per-copy work (``kernel.after``: steps, observations, rewards) on the copies that

@@ -1,4 +1,4 @@
-"""The benchmark library (DESIGN.md section 6): metric definitions, determinism, evidence id,
+"""The benchmark library (docs/design.md section 6): metric definitions, determinism, evidence id,
 atomic reports, and k parameter sets x T traces in one batch."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_metric_definitions_on_hand_made_records():
 
 def test_request_metrics_is_the_outcome_formula_for_any_shape():
     """``request_metrics`` (compiled ``request_outcome``, shared with the env's episode metrics) is
-    DESIGN.md's formula, here restated in NumPy: ttft = first_token - arrival (-1 without a token), tpot =
+    docs/design.md's formula, here restated in NumPy: ttft = first_token - arrival (-1 without a token), tpot =
     (finish - first_token)/(O-1) (0 if O = 1 or unfinished), met = completed, ttft <= T1, tpot <= T2;
     on 1-D and 2-D columns, ties at the SLOs, and without SLOs."""
     from types import SimpleNamespace

@@ -1,4 +1,4 @@
-"""Policies (DESIGN.md section 4): the empirical-Gittins index, the scalar drop-in against the
+"""Policies (docs/design.md section 4): the empirical-Gittins index, the scalar drop-in against the
 in-engine index, and a contract every named policy passes (with and without shedding)."""
 
 import numpy as np

@@ -1,5 +1,5 @@
-"""Tuning (DESIGN.md section 7): tuning/optuna_search.py end to end, determinism, several workers on a
-journal study, resuming a killed study, a PostgreSQL study, bad options, the DESIGN.md section 8
+"""Tuning (docs/design.md section 7): tuning/optuna_search.py end to end, determinism, several workers on a
+journal study, resuming a killed study, a PostgreSQL study, bad options, the docs/design.md section 8
 comparators (weights+shed, index-scheduled: params file entries, warm starts, resume), and the library
 pieces (search space, storage kinds, stale-trial recovery, failed trials never fatal)."""
 

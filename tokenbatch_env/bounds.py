@@ -1,4 +1,4 @@
-"""Upper bound on the number of requests any scheduler can serve within SLA (DESIGN.md section 6).
+"""Upper bound on the number of requests any scheduler can serve within SLA (docs/design.md section 6).
 
 ``upper_bound(trace, profile)`` returns a :class:`BoundResult` whose ``ub`` is >= the ``met`` count
 of *every* policy the engine can run on ``trace`` (FCFS, priority, score policies, oracles, shedding,

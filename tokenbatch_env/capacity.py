@@ -1,4 +1,4 @@
-"""Fluid capacity audit of a batching contract and a workload (DESIGN.md section 9).
+"""Fluid capacity audit of a batching contract and a workload (docs/design.md section 9).
 
 This is a closed-form, integer-only capacity model of one continuous-batching scheduler serving a
 few request classes, with the semantics of ``../shared/seeds/capacity_model_spec.py.txt``: the

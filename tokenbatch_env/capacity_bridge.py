@@ -1,5 +1,5 @@
 """From an engine profile and a trace to capacity-audit records, and the fluid model beside the
-simulator (DESIGN.md section 9; ``tokenbatch audit --trace FILE --profile NAME``).
+simulator (docs/design.md section 9; ``tokenbatch audit --trace FILE --profile NAME``).
 
 The fluid audit (:mod:`tokenbatch_env.capacity`) knows nothing of engines or traces: it takes a
 ``SchedulerProfile`` (a token rate, its prefill/decode split, an iteration time, batch limits) and
@@ -11,7 +11,7 @@ Mapping choices (every one is also echoed in the ``mapping`` block of the output
 ----------------------------------------------------------------------------------
 
 **Served requests.** Demand is what the engine will actually serve: requests whose prompt is
-``>= max_model_len`` are rejected at arrival (DESIGN.md section 3, rule 8) and are left out of
+``>= max_model_len`` are rejected at arrival (docs/design.md section 3, rule 8) and are left out of
 every mean and rate (their count is reported); outputs are capped at ``max_model_len - prompt``
 as the engine caps them. ``P`` and ``O`` below are the served prompts and (capped) outputs.
 

@@ -1,4 +1,4 @@
-"""`tokenbatch audit`: the fluid capacity audit (DESIGN.md section 9).
+"""`tokenbatch audit`: the fluid capacity audit (docs/design.md section 9).
 
     tokenbatch audit CONTRACT.json WORKLOAD.json [--json]
     tokenbatch audit --trace FILE --profile NAME [--contract FILE] [--priority-iterations N]

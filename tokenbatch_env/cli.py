@@ -23,7 +23,7 @@ COMMANDS = {
     "audit": ("tokenbatch_env.capacity_cli", "fluid capacity audit of a contract and workload"),
     "fidelity": ("tokenbatch_env.integrations.fidelity_cli",
                  "compare the engine with vLLM's real scheduler on a trace (needs the vllm extra)"),
-    "bench": ("tokenbatch_env.bench_cli", "benchmark policies x traces x loads with CIs (DESIGN.md section 6)"),
+    "bench": ("tokenbatch_env.bench_cli", "benchmark policies x traces x loads with CIs (docs/design.md section 6)"),
 }
 
 

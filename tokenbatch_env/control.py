@@ -1,4 +1,4 @@
-"""Controllers: policies whose parameters change at decision epochs (DESIGN.md sections 5 and 8).
+"""Controllers: policies whose parameters change at decision epochs (docs/design.md sections 5 and 8).
 
 A controller sees the env's observation (``envs.TokenBatchEnv``) at each decision epoch and
 returns the engine's parameter vectors. ``run_controlled`` replays traces under a controller with

@@ -1,5 +1,5 @@
 """The Gymnasium environments: ``TokenBatchVectorEnv`` (N engine copies stepped as one batch) and
-``TokenBatchEnv`` (the vector env with one copy). DESIGN.md section 5 is the MDP; the class
+``TokenBatchEnv`` (the vector env with one copy). docs/design.md section 5 is the MDP; the class
 docstring of ``TokenBatchEnv`` states it in Gymnasium's sections.
 
 There is one implementation of the dynamics: ``_Core`` drives one ``engine.simulate.EngineRun``
@@ -762,7 +762,7 @@ def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: O
     direction w/|w| matters to the score). Margin -1 = shedding off. Without ``shed_action`` the
     actions have no last (margin) column and the margin is the base one. The parameters are
     mapped together, in a few numpy calls: at one copy (the single env) numpy's per-call cost is
-    nearly the whole cost (benchmarks/README.md, session 23)."""
+    nearly the whole cost (docs/benchmarks.md)."""
     from .policies import SHED_RANGE
     a = np.asarray(a, np.float64)
     theta_star = np.asarray(theta_star)
@@ -1626,7 +1626,7 @@ class TokenBatchEnv(gym.Env):
 
     ## Description
     One engine (continuous batching, chunked prefill, paged KV cache, preemption, prefix caching;
-    vLLM V1 semantics, DESIGN.md section 3) serves an episode: a window of ``window`` scored
+    vLLM V1 semantics, docs/design.md section 3) serves an episode: a window of ``window`` scored
     requests cut from a suite trace (``suite``/``split``), with ``warmup`` requests before and
     ``cooldown`` after that are simulated but not scored, at a load rho drawn uniformly from
     ``rho`` (the trace is time-scaled to ``rho * lambda_sat``, the suite's FCFS saturation rate for
@@ -1666,7 +1666,7 @@ class TokenBatchEnv(gym.Env):
     ln(1+prefill left)/ln(1+1e5), ln(1+estimated decode left)/ln(1+1e5), prefix-cache hit ratio,
     blocks needed / usable blocks, waited / T1, (deadline - now) / T_ref, ln(T1 / T_ref), first
     token out (0/1); missing rows are 0; then K validity bits. z, S, slack, prefill left, blocks
-    needed and the estimates are the index's inputs (DESIGN.md section 4) with the suite's
+    needed and the estimates are the index's inputs (docs/design.md section 4) with the suite's
     predictor.
 
     ## Rewards
@@ -1720,8 +1720,7 @@ class TokenBatchEnv(gym.Env):
 
     ## Version History
     * v0: initial version (``index`` and ``weights`` action modes; ``certain_miss`` counts a TTFT
-      as lost once unreachable on an idle engine). Later added, defaults unchanged: ``shed_action``
-      (session 7).
+      as lost once unreachable on an idle engine). Later added, defaults unchanged: ``shed_action``.
     """
 
     metadata = {"render_modes": []}

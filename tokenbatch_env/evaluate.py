@@ -1,4 +1,4 @@
-"""The benchmark (DESIGN.md section 6): policies x traces x loads, common random numbers, every metric.
+"""The benchmark (docs/design.md section 6): policies x traces x loads, common random numbers, every metric.
 
 ``run_benchmark(BenchConfig(...)) -> BenchReport`` is the library form of ``tokenbatch bench``.
 
@@ -310,7 +310,7 @@ def build_rows(cfg: BenchConfig) -> list:
 
 #: ``Row.policy`` of a controller row (``index-scheduled``, trained agents)
 CONTROLLED = "controlled"
-#: what a controller row is also compared with, pairwise (DESIGN.md section 8), when present
+#: what a controller row is also compared with, pairwise (docs/design.md section 8), when present
 CONTROL_COMPARATORS = ("index+shed", "index-scheduled", "weights+shed")
 
 

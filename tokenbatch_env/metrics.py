@@ -1,4 +1,4 @@
-"""Run summaries and evaluation metrics (DESIGN.md section 6)."""
+"""Run summaries and evaluation metrics (docs/design.md section 6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Policies: names, parameters and their ranges, and the scalar drop-in (DESIGN.md section 4).
+"""Policies: names, parameters and their ranges, and the scalar drop-in (docs/design.md section 4).
 
 The formulas themselves live in ``tokenbatch_env.engine.scoring`` (the engine evaluates them for
 every request each iteration); this module validates parameters and offers the same formulas to
@@ -21,7 +21,7 @@ from .errors import PolicyError
 #: name -> (in-engine id, needs parameters)
 BASELINES = ("fcfs", "priority", "sjf", "srpt-oracle", "edf", "llf", "empirical-gittins", "index", "weights")
 
-#: DESIGN.md section 4 ranges: name -> (low, high, scale)
+#: docs/design.md section 4 ranges: name -> (low, high, scale)
 INDEX_RANGES = {
     "kappa": (0.0, 10.0, "linear"),
     "slope": (1e-2, 1e2, "log"),
@@ -130,7 +130,7 @@ class LinearWeights:
 
 @dataclasses.dataclass(frozen=True)
 class IndexSchedule:
-    """``index-scheduled`` (DESIGN.md section 8): one tuned index (and shed margin) per load bucket,
+    """``index-scheduled`` (docs/design.md section 8): one tuned index (and shed margin) per load bucket,
     chosen at each decision epoch from the observed arrival rate (arrivals in the last 10 s over
     lambda_sat, i.e. an estimate of rho; ``envs`` observation entry ``arrival_rate``). Bucket i
     covers [edges[i-1], edges[i]) with edges[-1] = 0 and edges[B-1] = inf. ``loads``: the rho each
@@ -258,7 +258,7 @@ def score_request_priority(prompt_len, est_decode_len, wait_time_ms, sla_target_
     id asc) reproduces the engine's order; ``tests/test_policies.py`` checks both on random
     features and against scores captured from a real ``simulate`` run.
 
-    Inputs (the engine's features, DESIGN.md section 4):
+    Inputs (the engine's features, docs/design.md section 4):
 
     - ``prompt_len``: prefill tokens still to compute (prompt minus cached prefix hits), an int.
     - ``est_decode_len``: estimated output tokens (the engine floors the remaining decode at 1).

@@ -1,4 +1,4 @@
-"""Output-length predictors (DESIGN.md section 3, "Output-length estimates").
+"""Output-length predictors (docs/design.md section 3, "Output-length estimates").
 
 Policies never see true output lengths, except the labelled oracles. A predictor turns a trace into
 one estimate per request, fixed at arrival, and a rule for the remaining decode tokens after g:

@@ -1,4 +1,4 @@
-"""Tuning (DESIGN.md section 7): the library behind ``python tuning/optuna_search.py``.
+"""Tuning (docs/design.md section 7): the library behind ``python tuning/optuna_search.py``.
 
 What it does
 ------------
@@ -10,7 +10,7 @@ What it does
   0.5 for a baseline), which count toward its budget. Every study gets the **same number of trials** and the same
   k, and the studies take turns batch by batch, so a ``--timeout`` also cuts them evenly. Aging is
   not implemented in the engine, so there is no aging baseline to tune.
-* **Comparators** (DESIGN.md section 8, on by default, ``comparators=False`` /
+* **Comparators** (docs/design.md section 8, on by default, ``comparators=False`` /
   ``--no-comparators`` to skip): ``<name>.weights+shed`` tunes the ``weights`` policy (8 weights in
   ``policies.WEIGHT_RANGE`` over ``engine.scoring.LINEAR_FEATURES`` and the shed margin; warm
   starts SJF's, EDF's and LLF's directions at margin 0) with ``trials`` trials, and
@@ -91,7 +91,7 @@ def _int_field(v, name: str, lo: int, allow_none: bool = False):
 @dataclasses.dataclass(frozen=True)
 class TuneConfig:
     """Everything that determines a tuning run. Defaults are the newcomer's run (about 2.5 minutes on
-    2 cores with the comparators, measured in benchmarks/README.md)."""
+    2 cores with the comparators, measured in docs/benchmarks.md)."""
 
     suite: str = "seed-200"
     train_split: str = "train"           # the search sees only this split
@@ -116,7 +116,7 @@ class TuneConfig:
     bootstrap_b: int = 10_000
     warm_start: bool = True              # enqueue the baselines' members of the family first
     progress: bool = True
-    comparators: bool = True             # also tune weights+shed and index-scheduled (DESIGN.md section 8)
+    comparators: bool = True             # also tune weights+shed and index-scheduled (docs/design.md section 8)
     agents: tuple = ()                   # trained agents (agents/train_ppo.py dirs) added to the test report
 
     def __post_init__(self):
@@ -262,7 +262,7 @@ def available_cores() -> int:
 
 # ------------------------------------------------------------------------------------ search space
 def suggest_index(trial) -> dict:
-    """The index's search space (DESIGN.md section 4 ranges and scales) -> the trial's config:
+    """The index's search space (docs/design.md section 4 ranges and scales) -> the trial's config:
     ``{"index": {IndexParams fields}, "shed_margin": float}``. log1p parameters are searched as
     ``x = ln(1 + value)`` (internal name ``log1p_<name>``). The margin is searched in [0, 2]; "off"
     (inf) is left out: the tuned row is index+shed (the primary endpoint's), the no-shed ``index``
@@ -1011,7 +1011,7 @@ def tuning_markdown(data: dict, bench_md: str) -> str:
 
 
 def comparator_lines(cfg: dict, in_test: bool) -> list:
-    """The report's lines on the DESIGN.md section 8 comparators (``cfg``: ``TuneConfig.to_dict()``;
+    """The report's lines on the docs/design.md section 8 comparators (``cfg``: ``TuneConfig.to_dict()``;
     ``in_test``: the test report has the index-scheduled row)."""
     if not cfg.get("comparators"):
         return ["- comparators (weights+shed, index-scheduled): not tuned (--no-comparators)"]

@@ -11,7 +11,7 @@ split.
     python tuning/optuna_search.py --storage postgresql://user@db:5432/optuna --study-name big
     python tuning/optuna_search.py --no-comparators      # skip weights+shed and index-scheduled
 
-Comparators (DESIGN.md section 8, on by default): weights+shed (8 linear weights in [-1, 1] + shed
+Comparators (docs/design.md section 8, on by default): weights+shed (8 linear weights in [-1, 1] + shed
 margin, --trials trials) and index-scheduled (one index study per --eval-loads bucket,
 ceil(trials / buckets) trials each: the index study's total budget).
 
@@ -21,7 +21,7 @@ tuned with, is the plug-in's), report.json / report.md /
 optimization_history.png (tuning + the held-out leaderboard), test/ (the evaluator's own report:
 report.json, report.md, goodput_vs_load.png, ttft_cdf.png) and run_meta.json (wall times, host).
 The study lives in --storage (default: <out>/study.db, resumable: rerun the same command to resume;
-a finished study is not searched again). See DESIGN.md section 7 and tokenbatch_env/tuning.py.
+a finished study is not searched again). See docs/design.md section 7 and tokenbatch_env/tuning.py.
 Bad options: one line on stderr, exit 2.
 """
 
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-warm-start", action="store_true", help="do not enqueue the index's SJF/EDF/default members "
       "(margins 0, 0.5 for the baselines; SJF/EDF/LLF directions for weights+shed) as the first trials "
       "of a new study")
-    a("--no-comparators", action="store_true", help="do not tune the DESIGN.md section 8 comparators: "
+    a("--no-comparators", action="store_true", help="do not tune the docs/design.md section 8 comparators: "
       "weights+shed (study <name>.weights+shed, --trials trials) and index-scheduled (one index study "
       "per --eval-loads bucket, <name>.index@rho<x>, ceil(trials / buckets) trials each); on by default")
     a("--agent", action="append", default=[], metavar="PATH",

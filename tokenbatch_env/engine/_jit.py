@@ -44,7 +44,7 @@ def _without_wraparound() -> bool:
 
     numba wraps every signed index (``i < 0 ? i + n : i``) and offers no opt-out short of unsigned
     index types (numba PR #929; issue #3205 asks for one). Without the selects the env's step ran ~10%
-    faster (benchmarks/README.md, session 18), with the same results. The engine never indexes with a
+    faster (docs/benchmarks.md), with the same results. The engine never indexes with a
     negative value: CI (``.ci/run``, step 3) runs the engine's and the env's tests again with bounds
     checks on (``NUMBA_BOUNDSCHECK=1``: a negative index then raises IndexError), and compiled
     results equal interpreted ones (``tests/test_engine_lockstep.py``). Scoped by the LLVM function

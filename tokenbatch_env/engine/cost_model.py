@@ -1,4 +1,4 @@
-"""Iteration-time model (DESIGN.md section 3), in exact integer arithmetic.
+"""Iteration-time model (docs/design.md section 3), in exact integer arithmetic.
 
 ``t = c0 + c_prefill*P + c_c2*sum(chunk^2) + c_attn*sum(chunk*computed_before) + c_decode*D
       + c_kv*sum(decode_context) + swap_time``
@@ -71,7 +71,7 @@ class CostModel:
         return idle_prefill_ns_array(p.ravel(), int(budget), self.ps).reshape(p.shape)
 
     def per_token_ms(self, budget: int) -> tuple[float, float]:
-        """(u_p, u_d): ms per prefill / decode token at a full batch (DESIGN.md section 4)."""
+        """(u_p, u_d): ms per prefill / decode token at a full batch (docs/design.md section 4)."""
         return self.c0 / budget + self.c_prefill, self.c0 / budget + self.c_decode
 
     def to_dict(self) -> dict:

@@ -1,12 +1,12 @@
-"""The engine's step: one vLLM V1 scheduling iteration for every copy (DESIGN.md section 3).
+"""The engine's step: one vLLM V1 scheduling iteration for every copy (docs/design.md section 3).
 
 This module is the one implementation of the dynamics. It is written in the subset of Python that
 numba compiles; with ``NUMBA_DISABLE_JIT=1`` the very same functions run interpreted (the reference
 path, compared with the compiled one in a lockstep test). Everything is integer arithmetic; the clock is int64 ns.
 
-Numbers in comments refer to DESIGN.md section 3's rules.
+Numbers in comments refer to docs/design.md section 3's rules.
 
-Departure from DESIGN.md section 3, "Jumps": a jump also runs while requests wait, as long as none
+Departure from docs/design.md section 3, "Jumps": a jump also runs while requests wait, as long as none
 can be admitted during it (each fails the admission gate, or, without skip_hol, the queue's head
 does: with the in-engine scores' order the waiting requests are rescored at each jumped iteration
 and the jump ends before the first whose head passes), bounded by their shed and time-out instants
@@ -27,7 +27,7 @@ from .scoring import (P_EXTERNAL, P_GITTINS, P_INDEX, clip_z, gittins_score, idl
 # ---------------------------------------------------------------------------------- constants
 # request status
 FUTURE, WAITING, RUNNING, ENDED, SWAPPED = 0, 1, 2, 3, 4
-# end states (DESIGN.md section 3, "Outcomes")
+# end states (docs/design.md section 3, "Outcomes")
 E_NONE, E_COMPLETED, E_SHED, E_TIMED_OUT, E_LENGTH_CAPPED, E_REJECTED, E_UNFINISHED = 0, 1, 2, 3, 4, 5, 6
 END_STATE_NAMES = ("none", "completed", "shed", "timed_out", "length_capped", "rejected", "unfinished")
 # policy modes for ordering
@@ -38,10 +38,10 @@ MODE_FCFS, MODE_PRIORITY, MODE_SCORE = 0, 1, 2
  C_MAX_WAIT, C_TIMEOUT_RUNNING, C_SKIP_HOL, C_MAX_ITERS,
  C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, C_WAIT_PREEMPT, C_ADMISSION,
  C_SWAP, C_HOST_BLOCKS, C_SWAP_PS_PER_BLOCK, C_REC_STREAM, C_DECIDE, N_CFG) = range(30)
-# float cfg vector indices: ms per prefill / decode token at a full batch (DESIGN.md section 4)
+# float cfg vector indices: ms per prefill / decode token at a full batch (docs/design.md section 4)
 (F_U_P, F_U_D, N_FCFG) = range(3)
 
-# decision epochs (DESIGN.md section 5), ``EngineArrays.epoch`` columns: the episode start, the epoch
+# decision epochs (docs/design.md section 5), ``EngineArrays.epoch`` columns: the episode start, the epoch
 # length (ns), the scored requests [s0, s1), the first scored request not yet seen ended (end states
 # never revert, so this cursor only moves forward), shedding on (the decision rule's), and why the
 # copy last stopped (written with ``cfg[C_DECIDE]``)
@@ -49,7 +49,7 @@ MODE_FCFS, MODE_PRIORITY, MODE_SCORE = 0, 1, 2
 STOP_NONE, STOP_DECIDE, STOP_ENDED, STOP_CAP = 0, 1, 2, 3
 _FOREVER = np.iinfo(np.int64).max // 2  # a time no run reaches
 
-# per-iteration record columns (DESIGN.md section 3, "per-iteration records")
+# per-iteration record columns (docs/design.md section 3, "per-iteration records")
 ITER_COLUMNS = ("iteration", "start_ns", "end_ns", "prefill_tokens", "decodes", "scheduled_reqs",
                 "preempted", "blocks_used", "running", "waiting")
 N_ITER_COLS = len(ITER_COLUMNS)
@@ -354,7 +354,7 @@ def _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, b
 @helper
 def request_inputs(waiting, hits, prompt, gen, computed, held, to_deadline_ns, est, mrl, bs, budget, ps, u_p,
                    u_d, bsh=-1):
-    """The index inputs of one request (DESIGN.md section 4): one definition for the in-engine scores,
+    """The index inputs of one request (docs/design.md section 4): one definition for the in-engine scores,
     the shed rule, the decision rule and the env's observation. The request's state comes as scalars
     (prompt, generated and computed tokens, held blocks, ns to its TTFT deadline, output estimate
     (NaN: the residual-life table ``mrl``), and, if waiting, its cached prefix blocks ``hits`` from
@@ -409,7 +409,7 @@ def request_static(waiting, hits, prompt, gen, computed, held, est, mrl, bs, bud
 @helper
 def _request_score(waiting, hits, p, g, comp, hld, arr, t1r, est_r, queue_pos, t_now, mrl, gtab, theta_c, pid, sm,
                    kvf, usable, bs, bsh, budget, ps, u_p, u_d, scoring):
-    """The in-engine score of one request at iteration start ``t_now`` (DESIGN.md section 4) and
+    """The in-engine score of one request at iteration start ``t_now`` (docs/design.md section 4) and
     the common shed rule. Returns (shed now, tier, score); the score only with ``scoring``."""
     cached, p_left, blocks_needed, first_out, idle_ms, d_left, s_ms = request_static(
         waiting, hits, p, g, comp, hld, est_r, mrl, bs, budget, ps, u_p, u_d, bsh)
@@ -518,7 +518,7 @@ def _hits_evictable(hash_head, chain_off, chain_val, uniq_base, ref, c, r, num_t
 def _waiting_blocked(c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val, uniq_base, ref,
                      n_free, ev_blocks, prefix_on, can_admit, watermark, max_wait, sm, budget, ps, dec_one, bs, bsh,
                      full, w_hits):
-    """A jump's view of the waiting requests (DESIGN.md section 3, "Jumps"): how many pass the
+    """A jump's view of the waiting requests (docs/design.md section 3, "Jumps"): how many pass the
     admission gate now (``n_fit``; without ``full`` the scan stops at the first, since a normal step
     may admit it), the first iteration start at which one would be shed or timed out (``lim_w``),
     their cached hit blocks in the free queue (written to ``ev_blocks[:n_ev]``; a claim that evicts
@@ -643,7 +643,7 @@ def _scored_ended(epoch, end_state, c):
 @njit  # once per epoch, not per iteration: kept out of the kernel's hot loop
 def _decision_needed(c, shed_on, t_now, n_wait, wait_ids, prompt, gen, arrival, t1, est, mrl, hash_head,
                      chain_off, chain_val, uniq_base, prefix_on, bs, budget, ps, u_p, u_d):
-    """DESIGN.md section 5: a decision is needed at an epoch unless fewer than 2 requests wait and
+    """docs/design.md section 5: a decision is needed at an epoch unless fewer than 2 requests wait and
     nothing is sheddable (shedding on and a waiting request without a first token has slack < 0)."""
     nw = n_wait[c]
     if nw >= 2:
@@ -1059,7 +1059,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 if shed[c, r]:
                     scan_wait = True
                     break
-        # Stop at until_ns[c] or, deciding (DESIGN.md section 5), at the first iteration boundary at or
+        # Stop at until_ns[c] or, deciding (docs/design.md section 5), at the first iteration boundary at or
         # after an epoch where a decision is needed or every scored request has ended; epochs that
         # need none are skipped here, so the copy runs on with the same parameters.
         until = _next_epoch(epoch, c, now[c]) if decide else until_ns[c]
@@ -1126,7 +1126,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 key_hi[c] += 1
                 _wait_add(wait_ids, n_wait, status, c, r)
 
-            # In-engine scores (DESIGN.md section 4) and the common shed rule, from the state at
+            # In-engine scores (docs/design.md section 4) and the common shed rule, from the state at
             # the iteration's start: slack = arrival + T1 - now - prefill_time.
             # Running requests' scores are read only to choose a preemption victim (or by a waiting
             # request that may preempt): they are computed only when a claim of this iteration could
@@ -1216,7 +1216,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 total += 1  # everything visible ended; the next call jumps to the next arrival
                 continue
 
-            # Jump (DESIGN.md section 3, "Jumps"): while every running request is decoding, nothing
+            # Jump (docs/design.md section 3, "Jumps"): while every running request is decoding, nothing
             # is pending, no waiting request can be admitted, and no arrival, completion (except in
             # the jump's last iteration, without async scheduling), unservable block claim, shed, time-out,
             # needed decision (``until``) or iteration cap falls inside, iterations only add one
@@ -1784,7 +1784,7 @@ def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active,
     """Advance every active copy by up to ``max_steps`` iterations, stopping a copy once its clock
     reaches ``until_ns[c]`` or its iteration cap. Returns iterations run. With ``cfg[C_DECIDE]``
     (``EngineRun.advance_to_decision``) ``until_ns`` is unused: each copy runs to its next decision
-    epoch (``A.epoch``; DESIGN.md section 5) and ``A.epoch[c, EP_STOP]`` says why it stopped.
+    epoch (``A.epoch``; docs/design.md section 5) and ``A.epoch[c, EP_STOP]`` says why it stopped.
 
     ``theta[c]`` is copy c's policy parameter vector and ``shed_margin[c]`` its shed margin (< 0:
     no shedding). With an in-engine policy (``cfg[C_PID]``) the kernel writes ``tier``/``score``

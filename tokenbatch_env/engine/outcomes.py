@@ -1,4 +1,4 @@
-"""Per-request outcomes (DESIGN.md section 3, "Outcomes"): TTFT, TPOT and met.
+"""Per-request outcomes (docs/design.md section 3, "Outcomes"): TTFT, TPOT and met.
 
 ``request_outcome`` is the one definition, compiled, so that the evaluator's records
 (``request_metrics``) and the environment's episode metrics (computed in the engine threads) share it.

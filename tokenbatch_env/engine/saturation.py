@@ -1,4 +1,4 @@
-"""lambda_sat: FCFS's saturation throughput (DESIGN.md section 2, "Load").
+"""lambda_sat: FCFS's saturation throughput (docs/design.md section 2, "Load").
 
 Measured by replaying the requests as an always-backlogged stream (every arrival at t = 0, so the
 queue never empties) under FCFS, and counting completions per second between the 20th and 80th

@@ -1,4 +1,4 @@
-"""Score formulas evaluated inside the engine (DESIGN.md section 4), one definition each.
+"""Score formulas evaluated inside the engine (docs/design.md section 4), one definition each.
 
 The kernel calls these for every waiting and running request at the start of each iteration, with
 the copy's parameter vector; ``tokenbatch_env.policies`` calls the very same compiled functions for
@@ -63,7 +63,7 @@ def service_ms(p_left, d_left, u_p, u_d):
 @njit
 def index_log_score(theta, prefix_ratio, s_ms, d_left, z, first_token_out, kv, blocks_needed,
                     usable_blocks, to_deadline_ms, block_size):
-    """The Gittins-barrier index in log space (DESIGN.md section 4)."""
+    """The Gittins-barrier index in log space (docs/design.md section 4)."""
     return index_log_dynamic(index_log_static(theta, prefix_ratio, s_ms, d_left, block_size), theta, z,
                              first_token_out, kv, blocks_needed, usable_blocks, to_deadline_ms)
 
@@ -93,7 +93,7 @@ def index_log_dynamic(out, theta, z, first_token_out, kv, blocks_needed, usable_
 @njit
 def linear_score(theta, prefix_ratio, s_ms, z, first_token_out, blocks_needed, usable_blocks,
                  to_deadline_ms, slack_ms, queue_pos):
-    """The ``weights`` policy (DESIGN.md section 5): (w/|w|) . f over ``LINEAR_FEATURES`` =
+    """The ``weights`` policy (docs/design.md section 5): (w/|w|) . f over ``LINEAR_FEATURES`` =
     [ln(S/T_ref), z/10, queue_key/key_hi, prefix ratio, blocks needed/usable, to-deadline/T_ref,
     slack/T_ref, first token out]. Contains sjf (w = -e0), fcfs order (-e2), edf (-e5), llf (-e6).
     w = 0 scores every request 0 (ties: arrival, id)."""

@@ -67,7 +67,7 @@ class SimResult:
         return len(self.traces)
 
     def records(self, copy: int = 0) -> dict:
-        """One copy's request records as columns (DESIGN.md section 3, "Outcomes")."""
+        """One copy's request records as columns (docs/design.md section 3, "Outcomes")."""
         return record_columns(self.arrays, self.traces[copy], copy, 0, len(self.traces[copy]))
 
     def iterations(self, copy: int = 0) -> dict:
@@ -236,7 +236,7 @@ class EngineRun:
             total += self._run(self.cfg, act, until, chunk_steps, bar)
 
     def start_epochs(self, rows=None, *, interval_ns: int, scored=None, shed_on: bool) -> None:
-        """Start decision epochs (DESIGN.md section 5) for copies ``rows`` (default all) at their
+        """Start decision epochs (docs/design.md section 5) for copies ``rows`` (default all) at their
         current clock: one every ``interval_ns``. ``scored`` = (lo, hi), scalars or one per row
         (default: every request), the requests whose end terminates the episode; ``shed_on``: the
         decision rule counts sheddable requests (the episode has a shed margin)."""

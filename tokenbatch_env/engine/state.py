@@ -18,7 +18,7 @@ NEVER = np.iinfo(np.int64).max // 4
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine options beyond the profile. vLLM V1 behaviour by default (DESIGN.md section 3).
+    """Engine options beyond the profile. vLLM V1 behaviour by default (docs/design.md section 3).
 
     ``async_scheduling=None`` takes the profile's setting. Options marked beyond-vLLM are off by
     default and every report names them.

@@ -3,7 +3,7 @@
 ``TokenBatchAsyncScheduler`` (subclass of vLLM's ``AsyncScheduler``, the GPU default) and
 ``TokenBatchScheduler`` (subclass of the synchronous ``Scheduler``) run vLLM's ``priority`` policy.
 Before every ``schedule()`` they compute the TokenBatch (tier, score) of every waiting and running
-request exactly as the engine does at the start of an iteration (DESIGN.md section 4; the same
+request exactly as the engine does at the start of an iteration (docs/design.md section 4; the same
 compiled formulas of ``tokenbatch_env.engine.scoring``; prefix-cache hits of waiting requests from
 vLLM's own ``kv_cache_manager.get_computed_blocks``), set each request's integer ``priority`` to its
 exact rank (tier desc, score desc, arrival asc, request id asc) and re-heapify the waiting queue. vLLM's
@@ -297,7 +297,7 @@ class _TokenBatchMixin:
 
     # ------------------------------------------------------------------ the ranking
     def _tb_rank(self) -> None:
-        """DESIGN.md section 4, exactly as the engine's kernel ("In-engine scores"): features and
+        """docs/design.md section 4, exactly as the engine's kernel ("In-engine scores"): features and
         scores from the state at the iteration's start, the common shed rule, then ranks."""
         t_now = int(self._tb_now_ns())
         bs = self.block_size

@@ -250,7 +250,7 @@ def _replay(trace: Trace, hc: HarnessConfig, cost, max_iterations: int, schedule
     n = len(trace)
     arrival = trace.arrival_ns.astype(np.int64)
     prompt = trace.prompt_tokens.astype(np.int64)
-    # rule 8 of DESIGN.md section 3: output capped at max_model_len - prompt
+    # rule 8 of docs/design.md section 3: output capped at max_model_len - prompt
     out_len = np.minimum(trace.output_tokens, np.maximum(hc.max_model_len - prompt, 1)).astype(np.int64)
     toks = prompt_token_ids(trace, hc.block_size)
     rid = [f"r{i:09d}" for i in range(n)]          # lexical order == index order (Request.__lt__)

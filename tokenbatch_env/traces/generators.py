@@ -1,4 +1,4 @@
-"""Seeded synthetic trace generators (DESIGN.md section 2).
+"""Seeded synthetic trace generators (docs/design.md section 2).
 
 A generator spec (``TraceSpec``, a frozen dataclass that round-trips through a JSON-able dict) plus an
 integer seed gives one ``Trace``; the same spec and seed give the same content digest on every

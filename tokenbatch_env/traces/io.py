@@ -1,4 +1,4 @@
-"""Trace readers and writers (DESIGN.md section 2).
+"""Trace readers and writers (docs/design.md section 2).
 
 Formats (``fmt`` names):
 

@@ -1,4 +1,4 @@
-"""SLA assignment for traces that carry no SLOs (DESIGN.md section 2).
+"""SLA assignment for traces that carry no SLOs (docs/design.md section 2).
 
 The rule, for a trace of n requests, an ``SlaSpec`` (an engine profile name and K classes) and a seed:
 

@@ -268,7 +268,7 @@ def compute_manifest(spec: SuiteSpec, *, lambda_sat: Optional[dict] = None,
         "spec_sha256": spec.sha256, "generator_version": GENERATOR_VERSION,
         "suite_digest": hashlib.sha256(all_digests.encode()).hexdigest(),
         "nominal_rate_rps": spec.generator.arrivals.rate_rps,
-        # T_ref of DESIGN.md section 4: the median TTFT SLO over every request of the suite (ns)
+        # T_ref of docs/design.md section 4: the median TTFT SLO over every request of the suite (ns)
         "t_ref_ns": None if t1 is None else int(np.median(t1)),
         "stats": _stats(everything),
         "splits": splits,

@@ -1,6 +1,6 @@
 """The Trace: one row per request, columnar, with a content digest every result cites.
 
-DESIGN.md section 2. Times are int64 nanoseconds; SLOs are stored in integer nanoseconds too, so the
+docs/design.md section 2. Times are int64 nanoseconds; SLOs are stored in integer nanoseconds too, so the
 digest is a hash of integer arrays only. Prefix sharing is a CSR array of block-hash chains at
 ``block_size`` granularity: request ``i`` owns ``prefix_hashes[prefix_offsets[i]:prefix_offsets[i+1]]``,
 the hashes of its leading *shared* full blocks. Blocks past its chain are unique to the request.

@@ -1,4 +1,4 @@
-"""Time scaling and scored windows (DESIGN.md sections 2 and 5).
+"""Time scaling and scored windows (docs/design.md sections 2 and 5).
 
 **Time scaling.** ``time_scale(trace, factor)`` multiplies every arrival time by ``factor`` (> 1 is
 slower traffic, < 1 faster), about ``origin`` (default t = 0, so scaling commutes exactly with
