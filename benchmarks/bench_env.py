@@ -172,7 +172,7 @@ def bench_paired(n: int, rounds: int, native_steps: int, sync_steps: int, warm: 
         env.reset(seed=0)
         rew[name] = [np.asarray(env.step(a)[1]).copy() for a in acts[:warm]]
     spent = {"native": [], "sync": []}
-    for r in range(rounds):
+    for _ in range(rounds):
         for name, env, k in (("native", nat, native_steps), ("sync", syn, sync_steps)):
             i = len(rew[name])
             t0 = time.perf_counter()

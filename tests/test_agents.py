@@ -11,11 +11,11 @@ import pytest
 
 pytest.importorskip("stable_baselines3")
 torch = pytest.importorskip("torch")
+pytest.importorskip("tensorboard")   # training logs to TensorBoard
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "agents"))
-import evaluate_agent  # noqa: E402
-import train_ppo  # noqa: E402
+from tokenbatch_env.agents import evaluate as evaluate_agent  # noqa: E402  (agents/evaluate_agent.py's main)
+from tokenbatch_env.agents import train as train_ppo  # noqa: E402  (agents/train_ppo.py's main)
 
 TINY = ["--n-envs", "8", "--timesteps", "512", "--n-steps", "32", "--batch-size", "128", "--n-epochs", "2",
         "--eval-every", "256", "--eval-traces", "2", "--window", "32", "--warmup", "8", "--cooldown", "8",
@@ -348,3 +348,77 @@ def test_training_is_deterministic_for_a_seed(tmp_path):
         params.append(PPO.load(str(out / "final" / "model.zip"), device="cpu").policy.state_dict())
     assert params[0].keys() == params[1].keys()
     assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
+
+
+def test_training_needs_no_rich_for_its_progress_bar(tmp_path, monkeypatch, capsys):
+    """SB3's progress_bar=True raises ImportError without rich; the trainer draws its own tqdm bar, so
+    training with the progress bar on runs without rich (simulated missing: its import fails)."""
+    import stable_baselines3.common.callbacks as cb
+    monkeypatch.setitem(sys.modules, "rich", None)          # `import rich` raises ImportError
+    monkeypatch.setattr(cb, "tqdm", None)                    # as SB3 leaves it when rich is missing
+    with pytest.raises(ImportError, match="rich"):
+        cb.ProgressBarCallback()                             # (the simulation is the crash's cause)
+    argv = [a for a in TINY if a != "--no-progress"]
+    assert train_ppo.main(argv + ["--timesteps", "256", "--eval-every", "0", "--out", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "training: 100%" in err and "256/256" in err, err[-500:]
+
+
+def test_evaluate_agent_takes_a_plain_model_zip_with_its_env_config(trained, tmp_path, capsys):
+    """A model.zip without config.json: the error says what to give (--env-config, --vecnormalize);
+    given them, it is judged exactly as the same agent given by its training directory."""
+    import shutil
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    shutil.copy(trained / "final" / "model.zip", plain / "model.zip")
+    shutil.copy(trained / "final" / "vecnormalize.pkl", tmp_path / "stats.pkl")
+    assert evaluate_agent.main(["--model", str(plain / "model.zip")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("evaluate_agent.py: error: --model ") and "no config.json" in err
+    assert "--env-config FILE.json" in err and "--vecnormalize FILE" in err and err.count("\n") == 1
+    env = json.loads((trained / "final" / "config.json").read_text())["env"]
+    (tmp_path / "env.json").write_text(json.dumps({k: v for k, v in env.items() if k != "seed"}))
+    common = ["--max-traces", "2", "--loads", "1.2", "--bootstrap-b", "100", "--no-progress"]
+    assert evaluate_agent.main(["--model", str(trained / "final"), *common, "--out", str(tmp_path / "dir")]) == 0
+    assert evaluate_agent.main(["--model", str(plain / "model.zip"), "--env-config", str(tmp_path / "env.json"),
+                                "--vecnormalize", str(tmp_path / "stats.pkl"), *common,
+                                "--out", str(tmp_path / "zip")]) == 0
+    capsys.readouterr()
+    rows = {}
+    for name, label in (("dir", "ppo:final"), ("zip", "ppo:plain")):
+        data = json.loads((tmp_path / name / "report.json").read_text())
+        rows[name] = {r["label"]: r for r in data["loads"][0]["rows"]}[label]
+    assert rows["zip"]["goodput_per_unit"] == rows["dir"]["goodput_per_unit"]
+    for argv, msg in ((["--vecnormalize", str(tmp_path / "stats.pkl")], "--vecnormalize goes with --env-config"),
+                      (["--env-config", str(tmp_path / "nope.json")], "--env-config"),
+                      (["--env-config", str(tmp_path / "bad.json")], "unknown TokenBatchConfig field(s) windw")):
+        (tmp_path / "bad.json").write_text(json.dumps({"windw": 3}))
+        capsys.readouterr()
+        assert evaluate_agent.main(["--model", str(plain / "model.zip"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("evaluate_agent.py: error: ") and msg in err and err.count("\n") == 1, err
+
+
+def test_training_wraps_the_env_in_vecmonitor_with_the_episode_metrics(trained):
+    """train uses make_sb3_vec_env(monitor=True): SB3's episode buffer got the episodes' rewards and
+    metrics (their means are in the TensorBoard logs as rollout/ep_rew_mean)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    runs = sorted((trained / "tb").iterdir())
+    acc = EventAccumulator(str(runs[0]))
+    acc.Reload()
+    assert "rollout/ep_rew_mean" in acc.Tags()["scalars"]
+
+
+def test_tokenbatch_train_and_evaluate_agent_commands(trained, tmp_path, capsys):
+    """`tokenbatch train` / `tokenbatch evaluate-agent` run the same code as the scripts, their
+    messages naming the tokenbatch commands."""
+    from tokenbatch_env import cli
+    out = tmp_path / "run"
+    assert cli.main(["train", *TINY, "--timesteps", "256", "--eval-every", "0", "--out", str(out)]) == 0
+    assert f"judge on TEST with tokenbatch evaluate-agent --model {out / 'best'}" in capsys.readouterr().out
+    assert {"model.zip", "vecnormalize.pkl", "config.json"} <= {p.name for p in (out / "final").iterdir()}
+    assert cli.main(["evaluate-agent", "--model", str(trained / "best"), "--split", "train", "--max-traces", "2",
+                     "--loads", "1.2", "--bootstrap-b", "100", "--no-progress", "--out", str(tmp_path / "e")]) == 0
+    cap = capsys.readouterr()
+    assert "tokenbatch: warning: ppo:best was trained on seed-200/train" in cap.err
+    assert f"wrote {tmp_path / 'e'}/" in cap.out and (tmp_path / "e" / "agent_vs.json").is_file()

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require_extra
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_env.py"
 
 
@@ -19,7 +21,8 @@ def _load():
 
 def test_bench_env_tiny(capsys):
     """The default run (the speed-up measured paired) on a tiny budget, with the sequential (b) and
-    the breakdown."""
+    the breakdown; its (c), the SB3 adapter, needs the rl extra."""
+    require_extra("stable_baselines3")
     bench = _load()
     assert bench.main(["--copies", "3", "--steps", "4", "--warm", "1", "--breakdown", "--sequential", "--paired", "2",
                        "--native-steps-per-round", "2", "--sync-steps-per-round", "1"]) == 0

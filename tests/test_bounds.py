@@ -120,7 +120,7 @@ def test_bound_dominates_every_engine_policy(seed):
             ubs = [upper_bound(t, profile, config=cfg).ub for t in traces]
             for policy in ("fcfs", "priority"):
                 res = simulate(traces, profile, policy, cfg)
-                for c, t in enumerate(traces):
+                for c in range(len(traces)):
                     met = int(res.records(c)["met"].sum())
                     assert ubs[c] >= met, (profile, pc, policy, c, ubs[c], met)
 

@@ -733,7 +733,7 @@ def test_workloads_and_audits_match_the_spec(spec, case):
     import tokenbatch_env.capacity as ours_module
     results = []
     for module, ours in ((ours_module, True), (spec, False)):
-        def run(module=module):
+        def run(module=module, ours=ours):
             contract, workload = _build_case(module, case, ours)
             report = module.audit_batching(contract, workload)
             return (workload.content_id, dataclasses.asdict(report))

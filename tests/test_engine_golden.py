@@ -2,7 +2,6 @@
 t = 5 ms + 0.05 ms per scheduled token, block size 16."""
 
 import numpy as np
-import pytest
 
 from tokenbatch_env.engine import kernel as K
 from engine_helpers import run, tiny_trace

@@ -114,8 +114,9 @@ def test_compiled_functions_read_and_write_their_cache_under_a_lock():
     assert len(caches) >= 40 and all(getattr(c, "tokenbatch_locked", False) for c in caches)
     cache = kernel._run_copies._cache
     lock = Path(cache.cache_path) / "tokenbatch.lock"
-    probe = ("import fcntl, sys\nf = open(sys.argv[1], 'a+b')\ntry:\n    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)\n"
-             "    print('free')\nexcept BlockingIOError:\n    print('held')")
+    probe = ("import fcntl, sys\nf = open(sys.argv[1], 'a+b')\ntry:\n"
+             "    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)\n    print('free')\n"
+             "except BlockingIOError:\n    print('held')")
     with _jit._cache_lock(cache, True):
         held = subprocess.run([sys.executable, "-c", probe, str(lock)], capture_output=True, text=True, timeout=60)
     free = subprocess.run([sys.executable, "-c", probe, str(lock)], capture_output=True, text=True, timeout=60)

@@ -16,7 +16,7 @@ from gymnasium.vector import AutoresetMode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tokenbatch_env  # noqa: F401  (registers TokenBatch-v0)
+import tokenbatch_env  # (registers TokenBatch-v0)
 from tokenbatch_env.engine import scoring as S
 from tokenbatch_env.envs import (ACTION_NAMES, ActionError, TokenBatchConfig, TokenBatchEnv,
                                  TokenBatchVectorEnv, obs_layout)
@@ -359,7 +359,8 @@ def test_episode_layout_is_build_arrays_of_the_window(suite, profile):
     starts = np.array([cfg.warmup, *(rng.integers(cfg.warmup, n - cfg.cooldown - cfg.window + 1)
                                      for n in lens[1:-1]), lens[-1] - cfg.cooldown - cfg.window])
     rhos = [0.5, 1.0, 1.37, 2.0]
-    wins = [wl.window_at(int(u), r, int(s), cfg.window, cfg.warmup, cfg.cooldown) for u, r, s in zip(units, rhos, starts)]
+    wins = [wl.window_at(int(u), r, int(s), cfg.window, cfg.warmup, cfg.cooldown)
+            for u, r, s in zip(units, rhos, starts)]
     ref = build_arrays([w.trace for w in wins], core.run.profile, core.engine_config,
                        [core.estimates[u][w.parent_start:w.parent_start + len(w.trace)] for u, w in zip(units, wins)],
                        block_table=False)
@@ -473,7 +474,6 @@ def test_unreachable_ttft_counts_before_the_deadline_and_is_never_met(shed):
         before = core.certain.copy()
         _, _, te, tr, inf = env.step(np.zeros((N, len(ACTION_NAMES))))
         A = core.run.arrays
-        s = slice(core.s0, core.s1)
         new = core.certain & ~before
         for c in np.flatnonzero(~(te | tr)):
             for j in np.flatnonzero(new[c]):
@@ -505,7 +505,8 @@ def _rewards_by_definition(core, live, trunc, certain, met_seen, count_met):
     for c in np.flatnonzero(live):
         t, n = int(A.now[c]), 0
         for j in range(s0, s1):
-            arr, es, ft, o = int(A.arrival[c, j]), int(A.end_state[c, j]), int(A.first_token[c, j]), int(A.out_len[c, j])
+            arr, es, ft = int(A.arrival[c, j]), int(A.end_state[c, j]), int(A.first_token[c, j])
+            o = int(A.out_len[c, j])
             if arr > t and not trunc[c]:
                 break
             t1, t2, k = int(A.t1[c, j]), int(core.t2[c, j]), j - s0
@@ -561,7 +562,7 @@ def test_truncation_counts_open_requests():
     env = TokenBatchVectorEnv(1, max_episode_steps=3, rho=2.0, **SMALL)
     env.reset(seed=0)
     total = 0.0
-    for i in range(3):
+    for _ in range(3):
         _, r, te, tr, inf = env.step(np.zeros((1, len(ACTION_NAMES))))
         total += r[0]
         if te[0]:
@@ -942,10 +943,10 @@ def test_advance_to_decision_kernel_runs_each_copy_once_per_call(threads, chunk_
     for _ in range(5):
         calls: list = []
 
-        def kernel(*args, claim, mine):
+        def kernel(*args, claim, mine):   # (called within this iteration, by advance_to_decision)
             total = K.run_copies(*args, claim=claim, mine=mine)
-            with lock:
-                calls.append((claim, args[9].copy(), mine.copy()))   # (claim kept: ids stay unique)
+            with lock:   # (claim kept: ids stay unique)
+                calls.append((claim, args[9].copy(), mine.copy()))  # noqa: B023
             return total
         stop = run.advance_to_decision(active, chunk_steps=chunk_steps, kernel=kernel)
         rounds: dict = {}
@@ -1132,7 +1133,7 @@ def test_same_step_prepared_episode_error_raises_at_its_reset(monkeypatch, error
         rng = np.random.default_rng(1)
         steps = 0
         with pytest.raises(getattr(errors, error), match="out of range"):
-            for steps in range(1, 400):
+            for steps in range(1, 400):  # noqa: B007 - the step that raised, read below
                 env.step(rng.uniform(-1, 1, (n, len(ACTION_NAMES))))
                 if env.core._prep is not None:
                     deferred += len(env.core._prep_error)   # drawn ahead, kept for the copy's reset
@@ -1265,13 +1266,14 @@ def test_map_groups_meanwhile():
         run = EngineRun(traces, "stress-512", "fcfs", threads=threads)
         events = []
 
+        # (fn and meanwhile are called within this iteration, by map_groups below)
         def fn(g):
-            events.append(("fn", threading.current_thread().name))
+            events.append(("fn", threading.current_thread().name))  # noqa: B023
             return int(g.sum())
 
         def meanwhile():
-            nested = run.map_groups(lambda g: threading.current_thread().name, act)
-            events.append(("meanwhile", threading.current_thread().name, nested))
+            nested = run.map_groups(lambda g: threading.current_thread().name, act)  # noqa: B023
+            events.append(("meanwhile", threading.current_thread().name, nested))  # noqa: B023
         assert run.map_groups(fn, act, split=False, meanwhile=meanwhile) == [4] * threads
         main = threading.current_thread().name
         mw = [e for e in events if e[0] == "meanwhile"]

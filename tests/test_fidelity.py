@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_helpers import H, VLLM_MARKS  # noqa: E402  (sets VLLM_TARGET_DEVICE first)
+from vllm_helpers import H, VLLM_MARKS  # (sets VLLM_TARGET_DEVICE first)
 
-from engine_helpers import tiny_trace  # noqa: E402
+from engine_helpers import tiny_trace
 
 pytestmark = VLLM_MARKS
 

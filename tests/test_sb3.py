@@ -181,3 +181,33 @@ def test_unbatch_all_equals_per_copy_unbatch():
         seen_end += int((te | tr).sum())
     assert dropped > 5
     assert seen_end > 5
+
+
+def test_monitor_puts_episode_rewards_in_sb3s_buffer():
+    """make_sb3_vec_env(monitor=True) wraps VecMonitor with the episode metrics: a tiny PPO run's
+    ep_info_buffer holds the episodes (return, length, goodput, shed, p99 TTFT); without it SB3 sees
+    no episode at all (what the docstring warns about). native_env reaches the native env under
+    either, and under VecNormalize."""
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.logger import Logger
+    from stable_baselines3.common.vec_env import VecMonitor, VecNormalize
+
+    from tokenbatch_env.envs import TokenBatchVectorEnv
+    from tokenbatch_env.sb3 import EPISODE_INFO_KEYWORDS, native_env
+    torch.set_num_threads(1)
+    buffers = {}
+    for monitor in (True, False):
+        venv = make_sb3_vec_env(2, monitor=monitor, **SMALL, seed=0)
+        assert isinstance(venv, VecMonitor) == monitor
+        assert isinstance(native_env(VecNormalize(venv)), TokenBatchVectorEnv)
+        model = PPO("MlpPolicy", venv, n_steps=16, batch_size=32, n_epochs=1, device="cpu", seed=0,
+                    policy_kwargs=dict(net_arch=[8]))
+        model.set_logger(Logger(folder=None, output_formats=[]))
+        model.learn(total_timesteps=32)
+        buffers[monitor] = list(model.ep_info_buffer)
+        venv.close()
+    assert buffers[False] == []
+    assert buffers[True] and all({"r", "l", *EPISODE_INFO_KEYWORDS} <= set(e) for e in buffers[True])
+    assert all(0 <= e["episode_goodput"] <= 1 for e in buffers[True])
+    with pytest.raises(ValueError, match="no TokenBatchVectorEnv"):
+        native_env(object())

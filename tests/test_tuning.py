@@ -87,7 +87,7 @@ def test_end_to_end_writes_params_and_report(tiny_runs):
     assert rep["test"]["parameters"]["index"] == pytest.approx(doc["index"], rel=1e-5)
     # the search never saw the test split; study attrs carry the config; trials their evidence
     sts = studies(str(out / "study.db"))
-    for row, st in sts.items():
+    for st in sts.values():
         assert st.user_attrs["config"]["test_split"] == "test"
         assert st.user_attrs["objective"]["train_split"] == "train"
         for t in st.trials:
@@ -192,6 +192,29 @@ def test_comparator_studies_added_and_grown_on_resume_match_a_fresh_run(tiny_run
         assert (out / name).read_bytes() == (fresh / name).read_bytes(), name
 
 
+def test_tokenbatch_tune_writes_the_scripts_report_and_says_when_it_resumes(tmp_path):
+    """`tokenbatch tune` (tokenbatch_env/tune_cli.py, options generated from TuneConfig) and
+    tuning/optuna_search.py with the same flags write the same report.json bytes; a rerun on the
+    finished study says in one line that it resumes its trials, and gives the same report."""
+    flags = ["--trials", "2", "--k", "2", "--max-train-traces", "2", "--max-test-traces", "2", "--eval-loads", "1.2",
+             "--bootstrap-b", "100", "--no-comparators"]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    r = run_script(*flags, "--out", tmp_path / "script")
+    assert r.returncode == 0, r.stderr[-2000:]
+    cmd = [sys.executable, "-m", "tokenbatch_env.cli", "tune", *flags, "--out", str(tmp_path / "command")]
+    c = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert c.returncode == 0, c.stderr[-2000:]
+    assert "evaluate again: tokenbatch bench --params" in c.stdout and "resuming" not in r.stderr + c.stderr
+    for name in ("report.json", "best_params.json", "test/report.json"):
+        assert (tmp_path / "script" / name).read_bytes() == (tmp_path / "command" / name).read_bytes(), name
+    again = subprocess.run([*cmd, "--quiet"], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    lines = [ln for ln in again.stderr.splitlines() if "resuming" in ln]
+    assert len(lines) == 1 and lines[0].startswith("resuming 8 trials of study seed-200-stress-512-rho1.2 in ")
+    assert "may end with other numbers than an uninterrupted one" in lines[0]
+    assert (tmp_path / "command" / "report.json").read_bytes() == (tmp_path / "script" / "report.json").read_bytes()
+
+
 # ------------------------------------------------------------------------------------ scale-out
 def _check_exact(sts, n):
     for row, st in sts.items():
@@ -276,6 +299,7 @@ def test_killed_run_resumes_keeping_completed_and_requeueing_stale(tmp_path):
     r = run_script(*resume)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "stale RUNNING trial" in r.stderr
+    assert "may end with other numbers than an uninterrupted one" in r.stderr   # (the resume caveat)
     st = optuna.load_study(study_name=name, storage=T.make_storage(str(db)))
     trials = st.get_trials(deepcopy=False)
     for n, (v, params) in before.items():           # every completed trial kept as it was

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from vllm_helpers import H, VLLM_MARKS  # noqa: E402  (sets VLLM_TARGET_DEVICE first)
+from vllm_helpers import H, VLLM_MARKS  # (sets VLLM_TARGET_DEVICE first)
 
 pytestmark = VLLM_MARKS
 

@@ -7,8 +7,8 @@ by ``gym.make`` / ``gym.make_vec``).
 
 __version__ = "0.1.0"
 
-from .errors import ConfigError, PolicyError, ProfileError, TokenBatchError, TraceError  # noqa: E402
-from .traces import Trace  # noqa: E402
+from .errors import ConfigError, PolicyError, ProfileError, TokenBatchError, TraceError
+from .traces import Trace
 
 __all__ = ["__version__", "Trace", "TokenBatchError", "TraceError", "ConfigError", "ProfileError",
            "PolicyError"]

@@ -150,7 +150,8 @@ def run(args) -> int:
 def main(argv=None) -> int:
     """``python -m tokenbatch_env.bench_cli ...`` (same as ``tokenbatch bench ...``)."""
     from .cli import COMMANDS, main as cli_main
-    COMMANDS.setdefault("bench", ("tokenbatch_env.bench_cli", "benchmark policies on a suite (docs/design.md section 6)"))
+    COMMANDS.setdefault("bench", ("tokenbatch_env.bench_cli",
+                                  "benchmark policies on a suite (docs/design.md section 6)"))
     return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 

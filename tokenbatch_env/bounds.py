@@ -258,7 +258,6 @@ def request_parts(trace: Trace, prof: Profile, prefix_caching: bool = True) -> _
     """Per-request attainability, works (ns, rounded down) and deadlines (ns)."""
     if not trace.has_slos:
         raise ValueError("upper_bound needs a trace with SLOs (ttft_slo_ns / tpot_slo_ns)")
-    n = len(trace)
     bs, B, mml = prof.block_size, prof.max_num_batched_tokens, prof.max_model_len
     ps = [int(x) for x in prof.cost.ps]
     c0, cp, cc2, cat, cd, ckv = ps
@@ -435,12 +434,24 @@ def interval_bound(release, deadline, work, *, max_span: Optional[int] = None) -
 # ------------------------------------------------------------------------------ API
 def upper_bound(trace: Trace, profile: Union[str, Profile], *, prefix_caching: Optional[bool] = None,
                 config=None, max_span: Optional[int] = None) -> BoundResult:
-    """Upper bound on the number of requests of ``trace`` that any policy can serve within SLA.
+    """Upper bound on the number of requests of ``trace`` that any policy can serve within SLA: the
+    yardstick for how much a scheduler leaves on the table (the report's "gap closed").
 
-    ``profile``: a name or Profile; ``config`` (an ``EngineConfig``) applies its overrides (B,
-    num_blocks, ...) and, unless ``prefix_caching`` is given, its prefix-caching switch (default on).
-    ``max_span`` (endpoints per interval; None = automatic) trades tightness for speed on large
-    traces; any value gives a valid bound.
+    Args:
+        trace: a trace with SLOs.
+        profile: an engine profile name or ``Profile``.
+        prefix_caching: whether cached prefixes can be hit (None: ``config``'s switch, else on).
+        config: an ``EngineConfig`` whose overrides (``max_num_batched_tokens``, ``num_blocks``,
+            ...) apply to the profile.
+        max_span: endpoints per interval in the DP (None: automatic); smaller is faster and looser
+            on large traces, and any value gives a valid bound.
+
+    Returns:
+        ``BoundResult``: ``ub`` (>= ``met`` of every policy the engine can run) and its parts.
+
+    Raises:
+        ValueError: the trace has no SLOs.
+        ProfileError: an unknown or malformed profile.
     """
     prof = load_profile(profile) if isinstance(profile, str) else profile
     if config is not None:

@@ -95,23 +95,39 @@ def schedule_spec(schedule, *, k: int = 8, decision_interval_ms: float = 100.0) 
 
     mid = len(schedule.params) // 2
     return ControlSpec("index-scheduled", "index", schedule.params[mid], schedule.margins[mid], k,
-                       decision_interval_ms, make, (("index-scheduled", json.dumps(schedule.to_dict(), sort_keys=True)),))
+                       decision_interval_ms, make,
+                       (("index-scheduled", json.dumps(schedule.to_dict(), sort_keys=True)),))
 
 
 # ------------------------------------------------------------------------------ trained agents
-def agent_files(model_path: str, option: str = "--model") -> tuple:
-    """The files of a trained PPO agent (``agents/train_ppo.py`` output: ``<dir>/model.zip``,
-    ``config.json`` and optionally ``vecnormalize.pkl``), checked without loading anything (a clear
-    error naming ``option``, the flag that gave the path): (model, vecnormalize or None, the env
-    config's keywords, the digests of the model, the statistics and the base parameters' file)."""
+def agent_files(model_path: str, option: str = "--model", env_config: Optional[str] = None,
+                vecnormalize: Optional[str] = None) -> tuple:
+    """The files of a trained PPO agent (``tokenbatch train`` / agents/train_ppo.py output:
+    ``<dir>/model.zip``, ``config.json`` and optionally ``vecnormalize.pkl``), checked without
+    loading anything (a clear error naming ``option``, the flag that gave the path): (model,
+    vecnormalize or None, the env config's keywords, the digests of the model, the statistics and the
+    base parameters' file).
+
+    A model saved otherwise (any SB3 PPO ``model.zip`` trained on TokenBatch-v0 through
+    ``tokenbatch_env.sb3``) has no config.json: ``env_config`` then names a JSON file with the env's
+    ``TokenBatchConfig`` fields (or a train config.json, whose ``"env"`` is read), used instead of
+    the one beside the model, and ``vecnormalize`` its ``VecNormalize.save`` statistics, if any."""
     p = Path(model_path)
     d = p.parent if p.suffix == ".zip" else p
     model = p if p.suffix == ".zip" else d / "model.zip"
     if not model.is_file():
         raise ConfigError(f"{option} {model_path}: no model file {model}")
+    if env_config is not None:
+        return _plain_agent_files(model, env_config, vecnormalize)
+    if vecnormalize is not None:
+        raise ConfigError("--vecnormalize goes with --env-config (an agent directory's statistics are its "
+                          "vecnormalize.pkl)")
     cfg_file = d / "config.json"
     if not cfg_file.is_file():
-        raise ConfigError(f"{option} {model_path}: no config.json beside the model (written by train_ppo.py)")
+        hint = ("; for a model.zip saved otherwise, give the env's settings with --env-config FILE.json "
+                "(and its VecNormalize statistics with --vecnormalize FILE)") if option == "--model" else ""
+        raise ConfigError(f"{option} {model_path}: no config.json beside the model (written by tokenbatch train "
+                          f"/ train_ppo.py){hint}")
     try:
         train = json.loads(cfg_file.read_text())
         env_kw = dict(train["env"])
@@ -141,6 +157,44 @@ def agent_files(model_path: str, option: str = "--model") -> tuple:
     return model, norm, env_kw, model_sha, norm_sha, base_sha
 
 
+def _plain_agent_files(model: Path, env_config: str, vecnormalize: Optional[str]) -> tuple:
+    """``agent_files`` for a model.zip with its env settings in ``env_config`` (--env-config)."""
+    from .envs import TokenBatchConfig
+    try:
+        doc = json.loads(Path(env_config).read_text())
+    except OSError as e:
+        raise ConfigError(f"--env-config {env_config}: cannot read ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--env-config {env_config}: not JSON ({e})") from None
+    train = doc if isinstance(doc, dict) and isinstance(doc.get("env"), dict) else {}
+    env_kw = train.get("env", doc)
+    if not isinstance(env_kw, dict):
+        raise ConfigError(f"--env-config {env_config}: must be a JSON object of TokenBatchConfig fields "
+                          '(e.g. {"suite": "seed-200", "window": 128, "action_mode": "index"})')
+    valid = [f.name for f in dataclasses.fields(TokenBatchConfig)]
+    bad = sorted(k for k in env_kw if k not in valid)
+    if bad:
+        raise ConfigError(f"--env-config {env_config}: unknown TokenBatchConfig field(s) {', '.join(bad)}; "
+                          f"valid: {', '.join(valid)}")
+    # the fields the evaluation reads (its default suite and profile, the warnings) are filled in
+    env_kw = {f: getattr(TokenBatchConfig, f) for f in ("suite", "split", "profile")} | env_kw
+    norm = None
+    if vecnormalize is not None:
+        norm = Path(vecnormalize)
+        if not norm.is_file():
+            raise ConfigError(f"--vecnormalize {vecnormalize}: no such file")
+    base, base_sha = env_kw.get("base_params"), None
+    if base is not None:
+        if not Path(base).is_file():
+            raise ConfigError(f"--env-config {env_config}: base_params {base!r} not found")
+        base_sha = sha256_file(base)
+        want = train.get("base_params_sha256")
+        if want is not None and base_sha != want:
+            raise ConfigError(f"--env-config {env_config}: the base parameters {base} changed since the training "
+                              "(the actions are residuals around them): restore the file or train again")
+    return model, norm, env_kw, sha256_file(model), sha256_file(norm) if norm else None, base_sha
+
+
 def agent_warnings(env_kw: dict, label: str, suite: str, split: str, profile: str) -> list:
     """What a user should know before trusting an agent's row (not errors: the comparison still runs):
     the agent trained on the split it is judged on (not held out), or on another suite or profile."""
@@ -167,12 +221,14 @@ def agent_labels(paths) -> list:
     return labels
 
 
-def agent_spec(model_path: str, label: Optional[str] = None, option: str = "--model") -> ControlSpec:
-    """A trained PPO agent (``agent_files``) as a deterministic controller (mean action). Needs torch
-    and stable-baselines3 (the ``rl`` extra); loaded lazily through ``tokenbatch_env.sb3``."""
+def agent_spec(model_path: str, label: Optional[str] = None, option: str = "--model",
+               env_config: Optional[str] = None, vecnormalize: Optional[str] = None) -> ControlSpec:
+    """A trained PPO agent (``agent_files``; ``env_config`` and ``vecnormalize`` for a model.zip
+    without config.json) as a deterministic controller (mean action). Needs torch and
+    stable-baselines3 (the ``rl`` extra); loaded lazily through ``tokenbatch_env.sb3``."""
     from .envs import TokenBatchConfig
 
-    model, norm, env_kw, model_sha, norm_sha, base_sha = agent_files(model_path, option)
+    model, norm, env_kw, model_sha, norm_sha, base_sha = agent_files(model_path, option, env_config, vecnormalize)
     d = model.parent
     env_cfg = TokenBatchConfig(**{k: v for k, v in env_kw.items() if k in
                                   {f.name for f in dataclasses.fields(TokenBatchConfig)}})

@@ -1075,6 +1075,8 @@ class _Core:
             raise ConfigError(f"suite: {e}") from None
         if cfg.split not in suite.splits:
             raise ConfigError(f"split: must be one of {suite.splits} for suite {cfg.suite!r}, got {cfg.split!r}")
+        from .engine import compile_notice
+        compile_notice(env=True)   # (one line, once, before numba compiles the engine or this env's step)
         key = (cfg.suite, cfg.split, cfg.profile, self.engine_config, cfg.predictor)
         if key not in _WORKLOADS:
             try:

@@ -74,8 +74,20 @@ def _finite_pos(x, what: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-    """Everything that determines a benchmark (all of it enters the evidence id except
-    ``progress``)."""
+    """Everything that determines a benchmark, so that one config gives one evidence id (every field
+    enters it except ``progress``). Frozen; validated on construction.
+
+    The fields mirror ``tokenbatch bench``'s options: the workload (``suite``/``split``/``max_traces``,
+    or ``trace_file`` cut into ``windows`` with ``warmup``/``cooldown``), the ``profile`` and
+    ``engine``, the rows (``policies``, ``shed``, ``index_params``, ``weights``, ``schedule``,
+    ``controllers``), the ``loads`` (rho, relative to FCFS saturation), the statistics
+    (``bootstrap_seed``, ``bootstrap_b``) and the optional ``capacity`` search and ``upper_bound``.
+    The module docstring says how each is used.
+
+    Raises:
+        ConfigError: a field out of range or of the wrong type (the message names it).
+        PolicyError: an unknown policy, or a bad shed margin.
+    """
 
     suite: str = "seed-200"
     split: str = "test"
@@ -962,7 +974,20 @@ def _primary_load(loads) -> float:
 
 
 def run_benchmark(config: BenchConfig) -> BenchReport:
-    """Run the benchmark of ``config`` and return its report (nothing is written)."""
+    """Run the benchmark of ``config``: the library form of ``tokenbatch bench``, for scripts and
+    notebooks. Nothing is written; ``BenchReport.write`` does that.
+
+    Args:
+        config: what to run (``BenchConfig``).
+
+    Returns:
+        ``BenchReport``: the deterministic JSON data (with its evidence id), the run's metadata and
+        the curves for the plots.
+
+    Raises:
+        TokenBatchError: a bad input found while preparing it: ``ProfileError`` (profile),
+            ``TraceError`` (trace file), ``ConfigError`` (e.g. a suite or split that does not exist).
+    """
     import platform
     import time
     from datetime import datetime, timezone
@@ -1054,7 +1079,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
             if ub_mean is not None:
                 d["gap_closed"] = ((float(g.mean()) - g_fcfs) / (ub_mean - g_fcfs)
                                    if ub_mean - g_fcfs >= 0.02 else None)
-            tot = lambda k: int(sum(m[k] for m in um))  # noqa: E731
+            tot = lambda k, um=um: int(sum(m[k] for m in um))  # noqa: E731
             d.update({
                 "arrived": tot("arrived"), "met": tot("met"), "completed": tot("completed"),
                 "shed": tot("shed"), "timed_out": tot("timed_out"), "rejected": tot("rejected"),
@@ -1160,7 +1185,8 @@ def _params_note(cfg: BenchConfig) -> dict:
 DEFINITIONS = {
     "goodput": "met / arrived per unit (scored requests), macro mean over units; 95% percentile bootstrap CI",
     "paired": "mean of per-unit differences vs the baseline with its bootstrap CI; win rate counts ties 1/2",
-    "latency_all": "percentiles pool every scored request at the load; no first token (TTFT) or not completed (TPOT, E2E) = +inf",
+    "latency_all": ("percentiles pool every scored request at the load; no first token (TTFT) or not completed "
+                    "(TPOT, E2E) = +inf"),
     "latency_completed": "the same percentiles over completed requests only",
     "sla_respect": "met / completed (pooled)",
     "throughput": "per unit: completed output tokens and met requests per second over the unit's span; mean over units",

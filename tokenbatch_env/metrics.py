@@ -77,7 +77,21 @@ def bootstrap_ci(values, *, B: int = BOOTSTRAP_B, seed: int = 0, alpha: float = 
 
 
 def paired_difference(a, b, **kw) -> tuple[float, float, float]:
-    """Mean of a - b over paired units (same traces, windows, loads) with its bootstrap CI."""
+    """Mean of ``a - b`` over paired units, with its bootstrap CI: the comparison of two policies
+    that removes the units' own variation (both ran on the same traces, windows and loads).
+
+    Args:
+        a: per-unit values of the first policy (e.g. goodput per trace).
+        b: the other policy's values on the same units, in the same order and shape.
+        **kw: passed to ``bootstrap_ci`` (``B``, ``seed``, ``alpha``, ``block`` for a moving-block
+            bootstrap when the units are windows of one trace).
+
+    Returns:
+        ``(mean, lo, hi)``: the mean difference and its percentile bootstrap interval.
+
+    Raises:
+        ValueError: the shapes differ, or the differences are empty, not 1-D or not finite.
+    """
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if a.shape != b.shape:
         raise ValueError(f"paired_difference: shapes differ {a.shape} vs {b.shape}")
@@ -85,7 +99,16 @@ def paired_difference(a, b, **kw) -> tuple[float, float, float]:
 
 
 def win_rate(a, b) -> float:
-    """Share of paired units where a beats b; ties count 1/2."""
+    """Share of paired units where ``a`` beats ``b`` (higher is better), ties counting 1/2: how
+    often one policy wins, which a mean difference can hide.
+
+    Args:
+        a: per-unit values of the first policy.
+        b: the other policy's values on the same units, in the same order.
+
+    Returns:
+        The win rate in [0, 1]; NaN when there are no units.
+    """
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if a.size == 0:
         return float("nan")

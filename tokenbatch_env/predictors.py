@@ -45,6 +45,19 @@ def counter_normals(digest: str, seed: int, n: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class PredictorSpec:
+    """Which output-length predictor the deployable policies get: part of a suite's definition, so
+    that every policy is compared on the same information. Validated on construction.
+
+    Attributes:
+        kind: ``"noisy"`` (the true length times a log-normal error), ``"oracle"`` (the true length;
+            reference only) or ``"prior"`` (no per-request estimate).
+        sigma: the log-normal error's standard deviation (``noisy``), >= 0.
+        seed: the error draws' seed (``noisy``).
+
+    Raises:
+        ConfigError: an unknown kind, a negative or non-finite sigma, a non-integer seed.
+    """
+
     kind: str = "noisy"
     sigma: float = 0.5
     seed: int = 0
@@ -59,6 +72,11 @@ class PredictorSpec:
 
     @classmethod
     def from_dict(cls, d) -> "PredictorSpec":
+        """A spec from its JSON form (a suite file's ``predictor``): a dict, a kind name, or a spec.
+
+        Raises:
+            ConfigError: an unknown field or a bad value.
+        """
         if isinstance(d, PredictorSpec):
             return d
         if isinstance(d, str):
@@ -73,7 +91,19 @@ class PredictorSpec:
 
 
 def estimates(trace: Trace, spec: PredictorSpec) -> np.ndarray:
-    """Per-request output-length estimate at arrival (float64; NaN for ``prior``: no estimate)."""
+    """Each request's output-length estimate, fixed at arrival: what the deployable policies see
+    instead of the true lengths.
+
+    A request's ``noisy`` estimate depends only on the trace's digest, its index and ``spec.seed``,
+    so it is the same whichever requests, copies or policies share the run.
+
+    Args:
+        trace: the trace.
+        spec: the predictor.
+
+    Returns:
+        float64 array, one estimate per request (NaN for ``prior``: no estimate).
+    """
     o = trace.output_tokens.astype(np.float64)
     if spec.kind == "oracle":
         return o.copy()
@@ -83,7 +113,16 @@ def estimates(trace: Trace, spec: PredictorSpec) -> np.ndarray:
 
 
 def remaining_from_estimate(est: np.ndarray, generated: np.ndarray) -> np.ndarray:
-    """noisy/oracle: max(1, est - g)."""
+    """The decode tokens left after ``generated`` of them, by a per-request estimate (``noisy``,
+    ``oracle``): ``max(1, est - g)``, never below one since the request is still running.
+
+    Args:
+        est: the estimates (``estimates``).
+        generated: tokens generated so far, per request.
+
+    Returns:
+        float64 array of the remaining tokens.
+    """
     return np.maximum(1.0, est - generated)
 
 
@@ -95,6 +134,11 @@ class ResidualLife:
 
     @classmethod
     def from_lengths(cls, lengths) -> "ResidualLife":
+        """The table of a sample of output lengths (e.g. a suite's train split), entries >= 1.
+
+        Raises:
+            ConfigError: an empty sample or a length < 1.
+        """
         L = np.asarray(lengths, np.int64)
         if L.size == 0 or (L < 1).any():
             raise ConfigError("residual life needs a non-empty sample of output lengths >= 1")
@@ -111,5 +155,7 @@ class ResidualLife:
         return cls(np.maximum(mrl, 1.0))
 
     def remaining(self, generated) -> np.ndarray:
+        """The expected decode tokens left after ``generated`` (``prior``: no per-request estimate);
+        past the table's end, its last entry."""
         g = np.asarray(generated, np.int64)
         return self.table[np.clip(g, 0, self.table.size - 1)]

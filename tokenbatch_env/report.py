@@ -236,7 +236,7 @@ def report_markdown(data: dict) -> str:
                "rejected", "TTFT p99 cache-miss", "max wait (ms)"]
         rows = []
         for d in ent["rows"]:
-            lat = lambda k, s: f"{_ms(d[k]['p50_' + s])} / {_ms(d[k]['p99_' + s])}"  # noqa: E731
+            lat = lambda k, s, d=d: f"{_ms(d[k]['p50_' + s])} / {_ms(d[k]['p99_' + s])}"  # noqa: E731
             rows.append([d["label"], lat("ttft_ms", "all"), lat("ttft_ms", "completed"), lat("tpot_ms", "all"),
                          lat("tpot_ms", "completed"), lat("e2e_ms", "all"), lat("e2e_ms", "completed"),
                          _f(d["throughput_tok_s"], 1), _f(d["met_req_s"], 3), str(d["recomputed_tokens"]),
@@ -259,7 +259,8 @@ def report_markdown(data: dict) -> str:
         rows = []
         for lab, c in cap["rows"].items():
             r = c["ratio_to_fcfs"]
-            rows.append([lab, r if isinstance(r, str) else f"{r['geomean']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]",
+            ratio = r if isinstance(r, str) else f"{r['geomean']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
+            rows.append([lab, ratio,
                          _f(c["reached_mean_rho"]), str(c["not_reached"]), str(c["censored_at_max_load"]),
                          f"{c['savings_usd_per_year']:,.0f}" if "savings_usd_per_year" in c else "-"])
         L += _table(hdr, rows)

@@ -9,8 +9,11 @@ was truncated (step or iteration cap) rather than terminated. Episode metrics (`
 ...) are in that copy's info dict. Every array returned is a copy, never an internal buffer.
 
     from tokenbatch_env.sb3 import make_sb3_vec_env
-    venv = make_sb3_vec_env(8, rho=(0.8, 1.5))      # any TokenBatchConfig field
+    venv = make_sb3_vec_env(8, monitor=True, rho=(0.8, 1.5))   # any TokenBatchConfig field
     model = PPO("MlpPolicy", venv, policy_kwargs={"log_std_init": -1.5}, device="cpu")
+
+``monitor=True`` wraps the env in SB3's ``VecMonitor``: without it (or a ``VecMonitor`` of your own)
+SB3 records no episode and logs no ``rollout/ep_rew_mean``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["make_sb3_vec_env", "sb3_vec_env_class", "request_set_extractor_class", "load_agent"]
+__all__ = ["make_sb3_vec_env", "native_env", "sb3_vec_env_class", "request_set_extractor_class", "load_agent",
+           "EPISODE_INFO_KEYWORDS"]
 
 _CLASS = None
 _EXTRACTOR = None
@@ -144,9 +148,19 @@ def sb3_vec_env_class():
     return _CLASS
 
 
-def make_sb3_vec_env(num_envs: int = 1, **config):
+#: a finished episode's metrics in its info dict, kept by ``monitor=True`` in SB3's episode buffer
+EPISODE_INFO_KEYWORDS = ("episode_goodput", "episode_shed", "episode_ttft_p99_ms")
+
+
+def make_sb3_vec_env(num_envs: int = 1, *, monitor: bool = False, **config):
     """An SB3 ``VecEnv`` of ``num_envs`` TokenBatch-v0 copies (config: ``TokenBatchConfig`` fields
-    and ``threads``, the native env's engine threads; ``autoreset_mode`` is forced to SAME_STEP)."""
+    and ``threads``, the native env's engine threads; ``autoreset_mode`` is forced to SAME_STEP).
+
+    ``monitor=True`` wraps it in SB3's ``VecMonitor`` (``info_keywords``: ``EPISODE_INFO_KEYWORDS``),
+    which is what puts each finished episode's return and length (and these metrics) into the
+    model's ``ep_info_buffer``, hence ``rollout/ep_rew_mean`` in SB3's logs. Without it (the
+    default, for code that wraps the env itself) SB3 logs no episode reward at all. ``native_env``
+    reaches the ``TokenBatchVectorEnv`` under either."""
     from gymnasium.vector import AutoresetMode
 
     from .envs import TokenBatchVectorEnv, autoreset_mode_of
@@ -154,8 +168,24 @@ def make_sb3_vec_env(num_envs: int = 1, **config):
     if autoreset_mode_of(am) != AutoresetMode.SAME_STEP:
         from .errors import ConfigError
         raise ConfigError(f"autoreset_mode: the SB3 adapter needs SAME_STEP, got {am!r}")
-    venv = TokenBatchVectorEnv(num_envs, autoreset_mode=AutoresetMode.SAME_STEP, **config)
-    return sb3_vec_env_class()(venv)
+    venv = sb3_vec_env_class()(TokenBatchVectorEnv(num_envs, autoreset_mode=AutoresetMode.SAME_STEP, **config))
+    if monitor:
+        from stable_baselines3.common.vec_env import VecMonitor
+        return VecMonitor(venv, info_keywords=EPISODE_INFO_KEYWORDS)
+    return venv
+
+
+def native_env(venv):
+    """The ``TokenBatchVectorEnv`` under an SB3 vec env made by ``make_sb3_vec_env`` (through any
+    wrappers that keep the wrapped env as ``.venv``: VecMonitor, VecNormalize, ...); ValueError if
+    there is none."""
+    from .envs import TokenBatchVectorEnv
+    v = venv
+    while v is not None:
+        if isinstance(v, TokenBatchVectorEnv):
+            return v
+        v = getattr(v, "venv", None)
+    raise ValueError(f"no TokenBatchVectorEnv under {type(venv).__name__}")
 
 
 def request_set_extractor_class():

@@ -1,4 +1,5 @@
-"""Tuning (docs/design.md section 7): the library behind ``python tuning/optuna_search.py``.
+"""Tuning (docs/design.md section 7): the library behind ``tokenbatch tune`` (``tune_cli``; also
+``python tuning/optuna_search.py``).
 
 What it does
 ------------
@@ -41,6 +42,11 @@ What it does
   whose owner is gone (or a zombie, or a reused pid) are marked FAIL (``fail_reason = "stale"``)
   and their parameters re-enqueued. RUNNING trials of other hosts (or containers with their own
   pids) are left alone: their liveness cannot be checked from here.
+* **Reproducibility**: an uninterrupted one-worker study with a fixed seed gives byte-identical
+  results (report.json, best_params.json) on every rerun. A study resumed after a kill or a timeout
+  may end with other numbers than an uninterrupted one (each run's samplers start from their seeds
+  and the trials told so far, not from where the stopped run's were), and several workers race;
+  ``run_search`` prints one line when it resumes a study with trials in it.
 * **Storage**: ``None`` -> an embedded SQLite file ``<out>/study.db`` (one process, resumable), or
   ``<out>/study.journal`` with several workers; a path ending in ``.db``/``.sqlite``/``.sqlite3`` or
   a ``sqlite:///`` URL -> SQLite; a path ending in ``.journal``/``.log``/``.jsonl`` or
@@ -65,6 +71,7 @@ from typing import Optional
 
 import numpy as np
 
+from .config_cli import option
 from .errors import ConfigError, TokenBatchError
 
 #: baselines whose only parameter is the shed margin of their +shed row (aging: not implemented)
@@ -88,36 +95,71 @@ def _int_field(v, name: str, lo: int, allow_none: bool = False):
     return int(v)
 
 
+def _parse_loads(text, flag: str) -> tuple:
+    """--loads / --eval-loads: the evaluator's own parser of rho values (one-line errors)."""
+    from .bench_cli import parse_loads
+    return parse_loads(text, flag[2:])
+
+
 @dataclasses.dataclass(frozen=True)
 class TuneConfig:
     """Everything that determines a tuning run. Defaults are the newcomer's run (about 2.5 minutes on
-    2 cores with the comparators, measured in docs/benchmarks.md)."""
+    2 cores with the comparators, measured in docs/benchmarks.md). Each field's ``help`` is its
+    ``tokenbatch tune`` / tuning/optuna_search.py option's (``config_cli``)."""
 
-    suite: str = "seed-200"
-    train_split: str = "train"           # the search sees only this split
-    test_split: str = "test"             # held out: evaluated once, with the best parameters
-    profile: str = "stress-512"
-    loads: tuple = (1.2,)                # tuning loads (rho): objective = mean over traces x loads
-    eval_loads: tuple = (1.0, 1.2, 1.5)  # test evaluation loads (goodput vs load; 1.2 = primary)
-    trials: int = 48                     # per study (index, baselines, weights+shed; buckets: ceil(trials/B))
-    k: int = 8                           # trials per engine run
-    max_train_traces: Optional[int] = 40  # first N train traces (None = all 120)
-    max_test_traces: Optional[int] = None  # None = the whole test split (the pre-registered set)
-    timeout: Optional[float] = None      # seconds of search (None = no limit)
-    sampler: str = "tpe"                 # tpe (seeded multivariate TPE) | cmaes | random
-    pruner: str = "none"                 # none | median (reports after each quarter of the copies)
-    seed: int = 0
-    baselines: tuple = DEFAULT_BASELINES
-    storage: Optional[str] = None        # None = <out>/study.db (or <out>/study.journal with workers)
-    study_name: Optional[str] = None     # None = "<suite>-<profile>-rho<loads>"
-    out: str = "runs/tune"
-    workers: int = 1                     # local processes on one study (journal/RDB storage)
-    threads: Optional[int] = None        # engine threads per process (None = cores / workers)
-    bootstrap_b: int = 10_000
-    warm_start: bool = True              # enqueue the baselines' members of the family first
-    progress: bool = True
-    comparators: bool = True             # also tune weights+shed and index-scheduled (docs/design.md section 8)
-    agents: tuple = ()                   # trained agents (agents/train_ppo.py dirs) added to the test report
+    suite: str = option("seed-200", "suite name or spec .json (default seed-200)")
+    train_split: str = option("train", "split the search sees (default train)")
+    test_split: str = option("test", "held-out split evaluated once at the end (default test)")
+    profile: str = option("stress-512", "engine profile (default stress-512)")
+    loads: tuple[float, ...] = option(
+        (1.2,), "tuning load(s) rho, comma-separated: the objective is the mean goodput over traces x loads "
+        "(default 1.2, the primary endpoint's load)", parse=_parse_loads)
+    eval_loads: tuple[float, ...] = option(
+        (1.0, 1.2, 1.5), "test-split loads for the leaderboard and goodput vs load (default 1.0,1.2,1.5)",
+        parse=_parse_loads)
+    trials: int = option(
+        48, "trials per study, a global cap across workers; the index, each baseline and weights+shed get "
+        "this many, each index-scheduled bucket study ceil(trials / buckets) (default 48)",
+        flags=("--trials", "--n-trials"), min=1)
+    k: int = option(8, "trials evaluated per engine run (default 8)", min=1)
+    max_train_traces: Optional[int] = option(
+        40, "use the first N train traces, or 'all' (default 40 of 120)", min=1, none="all")
+    max_test_traces: Optional[int] = option(
+        None, "use the first N test traces, or 'all' (default all: the pre-registered test set)", min=1,
+        none="all")
+    timeout: Optional[float] = option(None, "stop starting new trials after this many seconds of search",
+                                      what="a number of seconds")
+    sampler: str = option("tpe", "tpe (seeded multivariate TPE, default), cmaes or random")
+    pruner: str = option("none", "none (default) or median: report after each quarter of the copies")
+    seed: int = option(0, "sampler seed (also the bootstrap seed of the test report; default 0)", min=0)
+    baselines: tuple[str, ...] = option(
+        DEFAULT_BASELINES, "baselines whose +shed margin is tuned with the same budget (default edf,sjf,llf; "
+        "also fcfs, priority; aging is not implemented)", allow_empty=True)
+    storage: Optional[str] = option(
+        None, "SQLite file (*.db, one process, resumable), journal file (*.journal, several processes on one "
+        "machine) or RDB URL (postgresql://..., mysql://...); default <out>/study.db (<out>/study.journal "
+        "with --workers > 1)")
+    study_name: Optional[str] = option(
+        None, "study name prefix (default <suite>-<profile>-rho<loads>); one study per tuned row: "
+        "<name>.index+shed, <name>.edf+shed, ..., <name>.weights+shed, <name>.index@rho1.2, ...")
+    out: str = option("runs/tune", "output directory (default runs/tune)")
+    workers: int = option(1, "local worker processes on one study (needs a journal or RDB storage; default 1)",
+                          min=1)
+    threads: Optional[int] = option(None, "engine threads per process (default: cores / workers)", min=1)
+    bootstrap_b: int = option(10_000, "bootstrap resamples of the test report (default 10000)", min=100)
+    warm_start: bool = option(
+        True, "do not enqueue the index's SJF/EDF/default members (margins 0, 0.5 for the baselines; "
+        "SJF/EDF/LLF directions for weights+shed) as the first trials of a new study",
+        flags=("--no-warm-start",), sets=False)
+    progress: bool = option(True, "no progress bars, no summary", flags=("--quiet",), sets=False)
+    comparators: bool = option(
+        True, "do not tune the docs/design.md section 8 comparators: weights+shed (study <name>.weights+shed, "
+        "--trials trials) and index-scheduled (one index study per --eval-loads bucket, <name>.index@rho<x>, "
+        "ceil(trials / buckets) trials each); on by default", flags=("--no-comparators",), sets=False)
+    agents: tuple[str, ...] = option(
+        (), "a trained agent (agents/train_ppo.py or tokenbatch train output directory, e.g. runs/ppo/best) "
+        "judged in the test report beside the tuned rows; repeatable (needs the rl extra)",
+        flags=("--agent",), append=True, metavar="PATH")
 
     def __post_init__(self):
         from .policies import BASELINES
@@ -833,6 +875,13 @@ def _worker_main(cfg: TuneConfig, deadline: Optional[float], worker: int) -> Non
     optimize(dataclasses.replace(cfg, progress=False), deadline=deadline, worker=worker)
 
 
+def resumed_trials(studies: dict) -> int:
+    """Trials the studies held before this run (any state but WAITING: the warm starts a new study
+    was just given are not a resumption)."""
+    from optuna.trial import TrialState
+    return sum(1 for st in studies.values() for t in st.get_trials(deepcopy=False) if t.state != TrialState.WAITING)
+
+
 def run_search(cfg: TuneConfig, objective: Optional["TrainObjective"] = None) -> dict:
     """Recover stale trials, then search (in this process, or in ``workers`` processes). Returns
     {"recovered": {row: [numbers]}, "search_wall_s": ...}."""
@@ -841,6 +890,11 @@ def run_search(cfg: TuneConfig, objective: Optional["TrainObjective"] = None) ->
     t0 = time.time()
     storage = make_storage(cfg.storage_url)
     studies = open_studies(cfg, storage)
+    resumed = resumed_trials(studies)
+    if resumed:
+        print(f"resuming {resumed} trials of study {cfg.name} in {cfg.storage_url}: a resumed study may end with "
+              "other numbers than an uninterrupted one (byte-identical results hold for an uninterrupted "
+              "one-worker study with a fixed seed)", file=sys.stderr)
     recovered = {row: recover_stale_trials(st) for row, st in studies.items()}
     for row, nums in recovered.items():
         if nums:
@@ -991,7 +1045,7 @@ def tuning_markdown(data: dict, bench_md: str) -> str:
           "split is never seen by the search",
           f"- budget: {cfg['trials']} trials per study, k = {cfg['k']} trials per engine run, sampler "
           f"{cfg['sampler']} (seed {cfg['seed']}), pruner {cfg['pruner']}",
-          f"- the baselines' shed margins get the same budget; aging is not implemented (no aging baseline)",
+          "- the baselines' shed margins get the same budget; aging is not implemented (no aging baseline)",
           *comparator_lines(cfg, data.get("index_scheduled_in_test", False)),
           f"- objective evidence id `{data['objective_evidence_id']}`", ""]
     L += ["| row | study | trials (by state) | best trial | train goodput | best config |", "|---|---|---|---|---|---|"]

@@ -11,7 +11,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from test_fidelity import H, KINDS, budgets, gen  # noqa: E402
+from test_fidelity import H, KINDS, budgets, gen
 
 
 def main() -> int:

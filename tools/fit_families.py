@@ -360,8 +360,9 @@ def fidelity(fits: dict, max_model_len: int = MAX_MODEL_LEN) -> dict:
             fr, gr = realized_groups({**spec, "lengths": {**spec["lengths"], "max_model_len": max_model_len}},
                                      f["prefix"]["common_prefix_tokens"], seeds=range(100, 140))
             prefix_check = {"grouped_fraction": _sig(fr), "groups_of_2plus_per_trace": _sig(gr)}
-        rep[fam] = {**prefix_check, "window_gap_cv_median": _sig(float(np.median(cvs))), "prompt_mean": _sig(np.mean(pm)),
-                    "output_mean": _sig(np.mean(om)), f"fraction_fitting_{max_model_len}": _sig(np.mean(fit_frac))}
+        rep[fam] = {**prefix_check, "window_gap_cv_median": _sig(float(np.median(cvs))),
+                    "prompt_mean": _sig(np.mean(pm)), "output_mean": _sig(np.mean(om)),
+                    f"fraction_fitting_{max_model_len}": _sig(np.mean(fit_frac))}
     return rep
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from test_vllm_plugin import KINDS, PARAMS, T_REF_MS, plugin_compare  # noqa: E402
+from test_vllm_plugin import KINDS, PARAMS, T_REF_MS, plugin_compare
 
 
 def main() -> int:

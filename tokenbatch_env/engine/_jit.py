@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
 import threading
 from pathlib import Path
 
@@ -109,7 +110,9 @@ def _locked_cache(d):
         with _cache_lock(cache, True):
             return save(sig, data)
 
-    def load_overload(sig, target_context):
+    def load_overload(sig, target_context):   # (numba's first step to run a function: load, else compile)
+        if not _TARGET_READY:
+            init_target()
         with _cache_lock(cache, False):
             return load(sig, target_context)
 
@@ -119,6 +122,70 @@ def _locked_cache(d):
     cache.save_overload, cache.load_overload, cache.flush = save_overload, load_overload, flush_locked
     cache.tokenbatch_locked = True
     return d
+
+
+_TARGET_READY = False
+_TARGET_LOCK = threading.Lock()
+
+
+def _scipy_blas_present() -> bool:
+    """Whether ``import scipy.linalg.cython_blas`` would find its module, judged without importing
+    scipy.linalg: scipy's top-level spec (nothing imported) and the extension module's file."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    try:
+        spec = importlib.util.find_spec("scipy")
+    except (ImportError, ValueError):
+        return False
+    roots = list(getattr(spec, "submodule_search_locations", None) or []) if spec is not None else []
+    return any(os.path.exists(os.path.join(root, "linalg", "cython_blas" + suffix))
+               for root in roots for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+
+
+def init_target() -> None:
+    """Initialise numba's CPU target (its typing and lowering registries) as numba does before a
+    process's first cache load or compile, less one import: numba's registries probe for BLAS
+    (``numba.np.arraymath._HAVE_BLAS``, whether ``np.convolve``/``np.correlate`` may call ``np.dot``)
+    by importing ``scipy.linalg``, a quarter of a warm ``tokenbatch simulate``'s start-up where scipy
+    is installed (``benchmarks/bench_startup.py``). The probe is answered from the module's file
+    instead, the same answer without the import; scipy.linalg is imported when compiled code first
+    needs BLAS (numba's ``ensure_blas`` at typing, as before). Once per process, by the first load of
+    any of this package's dispatchers; a process that already has ``numba.np.arraymath`` or
+    ``scipy.linalg`` gets numba's own initialisation. No compiled code changes: numba's registries
+    are the same, ``numba.np.linalg`` imported before the others instead of among them."""
+    global _TARGET_READY
+    with _TARGET_LOCK:
+        if _TARGET_READY:
+            return
+        from numba.core.registry import cpu_target
+        ctx = cpu_target.target_context
+        linalg = real = None
+        if "numba.np.arraymath" not in sys.modules and "scipy.linalg" not in sys.modules:
+            try:
+                from numba.np import linalg
+                real = linalg.ensure_blas
+            except (ImportError, AttributeError):  # pragma: no cover - another numba
+                linalg = real = None
+        if real is None:
+            ctx.refresh()
+        else:
+            present = _scipy_blas_present()
+            check_width = getattr(linalg, "_check_lapack_int_width", None)
+
+            def ensure_blas():
+                if not present:
+                    raise ImportError("scipy 0.16+ is required for linear algebra")
+                if check_width is not None:   # (numba's own check after its import: it reads scipy.__config__)
+                    check_width()
+            linalg.ensure_blas = ensure_blas
+            try:
+                ctx.refresh()
+            finally:   # numba's own function again wherever numba bound the name meanwhile (arraymath)
+                for name, mod in list(sys.modules.items()):
+                    if name.startswith("numba.") and vars(mod).get("ensure_blas") is ensure_blas:
+                        mod.ensure_blas = real
+        _TARGET_READY = True
 
 
 try:  # numba is a runtime dependency; without it the same functions run interpreted
@@ -259,3 +326,53 @@ def guard_stale_cache(dispatchers=None, tag: str = "engine", extra_sources=()) -
         write_text_atomic(stamp, digest)
     except (OSError, AttributeError):  # pragma: no cover - read-only cache dir: numba recompiles anyway
         pass
+
+
+# ------------------------------------------------------------------ the first-run compile notice
+_NOTICE_LOCK = threading.Lock()
+_NOTICE_SHOWN = False
+
+
+def cached(d) -> bool:
+    """Whether running dispatcher ``d`` needs no compile: it has machine code in this process, or
+    numba's on-disk cache holds some for its current source on this machine (its index file lists an
+    overload whose machine and bytecode key match; the signature about to be used is not known before
+    the arguments are, so any counts), or it is not compiled at all (numba missing or disabled). Reads
+    one index file: cheap. True when the cache cannot be read (no notice for a guess)."""
+    cache = getattr(d, "_cache", None)
+    if cache is None or getattr(cache, "tokenbatch_warm", False) or getattr(d, "overloads", None):
+        return True   # (interpreted; found before; or machine code in this process)
+    try:
+        index = cache._cache_file._load_index()   # ({} when absent, stale or of another numba)
+        try:
+            key = cache._index_key(None, d.targetctx.codegen())
+            warm = any(k[1:] == key[1:] for k in index)
+        except Exception:  # noqa: BLE001  # pragma: no cover - another numba's key
+            warm = bool(index)
+    except Exception:  # noqa: BLE001  # pragma: no cover - unreadable cache (or another numba): say nothing
+        warm = True
+    if warm:   # (not read again in this process)
+        cache.tokenbatch_warm = True
+    return warm
+
+
+def notice_if_cold(parts, file=None) -> bool:
+    """Print one line to ``file`` (stderr) when any of ``parts`` -- (what, dispatchers, seconds) -- is
+    about to be compiled (``cached``): what is compiled, once, and about how long it takes (the
+    cold parts' seconds summed). At most once per process; returns whether it printed."""
+    global _NOTICE_SHOWN
+    if _NOTICE_SHOWN:
+        return False
+    with _NOTICE_LOCK:
+        if _NOTICE_SHOWN:
+            return False
+        cold = [(what, secs) for what, disp, secs in parts if not all(cached(d) for d in disp)]
+        if not cold:
+            return False
+        _NOTICE_SHOWN = True
+    secs = sum(s for _, s in cold)
+    took = f"{round(secs / 60)} min" if secs >= 60 else f"{int(round(secs, -1))} s"
+    print(f"tokenbatch: compiling {' and '.join(w for w, _ in cold)} with numba, once (about {took}, longer on "
+          f"a busy machine); later runs load it from the cache", file=file if file is not None else sys.stderr,
+          flush=True)
+    return True

@@ -358,8 +358,9 @@ def request_inputs(waiting, hits, prompt, gen, computed, held, to_deadline_ns, e
     the shed rule, the decision rule and the env's observation. The request's state comes as scalars
     (prompt, generated and computed tokens, held blocks, ns to its TTFT deadline, output estimate
     (NaN: the residual-life table ``mrl``), and, if waiting, its cached prefix blocks ``hits`` from
-    ``_prefix_hits``), so that callers need not pass the [C, R] state arrays. Returns (cached tokens: hits if waiting, else computed prompt; prefill left P; blocks needed;
-    first token out; ms to the deadline; slack ms; estimated decode left d; S ms)."""
+    ``_prefix_hits``), so that callers need not pass the [C, R] state arrays. Returns (cached tokens:
+    hits if waiting, else computed prompt; prefill left P; blocks needed; first token out; ms to the
+    deadline; slack ms; estimated decode left d; S ms)."""
     cached, p_left, blocks_needed, first_out, idle_ms, d_left, s_ms = request_static(
         waiting, hits, prompt, gen, computed, held, est, mrl, bs, budget, ps, u_p, u_d, bsh)
     to_deadline_ms, slack_ms = _slack(to_deadline_ns, first_out, idle_ms)

@@ -75,8 +75,8 @@ def _show(p: Profile, *, as_json: bool = False) -> int:
     if p.description:
         print(f"  {p.description}")
     print("cost (ms): " + ", ".join(f"{n}={getattr(c, n):.6g}" for n in TERMS))
-    print(f"  t = c0 + c_prefill*P + c_c2*sum(chunk^2) + c_attn*sum(chunk*computed_before)"
-          f" + c_decode*D + c_kv*sum(decode_context)")
+    print("  t = c0 + c_prefill*P + c_c2*sum(chunk^2) + c_attn*sum(chunk*computed_before)"
+          " + c_decode*D + c_kv*sum(decode_context)")
     for f in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
               "max_model_len_limit", "watermark_blocks", "async_scheduling", "kv_bytes_per_token",
               "pcie_gb_per_s"):

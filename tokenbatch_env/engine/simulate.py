@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..traces.trace import Trace
+from . import compile_notice
 from . import kernel as K
 from .outcomes import request_metrics
 from .profiles import Profile, load_profile
@@ -177,6 +178,7 @@ class EngineRun:
         self.config = config or EngineConfig()
         self.profile = self.config.resolve(load_profile(profile) if isinstance(profile, str) else profile)
         self.policy, self.scorer = _resolve_policy(policy)
+        compile_notice()   # (one line, once, if numba is about to compile the kernel: a run would look hung)
         self.arrays = A = build_arrays(self.traces, self.profile, self.config, estimates)
         if iteration_sink is not None and self.config.record_iterations < 1:
             raise ConfigError("an iteration sink needs record_iterations >= 1 (the buffer size)")

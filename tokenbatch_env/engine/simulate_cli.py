@@ -63,8 +63,8 @@ def run(args) -> int:
     from ..traces.sla import assign_slas
     from ..traces.windows import scale_to_rate
     from .kernel import END_STATE_NAMES, ITER_COLUMNS
+    from . import compile_notice
     from .profiles import load_profile
-    from .saturation import measure_lambda_sat
     from .simulate import simulate
     from .state import EngineConfig
 
@@ -85,6 +85,7 @@ def run(args) -> int:
         raise ConfigError(f"--sla-seed must be an integer >= 0, got {args.sla_seed}")
     if args.max_wait_ms is not None and not (np.isfinite(args.max_wait_ms) and args.max_wait_ms > 0):
         raise ConfigError(f"--max-wait-ms must be a positive number of ms, got {args.max_wait_ms}")
+    compile_notice()   # (before the SLA rule's and the engine's first compiled calls)
     slo_note = ""
     file_digest = trace.digest
     if not trace.has_slos:
@@ -95,6 +96,7 @@ def run(args) -> int:
                           record_iterations=65_536 if args.iterations else 0)
     lam = None
     if args.rho is not None:
+        from .saturation import measure_lambda_sat
         lam = measure_lambda_sat(trace, profile, config)
         try:
             trace = scale_to_rate(trace, args.rho * lam)

@@ -248,7 +248,8 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
         finish=z(C, R, fill=-1), finish_it=z(C, R, fill=-1), n_preempt=z(C, R), recomputed=z(C, R),
         resumed=z(C, R, dtype=np.bool_),
         run_ids=z(C, S), wait_ids=z(C, R), slot_free=np.tile(np.arange(slots - 1, -1, -1, dtype=i64), (C, 1)),
-        pend_ids=z(C, S), table=z(*((C, slots, maxb) if block_table else (C, 0, 0)), dtype=np.int32),  # int32: one compilation
+        pend_ids=z(C, S),
+        table=z(*((C, slots, maxb) if block_table else (C, 0, 0)), dtype=np.int32),  # int32: one compilation
         ref=z(C, NB, dtype=np.int32), bhash=z(C, NB, fill=-1), hnext=z(C, NB, fill=-1, dtype=np.int32),
         fq_prev=fq_prev, fq_next=fq_next, hash_head=z(C, U, fill=-1, dtype=np.int32),
         sched_r=z(C, S), sched_new=z(C, S), sched_cb=z(C, S),

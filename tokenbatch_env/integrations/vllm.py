@@ -138,7 +138,7 @@ class PluginConfig:
             path = str(path)
             try:
                 params, margin_items = load_params_file(path)
-            except Exception as e:  # ConfigError / PolicyError with the reason
+            except Exception as e:  # noqa: BLE001 - whatever the file's fault (ConfigError, PolicyError...): reported
                 raise TokenBatchPluginError(f"{pwhere}: bad TokenBatch policy file {path!r}: {e}") from None
             margins = dict(margin_items)
             meta = json.loads(Path(path).read_text()).get("meta") or {}
@@ -186,7 +186,7 @@ class PluginConfig:
         try:
             from ..engine.profiles import load_profile
             load_profile(str(profile))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure to load it: reported as the setting's error
             raise TokenBatchPluginError(f"{prwhere}: {e}") from None
         cfg = cls(policy=policy, index_params=params if policy == "index" else None,
                   shed_margin=margin, profile=str(profile), t_ref_ms=t_ref,
@@ -196,7 +196,7 @@ class PluginConfig:
         if policy == "index":
             try:
                 params.theta_vector(t_ref)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any failure: reported as the setting's error
                 raise TokenBatchPluginError(f"t_ref_ms: {e}") from None
         return cfg
 

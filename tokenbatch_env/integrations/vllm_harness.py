@@ -45,7 +45,7 @@ def vllm_import_error() -> Optional[str]:
     """None if vLLM's scheduler can be imported here, else the reason it cannot."""
     try:
         _vllm()
-    except Exception as e:  # ImportError, or a broken install raising something else
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install raising something else
         return f"{type(e).__name__}: {e}"
     return None
 
@@ -472,8 +472,26 @@ class Comparison:
 
 def engine_run(trace: Trace, profile="linear", policy="fcfs", *, engine_policy=None, estimates=None,
                **kw):
-    """The engine's run with the same budgets as ``replay`` (``engine_policy``: an EnginePolicy to
-    run instead of ``policy``, with ``estimates`` per request)."""
+    """Simulate ``trace`` with the engine under the budgets ``replay`` gives vLLM, so that the two
+    runs can be compared request by request (``compare`` does). Needs no vLLM.
+
+    Args:
+        trace: the trace to simulate.
+        profile: an engine profile name or ``Profile``, whose budgets both sides use.
+        policy: the engine policy name (``"fcfs"`` or ``"priority"``, vLLM's two).
+        engine_policy: an ``EnginePolicy`` to run instead of ``policy`` (e.g. the index policy
+            the plug-in runs in vLLM).
+        estimates: per-request output-length estimates for ``engine_policy`` (None: none).
+        **kw: budget overrides, as ``resolve_config`` takes them (``num_blocks``,
+            ``max_num_batched_tokens``, ``max_num_seqs``, ``prefix_caching``, ``async_scheduling``).
+
+    Returns:
+        The engine's ``SimResult`` for the one trace, iterations recorded.
+
+    Raises:
+        ConfigError: a bad override, or a profile with a watermark (not modelled by the harness).
+        ProfileError: an unknown or malformed profile.
+    """
     from ..engine.simulate import simulate
     _, prof, ecfg = resolve_config(profile, policy, **kw)
     return simulate(trace, prof, policy if engine_policy is None else engine_policy, ecfg,

@@ -809,10 +809,27 @@ def _canonical(path, fmt: str, *, block_size: Optional[int] = None,
 
 def load_trace(path, fmt: Optional[str] = None, *, block_size: Optional[int] = None,
                name: Optional[str] = None) -> LoadResult:
-    """Load any supported trace file (``fmt`` detected when None); returns ``(trace, report)``.
+    """Load a trace file of any supported format, with a report of what was read and dropped.
 
-    ``block_size`` sets the engine block size of the chains (Mooncake; default 16) or the metadata
-    of prefix-free formats; for canonical files it must match the stored one. ``name`` renames.
+    Public traces come in several layouts; every one ends as a validated ``Trace`` whose digest
+    the results cite, and the report says which rows did not make it (e.g. BurstGPT's failed ones).
+
+    Args:
+        path: the file (``str`` or path-like).
+        fmt: one of ``FORMATS`` (``npz``, ``csv``, ``azure``, ``mooncake``, ``burstgpt``); None
+            detects it from the extension and the first line (``detect_format``).
+        block_size: the engine block size of the prefix chains (Mooncake's hash ids are split into
+            blocks of it; default 16), or the metadata of prefix-free formats. For the canonical
+            formats it must equal the stored one.
+        name: a new name for the trace (default: the stored one, or the file's stem).
+
+    Returns:
+        ``LoadResult``, which unpacks as ``trace, report = load_trace(path)``.
+
+    Raises:
+        TraceError: unknown or undetectable format, unreadable or missing file, a bad row (named by
+            file, row and column), an NPZ file whose content does not match its stored digest, a
+            canonical file written with another ``block_size``.
     """
     if fmt is None:
         fmt = detect_format(path)
@@ -826,7 +843,17 @@ def load_trace(path, fmt: Optional[str] = None, *, block_size: Optional[int] = N
 
 
 def save_trace(trace: Trace, path) -> None:
-    """Write ``trace`` in the canonical format given by the extension of ``path`` (.npz or .csv)."""
+    """Write ``trace`` in a canonical format, atomically, so that ``load_trace`` gives it back exactly.
+
+    Args:
+        trace: the trace to write.
+        path: the file; its extension picks the format: ``.npz`` (binary, fast) or ``.csv`` (text,
+            for editing by hand). An existing file is replaced only once the new one is complete.
+
+    Raises:
+        TraceError: the extension is neither ``.npz`` nor ``.csv``.
+        OutputError: the path cannot be written (its directory, permissions, a full disk).
+    """
     suffix = Path(path).suffix.lower()
     if suffix == ".npz":
         save_npz(trace, path)

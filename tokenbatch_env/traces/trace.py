@@ -135,7 +135,27 @@ def subset_prefix_ids(n_ids: int, ids: np.ndarray, a: int, b: int) -> tuple:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Trace:
-    """A validated, immutable request trace. Build with ``Trace.build(...)`` (validates, copies)."""
+    """A validated, immutable request trace: the input of every simulation, identified by ``digest``.
+
+    One row per request, in arrival order, as read-only int64 columns (see the module docstring for
+    units and the prefix-chain layout). Build one with ``Trace.build(...)``, which validates and
+    copies; ``load_trace`` / ``save_trace`` read and write files; ``replace`` and ``subset`` derive
+    new traces. Immutable so that a digest computed once stays true.
+
+    Attributes:
+        arrival_ns: arrival times, ns, non-decreasing.
+        prompt_tokens: prompt lengths (tokens, >= 1).
+        output_tokens: output lengths (tokens, >= 1).
+        ttft_slo_ns: time-to-first-token SLOs (ns), or None for a trace without SLOs.
+        tpot_slo_ns: time-per-output-token SLOs (ns), None exactly when ``ttft_slo_ns`` is.
+        priority: per-request priority (vLLM's priority policy).
+        class_id: per-request SLA class.
+        prefix_offsets: CSR offsets (``len + 1``) into ``prefix_hashes``.
+        prefix_hashes: each request's chain of shared full-block hashes, concatenated.
+        block_size: tokens per KV-cache block, the chains' granularity.
+        name: a label (not part of the digest).
+        source: where the trace came from (not part of the digest).
+    """
 
     arrival_ns: np.ndarray
     prompt_tokens: np.ndarray
@@ -278,7 +298,19 @@ class Trace:
         return self.prefix_hashes[self.prefix_offsets[i]:self.prefix_offsets[i + 1]]
 
     def replace(self, **changes) -> "Trace":
-        """A validated copy with some columns or metadata changed."""
+        """A copy with some columns or metadata changed, validated like ``build`` (the trace itself
+        is immutable).
+
+        Args:
+            **changes: field names (those of ``build``, e.g. ``name=``, ``ttft_slo_ns=``) and their
+                new values.
+
+        Returns:
+            The new ``Trace``.
+
+        Raises:
+            TraceError: the changed trace is invalid (names the column and row).
+        """
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields.update(changes)
         return Trace.build(**fields)
@@ -329,7 +361,11 @@ class Trace:
     # ------------------------------------------------------------------ identity
     @property
     def digest(self) -> str:
-        """SHA-256 over the canonical integer arrays (metadata excluded): same requests, same digest."""
+        """The trace's identity, cited by every result: same requests, same digest.
+
+        A SHA-256 hex string over the integer columns and ``block_size``; ``name`` and ``source``
+        are excluded, so a renamed copy keeps it. Computed once, then cached.
+        """
         cached = self.__dict__.get("_digest")
         if cached is None:
             h = hashlib.sha256(DIGEST_VERSION)

@@ -1,0 +1,402 @@
+"""`tokenbatch train` (and agents/train_ppo.py, which calls ``main``): train a PPO agent
+(stable-baselines3) on TokenBatch-v0 as a challenger to the tuned index.
+
+``TrainConfig`` is the whole run (its fields are the command's options, ``config_cli``); ``train``
+runs it. See ``EPILOG`` (the command's ``--help``) for what it writes and the note on discounting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..config_cli import option
+
+DESCRIPTION = "Train a PPO agent (stable-baselines3) on TokenBatch-v0 as a challenger to the tuned index."
+
+EPILOG = """\
+    {cmd}                                  # index mode, MLP, small default budget
+    {cmd} --policy set --timesteps 500000 --base-params runs/tune/best_params.json
+    {cmd} --action-mode weights --out runs/ppo-weights
+    {cmd} --no-shed-action                 # the shed margin stays theta*'s
+
+The native vector env (one engine batch, no subprocesses) runs through the SB3 adapter
+(tokenbatch_env.sb3) with VecMonitor and, by default, VecNormalize (observations only; saved with
+the model). torch uses one thread; the env's engine uses every core from 64 envs on (its default
+``threads``): rollouts and gradient epochs alternate, so they do not compete. Every --eval-every
+timesteps the current policy (mean action) is replayed on the VALIDATION split by the evaluator's
+controlled replay (tokenbatch_env.control.run_controlled: same
+windows-free whole traces, loads and predictor as the leaderboard); the best goodput is kept in
+<out>/best/ (model.zip, vecnormalize.pkl, config.json) and the final policy in <out>/final/.
+TensorBoard logs in <out>/tb (goodput, shed, p99 TTFT, reward, entropy). <out>/train_metrics.json
+records the validation curve, EDF+shed's and the base index's validation goodput, and the wall time
+at which the agent first reached EDF+shed's goodput. Judge the result on TEST with
+{evaluate}.
+
+Discounting: gamma is per decision step, and the number of steps an episode takes depends on the
+policy (epochs are skipped while fewer than 2 requests wait). With gamma 0.99 a policy that keeps
+more requests waiting (a larger shed margin) takes more, shorter steps, so the same misses are
+discounted more: measured on the default env, constant shed margin 0.5 vs 0 has the better
+discounted return at gamma 0.99 (-25.7 vs -29.9) but the worse goodput (0.651 vs 0.665), and PPO
+learned exactly that. At gamma 0.999 the order is right (-42.1 vs -41.2): the default.
+"""
+
+def _parse_loads(text, flag: str) -> tuple:
+    from ..bench_cli import parse_loads
+    return parse_loads(text, flag[2:])
+
+
+def _parse_rho(text, flag: str) -> tuple:
+    """--rho: low,high (each episode draws rho uniformly), or one value for a constant load."""
+    v = _parse_loads(text, flag)
+    return (v[0], v[0]) if len(v) == 1 else v
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The whole training run (saved as config.json beside the model). Each field's ``help`` is its
+    ``tokenbatch train`` / agents/train_ppo.py option's (``config_cli``)."""
+
+    suite: str = option("seed-200", "suite name or spec .json; episodes are windows of its --split")
+    split: str = option("train", "split whose windows are the episodes")
+    val_split: str = option("validation", "split the validation replays judge the policy on")
+    profile: str = option("stress-512", "engine profile (tokenbatch profiles list)")
+    rho: tuple[float, ...] = option((0.8, 1.5), "training loads low,high: each episode draws rho uniformly "
+                                    "(one value: a constant load)", parse=_parse_rho)
+    action_mode: str = option("index", "index (residual around theta*) or weights")
+    policy: str = option("mlp", "mlp (SB3 MlpPolicy) or set (RequestSetExtractor)")
+    base_params: Optional[str] = option(None, "tuned parameters JSON (tokenbatch tune's best_params.json): "
+                                        "theta* / w* and the margins the actions are residuals around "
+                                        "(default: IndexParams defaults)")
+    window: int = option(128, "scored requests per episode window")
+    warmup: int = option(32, "requests simulated before each window, not scored")
+    cooldown: int = option(32, "requests simulated after each window, not scored")
+    decision_interval_ms: float = option(100.0, "time between decision epochs (ms)")
+    k: int = option(8, "waiting requests the observation shows")
+    reward_mode: str = option("certain_miss", "the env's reward (TokenBatchConfig.reward_mode)")
+    shed_action: bool = option(True, "a shed-margin action (--no-shed-action: the margin stays theta*'s)")
+    n_envs: int = option(256, "env copies (one engine batch)")
+    timesteps: int = option(100_000, "training env-steps")
+    n_steps: int = option(32, "rollout length per env: batch = n_envs * n_steps")
+    batch_size: int = option(2048, "PPO minibatch size")
+    n_epochs: int = option(4, "PPO epochs per rollout")
+    learning_rate: float = option(3e-4, "Adam learning rate")
+    gamma: float = option(0.999, "discount per decision step (see the note on discounting below)")
+    gae_lambda: float = option(0.95, "GAE lambda")
+    clip_range: float = option(0.2, "PPO clip range")
+    ent_coef: float = option(0.0, "entropy coefficient")
+    log_std_init: float = option(-1.5, "initial log std of the Gaussian policy")
+    net_arch: tuple[int, ...] = option((64, 64), "hidden layer widths, comma-separated", min=1)
+    normalize: bool = option(True, "VecNormalize the observations (saved with the model)")
+    eval_every: int = option(25_000, "timesteps between validation replays (0 = only at the end)")
+    eval_traces: int = option(20, "validation traces replayed (the first N)")
+    eval_loads: tuple[float, ...] = option((1.2,), "validation loads rho, comma-separated", parse=_parse_loads)
+    seed: int = option(0, "seed of PPO and the env")
+    out: str = option("runs/ppo", "output directory")
+    progress: bool = option(True, "a progress bar on stderr")
+
+    def __post_init__(self):
+        from ..errors import ConfigError
+        if self.action_mode not in ("index", "weights"):
+            raise ConfigError(f"action_mode: index or weights, got {self.action_mode!r}")
+        if self.policy not in ("mlp", "set"):
+            raise ConfigError(f"policy: mlp or set, got {self.policy!r}")
+        for f in ("n_envs", "timesteps", "n_steps", "batch_size", "n_epochs", "eval_traces", "k", "window"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{f}: must be an integer >= 1, got {v!r}")
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ConfigError(f"eval_every: must be an integer >= 0, got {self.eval_every!r}")
+        # PPO's numbers, each in the range where it means what it says (checked here, not by a
+        # traceback from torch after the first rollout, or not at all)
+        for f, lo, hi, lo_open in (("learning_rate", 0.0, math.inf, True), ("gamma", 0.0, 1.0, False),
+                                   ("gae_lambda", 0.0, 1.0, False), ("clip_range", 0.0, math.inf, True),
+                                   ("ent_coef", -math.inf, math.inf, True),
+                                   ("log_std_init", -math.inf, math.inf, True)):
+            v = getattr(self, f)
+            ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+                  and (v > lo if lo_open else v >= lo) and v <= hi)
+            if not ok:
+                rng = "a finite number" if lo == -math.inf else (
+                    f"a number {'>' if lo_open else '>='} {lo:g}" + ("" if hi == math.inf else f" and <= {hi:g}"))
+                raise ConfigError(f"{f}: must be {rng}, got {v!r}")
+        if (self.n_envs * self.n_steps) % self.batch_size and self.batch_size > self.n_envs * self.n_steps:
+            raise ConfigError(f"batch_size {self.batch_size} exceeds the rollout n_envs * n_steps = "
+                              f"{self.n_envs * self.n_steps}")
+        if self.base_params is not None and not Path(self.base_params).is_file():
+            raise ConfigError(f"base_params: file {self.base_params!r} not found")
+
+    def env_kwargs(self) -> dict:
+        """TokenBatchConfig fields of the training env (also how evaluation rebuilds it)."""
+        return {"suite": self.suite, "split": self.split, "profile": self.profile, "rho": list(self.rho),
+                "window": self.window, "warmup": self.warmup, "cooldown": self.cooldown,
+                "decision_interval_ms": self.decision_interval_ms, "k": self.k,
+                "action_mode": self.action_mode, "reward_mode": self.reward_mode,
+                # (resolved: evaluation may run from another directory)
+                "base_params": None if self.base_params is None else str(Path(self.base_params).resolve()),
+                "seed": self.seed, "shed_action": self.shed_action}
+
+
+# ------------------------------------------------------------------------------ CLI
+def configure(p: argparse.ArgumentParser, cmd: str = "tokenbatch train",
+              evaluate: str = "tokenbatch evaluate-agent --model runs/ppo/best") -> None:
+    from ..config_cli import add_config_arguments
+    p.description = DESCRIPTION
+    p.epilog = EPILOG.format(cmd=cmd, evaluate=evaluate)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_config_arguments(p, TrainConfig)
+
+
+def build_parser(prog: str = "train_ppo.py", cmd: str = "python agents/train_ppo.py") -> argparse.ArgumentParser:
+    """The standalone parser (agents/train_ppo.py)."""
+    p = argparse.ArgumentParser(prog=prog)
+    configure(p, cmd, "python agents/evaluate_agent.py --model runs/ppo/best")
+    return p
+
+
+def config_from_args(args) -> TrainConfig:
+    from ..config_cli import config_from_args as from_args
+    return from_args(TrainConfig, args)
+
+
+def run(args, evaluate_cmd: str = "tokenbatch evaluate-agent") -> int:
+    cfg = config_from_args(args)
+    m = train(cfg)
+    v = m["validation"]
+    print(f"trained {m['timesteps']} env-steps in {m['train_wall_s']} s "
+          f"({m['env_steps_per_s_end_to_end']} env-steps/s end to end)")
+    print(f"validation goodput ({v['split']}, rho {v['loads']}, {v['traces']} traces): best agent "
+          f"{v['best_agent']:.4f}  final {v['final_agent']:.4f}  base policy {v['base']:.4f}  "
+          f"EDF+shed {v['edf+shed']:.4f}")
+    reached = m["reached_edf_shed_at_wall_s"]
+    print("reached EDF+shed's validation goodput " + (f"after {reached:.0f} s" if reached is not None else ": not yet"))
+    print(f"saved: {Path(cfg.out) / 'best'} (best), {Path(cfg.out) / 'final'}; judge on TEST with "
+          f"{evaluate_cmd} --model {Path(cfg.out) / 'best'}")
+    return 0
+
+
+def main(argv=None, prog: str = "train_ppo.py", cmd: str = "python agents/train_ppo.py") -> int:
+    """The standalone entry (agents/train_ppo.py): errors are one line prefixed with ``prog``, exit 2."""
+    from ..errors import TokenBatchError
+    args = build_parser(prog, cmd).parse_args(argv)
+    try:
+        return run(args, "python agents/evaluate_agent.py")
+    except TokenBatchError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+# ------------------------------------------------------------------------------ validation
+class Validator:
+    """Replays the validation split under a predict function (mean actions) with the evaluator's
+    controlled replay; goodput = mean over traces x loads of met / scored."""
+
+    def __init__(self, cfg: TrainConfig):
+        from ..engine.profiles import load_profile
+        from ..evaluate import BenchConfig, prepare_workload
+
+        self.cfg = cfg
+        bc = BenchConfig(suite=cfg.suite, split=cfg.val_split, profile=cfg.profile, loads=cfg.eval_loads,
+                         max_traces=cfg.eval_traces, upper_bound=False)
+        self.profile = bc.engine.resolve(load_profile(cfg.profile))
+        self.engine = bc.engine
+        self.wl = prepare_workload(bc, self.profile)
+        self.traces = [t for rho in cfg.eval_loads for t in self.wl.at(rho)]
+        self.est = self.wl.estimates() * len(cfg.eval_loads)
+        self.scored = list(self.wl.scored) * len(cfg.eval_loads)
+
+    def _goodput(self, res) -> float:
+        return float(sum(res.records(i)["met"][m].mean() for i, m in enumerate(self.scored)) / len(self.scored))
+
+    def policy(self, name: str, margin, **kw) -> float:
+        from ..engine.simulate import simulate
+        from ..policies import engine_policy
+        pol = engine_policy(name, shed_margin=margin, t_ref_ms=self.wl.t_ref_ms, **kw)
+        return self._goodput(simulate(self.traces, self.profile, pol, self.engine, estimates=self.est,
+                                      residual_life=self.wl.residual_life))
+
+    def agent(self, predict, core) -> float:
+        from ..control import policy_spec, run_controlled
+        mode = self.cfg.action_mode
+        base = core.base_params if mode == "index" else core.base_weights
+        spec = policy_spec("agent", mode, base, core.base_margin, self.cfg.k, self.cfg.decision_interval_ms,
+                           lambda: predict, shed_action=self.cfg.shed_action)
+        return self._goodput(run_controlled(self.traces, self.profile, self.engine, spec, estimates=self.est,
+                                            residual_life=self.wl.residual_life, t_ref_ms=self.wl.t_ref_ms,
+                                            lambda_sat=self.wl.lambda_sat))
+
+
+def _references(cfg: TrainConfig, val: Validator, core) -> dict:
+    """EDF+shed (its tuned margin if the base JSON has one, else 0) and the base policy (a = 0)."""
+    from ..evaluate import load_params_file
+    margins = dict(load_params_file(cfg.base_params)[1]) if cfg.base_params else {}
+    edf_margin = margins.get("edf", 0.0)
+    out = {"edf+shed": val.policy("edf", edf_margin)}
+    if cfg.action_mode == "index":
+        out["base"] = val.policy("index", core.base_margin, params=core.base_params)
+    else:
+        out["base"] = val.policy("weights", core.base_margin, weights=core.base_weights)
+    return out
+
+
+# ------------------------------------------------------------------------------ training
+def save_agent(model, venv, cfg: TrainConfig, directory: Path, extra: Optional[dict] = None) -> None:
+    """model.zip + vecnormalize.pkl (if any) + config.json, each written to a temp name then renamed;
+    config.json last, with the SHA-256 of the other two (``files``), so that a set mixed by a kill
+    between the renames (new weights, old statistics) is refused on load (``control.agent_spec``)."""
+    from .._io import sha256_file, write_text_atomic, write_with
+    directory.mkdir(parents=True, exist_ok=True)
+    write_with(directory / "model.zip", lambda p: model.save(str(p)), suffix=".zip")
+    norm, norm_file = _vecnormalize(venv), directory / "vecnormalize.pkl"
+    if norm is not None:
+        write_with(norm_file, lambda p: norm.save(str(p)))
+    files = {"model.zip": sha256_file(directory / "model.zip"),
+             "vecnormalize.pkl": sha256_file(norm_file) if norm is not None else None}
+    # the base parameters' digest: the actions are residuals around them, so evaluation refuses a
+    # changed file (``control.agent_files``)
+    base = cfg.env_kwargs()["base_params"]
+    doc = {"train": _jsonable(dataclasses.asdict(cfg)), "env": cfg.env_kwargs(), **(extra or {}), "files": files,
+           "base_params_sha256": None if base is None else sha256_file(base)}
+    write_text_atomic(directory / "config.json", json.dumps(doc, indent=1, default=str) + "\n")
+    if norm is None:
+        norm_file.unlink(missing_ok=True)   # an earlier run's statistics in this directory
+
+
+def _jsonable(d):
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def _vecnormalize(venv):
+    from stable_baselines3.common.vec_env import VecNormalize
+    while venv is not None:
+        if isinstance(venv, VecNormalize):
+            return venv
+        venv = getattr(venv, "venv", None)
+    return None
+
+
+def make_predict(model, venv):
+    """The current policy's mean action on raw observations (normalised like training)."""
+    import numpy as np
+    norm = _vecnormalize(venv)
+
+    def predict(obs):
+        x = np.asarray(obs, np.float32)
+        if norm is not None:
+            x = norm.normalize_obs(x)
+        return model.predict(x, deterministic=True)[0]
+    return predict
+
+
+def progress_callback():
+    """An SB3 callback drawing a tqdm progress bar on stderr (env-steps). SB3's own
+    ``progress_bar=True`` needs ``rich`` besides tqdm (an ImportError without it); this one needs
+    only tqdm, a dependency of the package. A callback draws no random numbers: training is the
+    same with or without it."""
+    from stable_baselines3.common.callbacks import BaseCallback
+    from tqdm.auto import tqdm
+
+    class TqdmProgress(BaseCallback):
+        def _on_training_start(self) -> None:
+            self.bar = tqdm(total=self.locals["total_timesteps"] - self.model.num_timesteps, desc="training",
+                            unit="step", file=sys.stderr, dynamic_ncols=True)
+
+        def _on_step(self) -> bool:
+            self.bar.update(self.training_env.num_envs)
+            return True
+
+        def _on_training_end(self) -> None:
+            self.bar.close()
+
+    return TqdmProgress()
+
+
+def train(cfg: TrainConfig) -> dict:
+    import numpy as np
+    import torch
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from .._io import check_writable
+    from ..sb3 import make_sb3_vec_env, native_env, request_set_extractor_class
+
+    torch.set_num_threads(1)
+    out = Path(cfg.out)
+    check_writable(out, "--out", directory=True)
+    t_start = time.time()
+    # VecMonitor (monitor=True, sb3.EPISODE_INFO_KEYWORDS kept in SB3's episode buffer); validates
+    # the env's settings
+    venv = make_sb3_vec_env(cfg.n_envs, monitor=True, **cfg.env_kwargs())
+    out.mkdir(parents=True, exist_ok=True)
+    core = native_env(venv).core
+    if cfg.normalize:
+        venv = VecNormalize(venv, norm_obs=True, norm_reward=False, gamma=cfg.gamma)
+    policy_kwargs = {"log_std_init": cfg.log_std_init, "net_arch": list(cfg.net_arch)}
+    if cfg.policy == "set":
+        policy_kwargs.update(features_extractor_class=request_set_extractor_class(),
+                             features_extractor_kwargs={"k": cfg.k})
+    batch = min(cfg.batch_size, cfg.n_envs * cfg.n_steps)
+    model = PPO("MlpPolicy", venv, n_steps=cfg.n_steps, batch_size=batch, n_epochs=cfg.n_epochs,
+                learning_rate=cfg.learning_rate, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda,
+                clip_range=cfg.clip_range, ent_coef=cfg.ent_coef, policy_kwargs=policy_kwargs,
+                device="cpu", seed=cfg.seed, verbose=0, tensorboard_log=str(out / "tb"))
+    val = Validator(cfg)
+    refs = _references(cfg, val, core)
+    curve = []
+    state = {"best": -1.0, "reached_edf_s": None, "next_eval": cfg.eval_every or None}
+
+    def evaluate_now(step: int, logger=None) -> float:
+        g = val.agent(make_predict(model, venv), core)
+        wall = time.time() - t_start
+        curve.append({"timesteps": step, "wall_s": round(wall, 1), "val_goodput": g})
+        if logger is not None:
+            logger.record("val/goodput", g)
+            logger.record("val/edf_shed_goodput", refs["edf+shed"])
+        if g > state["best"]:
+            state["best"] = g
+            save_agent(model, venv, cfg, out / "best", {"val_goodput": g, "timesteps": step})
+        if state["reached_edf_s"] is None and g >= refs["edf+shed"]:
+            state["reached_edf_s"] = wall
+        return g
+
+    class Callback(BaseCallback):
+        def _on_training_start(self) -> None:
+            if cfg.eval_every:
+                evaluate_now(0, self.logger)   # the initial policy (mean action ~ 0: about the base)
+
+        def _on_step(self) -> bool:
+            for info in self.locals.get("infos", []):
+                if "episode_goodput" in info:
+                    self.logger.record_mean("episode/goodput", info["episode_goodput"])
+                    self.logger.record_mean("episode/shed", info["episode_shed"])
+                    p99 = info["episode_ttft_p99_ms"]
+                    if np.isfinite(p99):
+                        self.logger.record_mean("episode/ttft_p99_ms", p99)
+            if state["next_eval"] is not None and self.num_timesteps >= state["next_eval"]:
+                evaluate_now(self.num_timesteps, self.logger)
+                state["next_eval"] += cfg.eval_every
+            return True
+
+    callbacks = [Callback()] + ([progress_callback()] if cfg.progress else [])
+    model.learn(total_timesteps=cfg.timesteps, callback=callbacks)
+    train_s = time.time() - t_start
+    final_g = evaluate_now(model.num_timesteps)
+    save_agent(model, venv, cfg, out / "final", {"val_goodput": final_g, "timesteps": model.num_timesteps})
+    metrics = {"config": _jsonable(dataclasses.asdict(cfg)), "timesteps": model.num_timesteps,
+               "wall_s": round(time.time() - t_start, 1), "train_wall_s": round(train_s, 1),
+               "env_steps_per_s_end_to_end": round(model.num_timesteps / train_s, 1),
+               "validation": {"split": cfg.val_split, "loads": list(cfg.eval_loads), "traces": cfg.eval_traces,
+                              "edf+shed": refs["edf+shed"], "base": refs["base"],
+                              "best_agent": state["best"], "final_agent": final_g, "curve": curve},
+               "reached_edf_shed_at_wall_s": state["reached_edf_s"]}
+    from .._io import write_text_atomic
+    write_text_atomic(out / "train_metrics.json", json.dumps(metrics, indent=1) + "\n")
+    venv.close()
+    return metrics
