@@ -66,7 +66,7 @@ def test_checkpoint_is_refused_when_its_files_are_not_the_saved_set(trained, tmp
     import shutil
 
     from tokenbatch_env._io import sha256_file
-    from tokenbatch_env.control import agent_spec
+    from tokenbatch_env.agents.load import agent_spec
     from tokenbatch_env.errors import ConfigError
     final, best = trained / "final", trained / "best"
     files = json.loads((final / "config.json").read_text())["files"]
@@ -200,7 +200,7 @@ def test_tuning_checks_agents_and_its_output_before_the_search(tmp_path):
 
 
 def test_agent_labels_are_distinct():
-    from tokenbatch_env.control import agent_labels
+    from tokenbatch_env.agents.load import agent_labels
     from tokenbatch_env.errors import ConfigError
     assert agent_labels(["runs/a/best"]) == ["ppo:best"]
     assert agent_labels(["runs/a/best", "runs/b/final"]) == ["ppo:best", "ppo:final"]
@@ -210,7 +210,7 @@ def test_agent_labels_are_distinct():
 
 
 def test_agent_warnings():
-    from tokenbatch_env.control import agent_warnings
+    from tokenbatch_env.agents.load import agent_warnings
     kw = {"suite": "seed-200", "split": "train", "profile": "stress-512"}
     assert agent_warnings(kw, "ppo:a", "seed-200", "test", "stress-512") == []
     assert agent_warnings(dict(kw, split="test"), "ppo:a", "seed-200", "test", "stress-512") == [
@@ -229,7 +229,7 @@ def test_base_params_are_pinned_and_model_errors_are_clear(tmp_path):
 
     from tokenbatch_env import tuning as T
     from tokenbatch_env._io import sha256_file
-    from tokenbatch_env.control import agent_spec
+    from tokenbatch_env.agents.load import agent_spec
     from tokenbatch_env.errors import ConfigError
     bp = tmp_path / "bp.json"
     bp.write_text(json.dumps({"index": {"kappa": 2.0}, "shed_margin": 0.5}))
@@ -297,7 +297,7 @@ def test_set_policy_and_weights_mode_train(tmp_path, extra):
     assert train_ppo.main(TINY + ["--timesteps", "256", "--eval-every", "0", "--out", str(out)] + extra) == 0
     cfg = json.loads((out / "final" / "config.json").read_text())
     assert cfg["train"]["policy"] == ("set" if "set" in extra else "mlp")
-    from tokenbatch_env.control import agent_spec
+    from tokenbatch_env.agents.load import agent_spec
     spec = agent_spec(str(out / "final"))
     assert spec.action_mode == cfg["env"]["action_mode"]
     ctrl = spec.make(1000.0)

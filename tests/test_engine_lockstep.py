@@ -131,14 +131,35 @@ def test_every_compiled_function_is_guarded_against_stale_cached_code():
     import importlib
 
     from tokenbatch_env.engine import _jit
-    for m in ("engine.kernel", "engine.scoring", "engine.state", "engine.outcomes", "envs", "policies",
-              "bounds", "evaluate", "control", "capacity", "metrics"):
+    for m in ("engine.kernel", "engine.scoring", "engine.state", "engine.outcomes", "traces.prefix", "envs",
+              "policies", "bounds", "evaluate", "control", "capacity", "metrics"):
         importlib.import_module(f"tokenbatch_env.{m}")
     compiled = [d for d in _jit._REGISTRY if hasattr(d, "_cache") and d.targetoptions.get("inline") != "always"
                 and d.py_func.__module__.startswith("tokenbatch_env.")]   # (not the tests' own)
     assert len(compiled) >= 20   # (the kernel, its scores, the env's observations, rewards and layouts, ...)
     unguarded = [f"{d.py_func.__module__}.{d.py_func.__name__}" for d in compiled if id(d) not in _jit.GUARDED]
     assert not unguarded, f"not covered by guard_stale_cache: {unguarded}"
+
+
+
+def test_engine_digest_covers_compiled_code_below_the_engine(tmp_path, monkeypatch):
+    """The traces layer's compiled functions (``traces.prefix``) are linked by compiled code above
+    them (the env's window layout): the digest every guard compares (``engine_digest``) covers their
+    files, so that an edit there flushes that code too (numba's own cache notices only the edited
+    file's functions)."""
+    import importlib
+
+    from tokenbatch_env.engine import _jit
+    importlib.import_module("tokenbatch_env.traces.prefix")
+    below = {Path(sys.modules[d.py_func.__module__].__file__).resolve() for d in _jit._REGISTRY
+             if hasattr(d, "_cache") and d.py_func.__module__.startswith("tokenbatch_env.traces.")}
+    assert below and below <= {Path(p).resolve() for p in _jit.LINKED_SOURCES}
+    copy = tmp_path / "prefix.py"
+    copy.write_bytes(Path(_jit.LINKED_SOURCES[0]).read_bytes())
+    monkeypatch.setattr(_jit, "LINKED_SOURCES", (copy,))
+    before = _jit.engine_digest()
+    copy.write_text(copy.read_text() + "\n# an edit\n")
+    assert _jit.engine_digest() != before
 
 
 _ONE_VARIANT_PROBE = r"""

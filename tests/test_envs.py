@@ -265,7 +265,7 @@ def test_zero_action_reproduces_evaluator_policy(mode, shed, tmp_path):
                                 dict(max_episode_steps=6, rho=(1.0, 2.5)),
                                 dict(autoreset_mode="SAME_STEP", max_episode_steps=12, rho=(0.5, 2.5))])
 def test_episode_metrics_are_the_evaluators_of_the_episode_records(kw):
-    """The episode metrics the engine threads compute as episodes end (``_episode_metrics``) equal the
+    """The episode metrics the engine threads compute as episodes end (``episodes.episode_metrics``) equal the
     evaluator's functions (``request_outcomes``, ``unit_metrics``'s counts, ``pcts``) on the episode's
     records, under random actions, shedding or none, truncation (unfinished requests) and both autoreset
     modes; and the records hold each copy's episode until its next one ends."""
@@ -310,7 +310,7 @@ def test_failed_step_keeps_each_copys_last_reported_episode_records(monkeypatch)
     (here: a new episode's layout, overlapping the engine, failing) leaves ``episode_records`` at each
     copy's last reported episode, as before the metrics moved into the threads."""
     from tokenbatch_env.engine import kernel as K
-    from tokenbatch_env.evaluate import Workload
+    from tokenbatch_env.workload import Workload
     N = 40
     env = TokenBatchVectorEnv(N, threads=2, rho=(1.5, 2.5), **SMALL)
     env.reset(seed=1)
@@ -339,12 +339,12 @@ def test_failed_step_keeps_each_copys_last_reported_episode_records(monkeypatch)
 
 @pytest.mark.parametrize("suite, profile", [("seed-200", "stress-512"), ("mooncake-like", "llama3-8b-h100")])
 def test_episode_layout_is_build_arrays_of_the_window(suite, profile):
-    """A batch of new episodes laid out from the stacked units (``_EpisodeTable.columns`` laid out by
-    ``_lay_out`` into rows that held other episodes) equals ``build_arrays`` of the traces
+    """A batch of new episodes laid out from the stacked units (``episodes.EpisodeTable.columns`` laid out by
+    ``episodes.lay_out`` into rows that held other episodes) equals ``build_arrays`` of the traces
     ``Workload.window_at`` cuts, field by field (the block table aside: it is never read above a
     request's held blocks)."""
     from tokenbatch_env.engine.state import build_arrays
-    from tokenbatch_env.envs import _lay_out
+    from tokenbatch_env.envs.episodes import lay_out
     env = TokenBatchVectorEnv(6, suite=suite, profile=profile, rho=(0.5, 2.0), window=64, warmup=16,
                               cooldown=16, seed=5)
     env.reset()
@@ -368,7 +368,7 @@ def test_episode_layout_is_build_arrays_of_the_window(suite, profile):
                                              [wl.scale_factor(r) for r in rhos])
     # window j into row rows[j], given in another order (the prepared path reads rows of its columns)
     order = np.array([3, 1, 0, 2])
-    A = _lay_out(core.run.arrays, core.fresh, rows[order], cols, order, core.cv_extent)
+    A = lay_out(core.run.arrays, core.fresh, rows[order], cols, order, core.cv_extent)
     for f in ref._fields:
         if f == "table":
             continue
@@ -381,14 +381,14 @@ def test_episode_layout_is_build_arrays_of_the_window(suite, profile):
 
 
 def test_layout_resets_every_engine_field():
-    """``_lay_out_rows`` names its fields one by one (compiled code): every field of the engine's
+    """``episodes.lay_out_rows`` names its fields one by one (compiled code): every field of the engine's
     struct of arrays is either a window column, reset from the fresh row, or one of the two that a
     reset deliberately leaves (the block table; hash_head, cleared at the ids its blocks held)."""
     import inspect
     import re
     from tokenbatch_env.engine.kernel import EngineArrays
-    from tokenbatch_env.envs import TRACE_FIELDS, _lay_out_rows
-    src = inspect.getsource(_lay_out_rows.py_func)
+    from tokenbatch_env.envs.episodes import TRACE_FIELDS, lay_out_rows
+    src = inspect.getsource(lay_out_rows.py_func)
     fresh = set(re.findall(r"A\.(\w+)\[r\] = F\.\1\[0\]", src))
     trace = set(re.findall(r"A\.(\w+)\[r(?:, :own)?\] = \1\[s", src))
     assert trace == set(TRACE_FIELDS) and not fresh & trace
@@ -399,12 +399,12 @@ def test_layout_resets_every_engine_field():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_new_episodes_are_laid_out_as_built(threads, mode, monkeypatch):
     """NEXT_STEP: the copies that ended are given new episodes in the next step (laid out while the
-    engine advances the others, ``_Core.step(reset_rows=)``); SAME_STEP: in the same step, after
+    engine advances the others, ``core.Core.step(reset_rows=)``); SAME_STEP: in the same step, after
     the engine call, from episodes prepared meanwhile (whose rows in ``_prep`` are reused). Either
     way, after that step their rows hold exactly ``build_arrays`` of the windows their reset infos
     name (block table and epochs aside; chain_val's padding included)."""
-    from tokenbatch_env import envs as E
     from tokenbatch_env.engine.state import build_arrays
+    from tokenbatch_env.envs import core as E
     monkeypatch.setattr(E, "_OVERLAP_LIVE_PER_RESET", 0)
     n = 16
     env = TokenBatchVectorEnv(n, rho=(1.5, 2.5), window=32, warmup=8, cooldown=8, seed=4, threads=threads,
@@ -495,7 +495,7 @@ def test_unreachable_ttft_counts_before_the_deadline_and_is_never_met(shed):
 def _rewards_by_definition(core, live, trunc, certain, met_seen, count_met):
     """The step rewards of ``TokenBatchEnv`` ("Rewards") in plain Python, every scored request
     rescanned from the first (no settled prefix, no skipped requests): (rewards, certain, met_seen)
-    from the marks before the step. The rule itself is ``_rewards``' (the same bound for an
+    from the marks before the step. The rule itself is ``rewards.rewards_kernel``' (the same bound for an
     unreachable TTFT), the bookkeeping is not."""
     from tokenbatch_env.bounds import min_prefill_exceeds
     from tokenbatch_env.engine import kernel as K
@@ -605,7 +605,7 @@ def test_observation_not_internal_buffer():
 
 
 # ---------------------------------------------------------------------------- actions
-#: theta's column of each index action, restated here (the env's own table is ``envs._THETA_COL``)
+#: theta's column of each index action, restated here (the env's own table is ``envs.actions._THETA_COL``)
 _INDEX_COLS = {"kappa": S.I_KAPPA, "slope": S.I_SLOPE, "gamma": S.I_GAMMA, "theta": S.I_THETA,
                "beta": S.I_BETA, "w_prefix": S.I_W_PREFIX, "a_edf": S.I_A_EDF}
 
@@ -1045,7 +1045,7 @@ def test_threads_do_not_change_results(threads, mode, overlap, monkeypatch):
     copies too), observations, rewards, flags, infos (final observations included) and records.
     Observations and rewards are split too (their minimum group size lowered to 1 copy); NEXT_STEP's
     new episodes laid out while the engine runs (``overlap`` 0) or before it (a large threshold)."""
-    from tokenbatch_env import envs as E
+    from tokenbatch_env.envs import core as E
     monkeypatch.setattr(E, "_MIN_GROUP", 1)
     monkeypatch.setattr(E, "_OVERLAP_LIVE_PER_RESET", overlap)
     n = 6 if threads == 7 else 12
@@ -1071,15 +1071,16 @@ def test_threads_do_not_change_results(threads, mode, overlap, monkeypatch):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_same_step_prepared_episodes_equal_drawn_at_reset(threads, monkeypatch):
     """SAME_STEP draws and cuts each copy's next episode ahead, while the engine runs
-    (``_Core.prepare_ahead``): lockstep against the same env drawing each episode at its reset, over
+    (``core.Core.prepare_ahead``): lockstep against the same env drawing each episode at its reset, over
     a rollout with many episode ends, a full reseed and a partial one (seeded copies' prepared
     episodes discarded, the others' kept). The prepared path is checked to be the one taken."""
-    from tokenbatch_env import envs as E
+    from tokenbatch_env.envs import core as E
+    from tokenbatch_env.envs import env as V
     n = 12
     kw = dict(rho=(0.8, 2.0), autoreset_mode="SAME_STEP", threads=threads, **SMALL)
-    monkeypatch.setattr(E, "_PREPARE_AHEAD", False)
+    monkeypatch.setattr(V, "_PREPARE_AHEAD", False)
     ref = TokenBatchVectorEnv(n, **kw)
-    monkeypatch.setattr(E, "_PREPARE_AHEAD", True)
+    monkeypatch.setattr(V, "_PREPARE_AHEAD", True)
     monkeypatch.setattr(E, "_OVERLAP_LIVE_PER_RESET", 2)   # up to n / 2 copies prepared per step
     env = TokenBatchVectorEnv(n, **kw)
     assert ref.core._prep is None and env.core._prep is not None
@@ -1110,15 +1111,16 @@ def test_same_step_prepared_episode_error_raises_at_its_reset(monkeypatch, error
     """A drawn episode that cannot be cut (its scaled trace out of range: a TraceError from the trace's
     checks) raises at the reset of its copy, the same step as when drawn there, not when it was
     prepared ahead."""
-    from tokenbatch_env import envs as E
     from tokenbatch_env import errors
-    from tokenbatch_env.evaluate import Workload
+    from tokenbatch_env.envs import core as E
+    from tokenbatch_env.envs import env as V
+    from tokenbatch_env.workload import Workload
     n = 8
     kw = dict(rho=(1.5, 2.5), autoreset_mode="SAME_STEP", threads=2, **SMALL)
     monkeypatch.setattr(E, "_OVERLAP_LIVE_PER_RESET", 1)
     envs = []
     for prep in (False, True):
-        monkeypatch.setattr(E, "_PREPARE_AHEAD", prep)
+        monkeypatch.setattr(V, "_PREPARE_AHEAD", prep)
         envs.append(TokenBatchVectorEnv(n, **kw))
     for env in envs:
         env.reset(seed=5)
@@ -1300,7 +1302,7 @@ def test_bad_threads(bad):
 
 def test_threads_default_and_entry_points(monkeypatch):
     from tokenbatch_env import envs as E
-    monkeypatch.setattr("tokenbatch_env.tuning.available_cores", lambda: 3)
+    monkeypatch.setattr("tokenbatch_env.util.available_cores", lambda: 3)
     assert E.default_threads(1) == 1 and E.default_threads(63) == 1 and E.default_threads(64) == 3
     assert TokenBatchVectorEnv(2, **SMALL).threads == 1
     assert TokenBatchEnv(**SMALL).core.run.threads == 1
@@ -1310,12 +1312,12 @@ def test_threads_default_and_entry_points(monkeypatch):
 
 
 def test_observation_sorts_equal_numbas_sorts_to_the_bit():
-    """The observation's allocation-free sorts (``_sort_small``, ``_argsort_stable``) give what
+    """The observation's allocation-free sorts (``observation._sort_small``, ``observation._argsort_stable``) give what
     numba's ``np.sort`` and ``np.argsort(kind="mergesort")`` give, to the bit: -0.0 and 0.0 keep
     numba's order, NaN sorts last, ties keep their order; on both sides of the size threshold."""
     from numba import njit
 
-    from tokenbatch_env.envs import _argsort_stable, _sort_small
+    from tokenbatch_env.envs.observation import _argsort_stable, _sort_small
 
     @njit
     def ref(x):
@@ -1336,7 +1338,7 @@ def test_observation_sorts_equal_numbas_sorts_to_the_bit():
 
 
 def test_episode_columns_refuse_windows_outside_their_unit():
-    """``_EpisodeTable.columns`` gathers in compiled code (no bounds checks): a window past its unit's
+    """``episodes.EpisodeTable.columns`` gathers in compiled code (no bounds checks): a window past its unit's
     last row, or before its first, is an IndexError naming the rows, not a read of other memory."""
     env = TokenBatchVectorEnv(2, window=32, warmup=8, cooldown=8, seed=3)
     T, n = env.core.episodes, env.core.config.n_req
@@ -1349,7 +1351,7 @@ def test_episode_columns_refuse_windows_outside_their_unit():
 
 
 def test_hash_widths_sized_once_and_stale_entries_cleared():
-    """The env sizes the per-copy hash dimensions once (``_EpisodeTable.max_widths``: an upper bound
+    """The env sizes the per-copy hash dimensions once (``episodes.EpisodeTable.max_widths``: an upper bound
     of every window's widths, so resets never grow, i.e. copy, the arrays) and a reset clears only
     up to the larger of the old and new episode's widths: every chain_val row still holds the fill
     value past its episode's width, exactly as ``build_arrays`` would leave it, and every hash_head

@@ -127,7 +127,8 @@ def test_round_sig_and_nonfinite_json():
 def test_capacity_grid_rule():
     g = np.array([[0.95, 0.95, 0.5], [0.91, 0.85, 0.5], [0.95, 0.95, 0.5]])  # [L, U]
     # unit 0 meets at every load; unit 1 fails at load 1 (even though it meets again at load 2)
-    assert ev._capacity_grid(g, [1, 2, 3], 0.9).tolist() == [2, 0, -1]
+    from tokenbatch_env.evaluate.slo_capacity import capacity_grid
+    assert capacity_grid(g, [1, 2, 3], 0.9).tolist() == [2, 0, -1]
 
 
 def test_config_validation():
@@ -246,6 +247,7 @@ def test_manifest_lambda_sat_only_for_the_shipped_profile(tmp_path):
     fields (a file reusing the name, or engine overrides) has its saturation rate measured."""
     from tokenbatch_env.engine.profiles import load_profile
     from tokenbatch_env.engine.state import EngineConfig
+    from tokenbatch_env.workload import is_shipped
     cfg = ev.BenchConfig(**TINY)
     shipped = load_profile(cfg.profile)
     wl = ev.prepare_workload(cfg, shipped)
@@ -254,7 +256,7 @@ def test_manifest_lambda_sat_only_for_the_shipped_profile(tmp_path):
     f = tmp_path / "mine.json"
     f.write_text(json.dumps(smaller.to_dict()))
     mine = load_profile(str(f))
-    assert mine.name == cfg.profile and not ev._is_shipped(mine) and ev._is_shipped(load_profile(cfg.profile))
+    assert mine.name == cfg.profile and not is_shipped(mine) and is_shipped(load_profile(cfg.profile))
     wl2 = ev.prepare_workload(cfg, mine)
     assert "measured" in wl2.lambda_sat_source and "differs from it" in wl2.lambda_sat_source
     assert wl2.lambda_sat < 0.6 * wl.lambda_sat   # a quarter of the KV blocks: a lower saturation rate

@@ -127,20 +127,27 @@ def test_notice_printed_once_and_only_when_cold(tiny, monkeypatch):
 @needs_jit
 def test_compile_notice_on_an_empty_cache_dir(tmp_path):
     """The public function, in a process whose NUMBA_CACHE_DIR is empty: one line on stderr, however
-    often it is called (nothing is compiled: the check reads numba's index); the env's part with
-    ``env=True``; nothing when numba is disabled."""
-    code = ("from tokenbatch_env.engine import compile_notice\n"
-            "print(compile_notice({a}), compile_notice(), compile_notice(env=True))")
+    often it is called (nothing is compiled: the check reads numba's index); with ``extra`` the
+    caller's part too, in the same line, its seconds added (the env passes its step so); nothing when
+    numba is disabled. The engine imports nothing above it for this (no ``tokenbatch_env.envs``)."""
+    probe = tmp_path / "tb_tiny_probe.py"
+    probe.write_text(TINY)
+    code = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('tb_tiny_probe', {str(probe)!r})\n"
+            "mod = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(mod)\n"
+            "from tokenbatch_env.engine import compile_notice\n"
+            "print(compile_notice({a}), compile_notice(), compile_notice({a}), 'tokenbatch_env.envs' in sys.modules)")
+    extra = "extra=[('the tiny function', [mod.tiny], 30.0)]"
     r = _python(code.format(a=""), NUMBA_CACHE_DIR=str(tmp_path / "a"))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["True", "False", "False"]
+    assert r.stdout.split() == ["True", "False", "False", "False"]
     assert r.stderr.splitlines() == ["tokenbatch: compiling the engine with numba, once (about 1 min, longer on a "
                                      "busy machine); later runs load it from the cache"]
-    r = _python(code.format(a="env=True"), NUMBA_CACHE_DIR=str(tmp_path / "b"))
+    r = _python(code.format(a=extra), NUMBA_CACHE_DIR=str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["True", "False", "False"]
+    assert r.stdout.split() == ["True", "False", "False", "False"]
     [line] = r.stderr.splitlines()
-    assert line.startswith("tokenbatch: compiling the engine and the env's step with numba, once (about 2 min")
-    r = _python(code.format(a="env=True"), NUMBA_CACHE_DIR=str(tmp_path / "c"), NUMBA_DISABLE_JIT="1")
+    assert line.startswith("tokenbatch: compiling the engine and the tiny function with numba, once (about 2 min")
+    r = _python(code.format(a=extra), NUMBA_CACHE_DIR=str(tmp_path / "c"), NUMBA_DISABLE_JIT="1")
     assert r.returncode == 0, r.stderr
-    assert (r.stdout.split(), r.stderr) == (["False", "False", "False"], "")
+    assert (r.stdout.split(), r.stderr) == (["False", "False", "False", "False"], "")

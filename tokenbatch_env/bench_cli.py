@@ -12,6 +12,7 @@ import math
 import sys
 
 from .errors import ConfigError
+from .util import parse_loads
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -69,23 +70,6 @@ def _float(text, name):
     return v
 
 
-def parse_loads(text: str, name: str = "loads") -> tuple:
-    """A comma-separated list of rho values > 0 (``--NAME``), with one-line errors."""
-    items = [s.strip() for s in str(text).split(",") if s.strip()]
-    if not items:
-        raise ConfigError(f"--{name}: need at least one rho > 0, e.g. 0.6,1.2")
-    out = []
-    for s in items:
-        try:
-            v = float(s)
-        except ValueError:
-            raise ConfigError(f"--{name}: {s!r} is not a number (rho values > 0, comma-separated)") from None
-        if not math.isfinite(v) or v <= 0:
-            raise ConfigError(f"--{name}: rho must be a finite number > 0, got {s!r}")
-        out.append(v)
-    return tuple(out)
-
-
 def parse_policies(text: str) -> tuple:
     from .errors import PolicyError
     from .policies import BASELINES
@@ -103,7 +87,8 @@ def parse_policies(text: str) -> tuple:
 
 def config_from_args(args):
     from .engine.profiles import load_profile
-    from .evaluate import BenchConfig, load_params_file, load_weights
+    from .evaluate import BenchConfig
+    from .params import load_params_file, load_weights
 
     load_profile(args.profile)  # unknown profile -> one line listing the valid ones
     kw = {}

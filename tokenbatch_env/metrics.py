@@ -1,11 +1,20 @@
-"""Run summaries and evaluation metrics (docs/design.md section 6)."""
+"""Run summaries and evaluation metrics (docs/design.md section 6).
+
+Importing this module imports numpy only (the evaluator's and the env's percentiles and bootstrap
+need no engine): the engine's names are imported where used."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from .engine.kernel import E_COMPLETED, END_STATE_NAMES
-from .engine.outcomes import request_metrics  # noqa: F401  (re-exported)
+
+def __getattr__(name):   # ``request_metrics``, re-exported from the engine without importing it here
+    if name == "request_metrics":
+        from .engine.outcomes import request_metrics
+        return request_metrics
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _pct(x: np.ndarray, q: float) -> float:
@@ -16,6 +25,7 @@ def _pct(x: np.ndarray, q: float) -> float:
 def summarize(rec: dict, trace) -> dict:
     """Headline numbers of one replay. Latency percentiles over all arrived requests count requests
     without a first token (shed, timed out, rejected, unfinished) as +inf."""
+    from .engine.kernel import E_COMPLETED, END_STATE_NAMES
     n = len(rec["arrival_ns"])
     es = rec["end_state"]
     ttft_all = np.where(rec["ttft_ns"] >= 0, rec["ttft_ns"] / 1e6, np.inf)
@@ -38,6 +48,48 @@ def summarize(rec: dict, trace) -> dict:
         "makespan_s": span_ns / 1e9,
     }
     return out
+
+
+
+# ------------------------------------------------------------------------- percentiles (section 6)
+def pct(x, q: float) -> float:
+    """Inverted-CDF percentile (no interpolation, so +inf entries stay meaningful); NaN if empty."""
+    return pcts(x, (q,))[0]
+
+
+def pcts(x, qs) -> list:
+    """``[pct(x, q) for q in qs]`` with one sort: ``np.percentile(x, q, method="inverted_cdf")``
+    exactly (its index rule: ``i = n * (q / 100) - 1`` in float64, rounded up unless integral,
+    clipped at 0; NaN if any entry is NaN). Falls back to np.percentile for anything else (numpy
+    scalar or out-of-range q, a chosen zero that could be -0.0)."""
+    x = np.asarray(x, np.float64)
+    if not x.size:
+        return [float("nan")] * len(qs)
+    if x.ndim != 1:
+        return [float(np.percentile(x, q, method="inverted_cdf")) for q in qs]
+    s = np.sort(x)   # NaN sorts last
+    n = s.size
+    out = []
+    for q in qs:
+        if type(q) not in (int, float) or not 0 <= q <= 100:
+            out.append(float(np.percentile(x, q, method="inverted_cdf")))
+            continue
+        if s[-1] != s[-1]:
+            out.append(float("nan"))
+            continue
+        v = float(s[pct_index(n, q)])
+        if v == 0.0 and np.signbit(x[x == 0.0]).any():   # +0.0 and -0.0: partition order decides
+            v = float(np.percentile(x, q, method="inverted_cdf"))
+        out.append(v)
+    return out
+
+
+def pct_index(n: int, q) -> int:
+    """np.percentile's inverted-CDF index rule: ``i = n * (q / 100) - 1`` in float64, rounded up
+    unless integral, clipped at 0 (the env's compiled episode metrics take their p50/p99 here)."""
+    idx = n * (q / 100) - 1
+    prev = math.floor(idx)
+    return max(0, prev if idx - prev == 0 else prev + 1)
 
 
 # ------------------------------------------------------------------------- uncertainty (section 6)

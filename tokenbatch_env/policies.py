@@ -18,9 +18,6 @@ from .engine import scoring as _s
 from .engine._jit import guard_stale_cache
 from .errors import PolicyError
 
-#: name -> (in-engine id, needs parameters)
-BASELINES = ("fcfs", "priority", "sjf", "srpt-oracle", "edf", "llf", "empirical-gittins", "index", "weights")
-
 #: docs/design.md section 4 ranges: name -> (low, high, scale)
 INDEX_RANGES = {
     "kappa": (0.0, 10.0, "linear"),
@@ -180,6 +177,96 @@ class IndexSchedule:
                    tuple(d.get("loads", ())))
 
 
+# --------------------------------------------------------------------------- the registry
+#: engine modes of ``engine.kernel`` (MODE_FCFS, MODE_PRIORITY, MODE_SCORE) by name
+ENGINE_MODES = ("fcfs", "priority", "score")
+#: in-engine score functions of ``engine.scoring.policy_score`` (P_*) by name
+KERNEL_IDS = {"external": _s.P_EXTERNAL, "sjf": _s.P_SJF, "edf": _s.P_EDF, "llf": _s.P_LLF,
+              "index": _s.P_INDEX, "gittins": _s.P_GITTINS, "linear": _s.P_LINEAR}
+#: what tuning searches for a policy: its shed margin, the index's parameters (and margin), the
+#: weights (and margin), or nothing (reference rows)
+TUNED_KINDS = ("margin", "index", "weights", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+    """One registered policy: all that the command-line help, the evaluator, tuning, the env and the
+    vLLM plug-in know about it (docs/design.md section 4). Adding a policy is one entry in
+    ``POLICIES`` plus its score function in ``engine.scoring.policy_score``.
+
+    Attributes:
+        name: the policy's name on the command line and in reports.
+        engine_mode: "fcfs" or "priority" (vLLM's own queues, no scores) or "score" (ranked by the
+            in-engine score ``kernel_id``).
+        kernel_id: a key of ``KERNEL_IDS``: the score function ("external" for the two vLLM modes).
+        params: the parameter class (``IndexParams``, ``LinearWeights``) or None.
+        ranges: parameter name -> (low, high, scale) of its tunable parameters.
+        shed_row: whether the evaluator adds a ``<name>+shed`` row (the common shed rule).
+        deployable: False for reference rows that read true output lengths (oracles).
+        tuned: what tuning searches (``TUNED_KINDS``).
+        in_plugin: whether the vLLM plug-in runs it (score policies vLLM cannot express itself).
+        levers: the engine levers tuned with it (iteration size; none yet).
+        summary: one line for help texts.
+    """
+
+    name: str
+    engine_mode: str
+    kernel_id: str
+    params: Optional[type] = None
+    ranges: tuple = ()
+    shed_row: bool = True
+    deployable: bool = True
+    tuned: str = "margin"
+    in_plugin: bool = True
+    levers: tuple = ()
+    summary: str = ""
+
+    def __post_init__(self):
+        if self.engine_mode not in ENGINE_MODES or self.kernel_id not in KERNEL_IDS or self.tuned not in TUNED_KINDS:
+            raise PolicyError(f"policy {self.name!r}: bad registry entry")
+        object.__setattr__(self, "ranges", tuple(dict(self.ranges).items()))
+
+    @property
+    def range_map(self) -> dict:
+        return dict(self.ranges)
+
+
+POLICIES = {s.name: s for s in (
+    PolicySpec("fcfs", "fcfs", "external", in_plugin=False, summary="vLLM's FCFS queue"),
+    PolicySpec("priority", "priority", "external", in_plugin=False,
+               summary="vLLM's priority queue (the trace's priority column, then arrival)"),
+    PolicySpec("sjf", "score", "sjf", summary="shortest estimated service first"),
+    PolicySpec("srpt-oracle", "score", "sjf", deployable=False, tuned="",
+               summary="sjf fed true output lengths (reference only)"),
+    PolicySpec("edf", "score", "edf", summary="earliest TTFT deadline first"),
+    PolicySpec("llf", "score", "llf", summary="least slack first"),
+    PolicySpec("empirical-gittins", "score", "gittins", tuned="", in_plugin=False,
+               summary="Gittins rank of the remaining service under the family's output distribution"),
+    PolicySpec("index", "score", "index", IndexParams, INDEX_RANGES, tuned="index",
+               summary="the Gittins-barrier index"),
+    PolicySpec("weights", "score", "linear", LinearWeights,
+               tuple((f, WEIGHT_RANGE + ("linear",)) for f in _s.LINEAR_FEATURES), tuned="weights",
+               in_plugin=False, summary="a linear score over the request features (w/|w|)"),
+)}
+#: every registered policy's name, in registry order
+BASELINES = tuple(POLICIES)
+
+
+def policy_spec(name: str) -> PolicySpec:
+    """The registry entry of ``name``; an unknown name raises ``PolicyError`` listing the valid ones."""
+    return POLICIES[check_policy_name(name)]
+
+
+def policy_names(*, engine_mode: Optional[str] = None, tuned: Optional[str] = None,
+                 in_plugin: Optional[bool] = None, parametric: Optional[bool] = None) -> tuple:
+    """Registered names (registry order) whose entries match every given attribute."""
+    return tuple(s.name for s in POLICIES.values()
+                 if (engine_mode is None or s.engine_mode == engine_mode)
+                 and (tuned is None or s.tuned == tuned)
+                 and (in_plugin is None or s.in_plugin == in_plugin)
+                 and (parametric is None or (s.params is not None) == parametric))
+
+
 def check_shed_margin(m: Optional[float]) -> Optional[float]:
     """None or inf = no shedding; else a number in [0, 2]."""
     if m is None or (isinstance(m, float) and math.isinf(m) and m > 0):
@@ -301,15 +388,12 @@ def request_tier(prompt_len, wait_time_ms, sla_target_ms, prefix_shared_ratio=0.
 
 
 # --------------------------------------------------------------------------- engine policies
-#: policy name -> (engine mode, in-engine policy id)
-def _engine_ids(name: str) -> tuple[int, int]:
+def engine_ids(name: str) -> tuple[int, int]:
+    """(engine mode, in-engine policy id) of a registered policy."""
     from .engine import kernel as K
-    table = {"fcfs": (K.MODE_FCFS, _s.P_EXTERNAL), "priority": (K.MODE_PRIORITY, _s.P_EXTERNAL),
-             "sjf": (K.MODE_SCORE, _s.P_SJF), "srpt-oracle": (K.MODE_SCORE, _s.P_SJF),
-             "edf": (K.MODE_SCORE, _s.P_EDF), "llf": (K.MODE_SCORE, _s.P_LLF),
-             "empirical-gittins": (K.MODE_SCORE, _s.P_GITTINS),
-             "index": (K.MODE_SCORE, _s.P_INDEX), "weights": (K.MODE_SCORE, _s.P_LINEAR)}
-    return table[check_policy_name(name)]
+    spec = policy_spec(name)
+    mode = {"fcfs": K.MODE_FCFS, "priority": K.MODE_PRIORITY, "score": K.MODE_SCORE}[spec.engine_mode]
+    return mode, KERNEL_IDS[spec.kernel_id]
 
 
 def engine_policy(name: str, *, params: Optional[IndexParams] = None, shed_margin=None,
@@ -323,7 +407,7 @@ def engine_policy(name: str, *, params: Optional[IndexParams] = None, shed_margi
     parameters raise ``PolicyError`` naming the policy."""
     from .engine.simulate import EnginePolicy
 
-    mode, pid = _engine_ids(name)
+    mode, pid = engine_ids(name)
     try:
         theta = None
         if name == "index":

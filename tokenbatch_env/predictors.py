@@ -19,7 +19,7 @@ import hashlib
 import numpy as np
 
 from .errors import ConfigError
-from .traces.trace import Trace, _splitmix64
+from .traces.trace import Trace, splitmix64
 
 KINDS = ("oracle", "noisy", "prior")
 _TWO53 = float(2 ** 53)
@@ -36,8 +36,8 @@ def counter_normals(digest: str, seed: int, n: int) -> np.ndarray:
     key = _key64(digest, seed)
     i = np.arange(n, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        a = _splitmix64(key ^ (i * np.uint64(2)))
-        b = _splitmix64(key ^ (i * np.uint64(2) + np.uint64(1)))
+        a = splitmix64(key ^ (i * np.uint64(2)))
+        b = splitmix64(key ^ (i * np.uint64(2) + np.uint64(1)))
     u1 = ((a >> np.uint64(11)).astype(np.float64) + 1.0) / (_TWO53 + 1.0)  # (0, 1]
     u2 = (b >> np.uint64(11)).astype(np.float64) / _TWO53                 # [0, 1)
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)

@@ -66,7 +66,7 @@ def sb3_vec_env_class():
     from gymnasium.vector import AutoresetMode
     from stable_baselines3.common.vec_env import VecEnv
 
-    from .envs import ActionError, _as_numbers
+    from .envs import ActionError, as_numbers
     from .errors import ConfigError
 
     class TokenBatchSB3VecEnv(VecEnv):
@@ -94,7 +94,7 @@ def sb3_vec_env_class():
             return np.array(obs, copy=True)
 
         def step_async(self, actions: np.ndarray) -> None:
-            a = _as_numbers(actions)   # (a new array: the caller's is never kept)
+            a = as_numbers(actions)   # (a new array: the caller's is never kept)
             shape = (self.num_envs, *self.action_space.shape)
             if a.size != math.prod(shape):
                 raise ActionError(f"actions must have shape {shape}, got {a.shape}")

@@ -20,7 +20,7 @@ What it does
   buckets: the same total budget as the index study. They run after the rows above in each turn.
 * **Objective**: mean goodput (met / arrived, macro mean over units) on the TRAIN split (optionally
   its first ``max_train_traces`` traces) at each tuning load; a unit is (trace, load). The traces are
-  scaled exactly as the evaluator scales them (``evaluate.prepare_workload``: the suite manifest's
+  scaled exactly as the evaluator scales them (``workload.prepare_workload``: the suite manifest's
   ``lambda_sat``, ``scale_to_rate`` with the suite's nominal rate), and every trial sees the same
   length estimates (the suite's predictor: common random numbers).
 * **k trials per engine run**: ``claim_trial`` (``study.ask()`` with its owner recorded) k times,
@@ -73,6 +73,7 @@ import numpy as np
 
 from .config_cli import option
 from .errors import ConfigError, TokenBatchError
+from .util import available_cores, canonical_json, parse_loads
 
 #: baselines whose only parameter is the shed margin of their +shed row (aging: not implemented)
 TUNABLE_BASELINES = ("fcfs", "priority", "sjf", "edf", "llf")
@@ -97,7 +98,6 @@ def _int_field(v, name: str, lo: int, allow_none: bool = False):
 
 def _parse_loads(text, flag: str) -> tuple:
     """--loads / --eval-loads: the evaluator's own parser of rho values (one-line errors)."""
-    from .bench_cli import parse_loads
     return parse_loads(text, flag[2:])
 
 
@@ -193,13 +193,13 @@ class TuneConfig:
             set_("timeout", float(t))
         ag = tuple(str(a) for a in self.agents)
         if ag:
-            from .control import agent_files
+            from .agents.load import agent_files
         for a in ag:
             if not Path(a).exists():
                 raise ConfigError(f"agents: {a!r} not found (an agents/train_ppo.py output directory)")
             agent_files(a, "agents:")   # its files, now rather than after the search
         if ag:
-            from .control import agent_labels
+            from .agents.load import agent_labels
             agent_labels(ag)   # (distinct agents, distinct labels)
         set_("agents", ag)
         if self.sampler not in SAMPLERS:
@@ -293,13 +293,6 @@ class TuneConfig:
         loads = self.loads if row is None else self.loads_of(row)
         return {"suite": self.suite, "train_split": self.train_split, "profile": self.profile,
                 "loads": list(loads), "max_train_traces": self.max_train_traces}
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover (non-Linux)
-        return os.cpu_count() or 1
 
 
 # ------------------------------------------------------------------------------------ search space
@@ -642,7 +635,6 @@ class TrainObjective:
         return self._by_load[rho]
 
     def evidence_id(self, row: str, config: dict) -> str:
-        from .evaluate import canonical_json
         inputs = {**self.evidence_inputs, "row": row, "config": config}
         if row.startswith(BUCKET_PREFIX):
             inputs["loads"] = list(self.cfg.loads_of(row))
@@ -951,11 +943,11 @@ def study_summary(study, row: str) -> dict:
 
 
 def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_ms: float) -> dict:
-    """The best parameters in the ``--params`` format that ``evaluate.load_params_file`` reads
+    """The best parameters in the ``--params`` format that ``params.load_params_file`` reads
     (with comparators also ``"weights": {"w": {feature: w}, "shed_margin": m}``, read by
-    ``evaluate.load_weights``, and ``"index-scheduled": IndexSchedule.to_dict()``, read by
-    ``evaluate.load_schedule``)."""
-    from .evaluate import SCHEDULE_KEY
+    ``params.load_weights``, and ``"index-scheduled": IndexSchedule.to_dict()``, read by
+    ``params.load_schedule``)."""
+    from .params import SCHEDULE_KEY
     from .policies import IndexParams, IndexSchedule, LinearWeights
     idx = summaries[INDEX_ROW]["best"]
     if idx is None:
@@ -1088,8 +1080,8 @@ def run_tuning(cfg: TuneConfig) -> dict:
 
     from . import __version__
     from ._io import check_writable, write_text_atomic, write_with
-    from .evaluate import (BenchConfig, canonical_json, load_params_file, load_schedule, load_weights,
-                           run_benchmark)
+    from .evaluate import BenchConfig, run_benchmark
+    from .params import load_params_file, load_schedule, load_weights
     from .report import report_json
 
     t0 = time.time()
@@ -1103,7 +1095,7 @@ def run_tuning(cfg: TuneConfig) -> dict:
             raise ConfigError(f"suite {cfg.suite!r} has no split {s!r}; splits: {', '.join(suite.splits)}")
     objective = TrainObjective(cfg)   # also validates the profile and suite
     if cfg.agents:   # each agent's env and model load now, not after the search (ConfigError if not)
-        from .control import agent_labels, agent_spec, agent_warnings
+        from .agents.load import agent_labels, agent_spec, agent_warnings
         for a, label in zip(cfg.agents, agent_labels(cfg.agents)):
             spec = agent_spec(a, option="agents:")
             spec.make(objective.wl.t_ref_ms)
@@ -1130,7 +1122,7 @@ def run_tuning(cfg: TuneConfig) -> dict:
         extra["weights"] = load_weights(str(params_path))
         extra["schedule"] = load_schedule(str(params_path))
     if cfg.agents:
-        from .control import agent_labels, agent_spec
+        from .agents.load import agent_labels, agent_spec
         extra["controllers"] = tuple(agent_spec(a, label=lab, option="agents:")
                                      for a, lab in zip(cfg.agents, agent_labels(cfg.agents)))
     bench = run_benchmark(BenchConfig(

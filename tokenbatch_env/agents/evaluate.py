@@ -51,7 +51,7 @@ report's bootstrap (a CI over traces for these agents as a group; it does not sa
 
 
 def _parse_loads(text, flag: str) -> tuple:
-    from ..bench_cli import parse_loads
+    from ..util import parse_loads
     return parse_loads(text, flag[2:])
 
 
@@ -145,8 +145,9 @@ def evaluate_agents(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict:
     with another suite or profile) go to stderr prefixed ``prog``. Returns {"report", "rows",
     "markdown", "out"}."""
     from .._io import atomic_path
-    from ..control import agent_labels, agent_spec, agent_warnings
-    from ..evaluate import BenchConfig, load_params_file, load_schedule, load_weights, run_benchmark
+    from ..evaluate import BenchConfig, run_benchmark
+    from ..params import load_params_file, load_schedule, load_weights
+    from .load import agent_labels, agent_spec, agent_warnings
     from ..report import check_report_out
 
     labels = agent_labels(cfg.model) if len(cfg.model) > 1 else [None]

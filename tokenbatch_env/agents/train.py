@@ -48,7 +48,7 @@ learned exactly that. At gamma 0.999 the order is right (-42.1 vs -41.2): the de
 """
 
 def _parse_loads(text, flag: str) -> tuple:
-    from ..bench_cli import parse_loads
+    from ..util import parse_loads
     return parse_loads(text, flag[2:])
 
 
@@ -234,7 +234,7 @@ class Validator:
 
 def _references(cfg: TrainConfig, val: Validator, core) -> dict:
     """EDF+shed (its tuned margin if the base JSON has one, else 0) and the base policy (a = 0)."""
-    from ..evaluate import load_params_file
+    from ..params import load_params_file
     margins = dict(load_params_file(cfg.base_params)[1]) if cfg.base_params else {}
     edf_margin = margins.get("edf", 0.0)
     out = {"edf+shed": val.policy("edf", edf_margin)}
@@ -249,7 +249,7 @@ def _references(cfg: TrainConfig, val: Validator, core) -> dict:
 def save_agent(model, venv, cfg: TrainConfig, directory: Path, extra: Optional[dict] = None) -> None:
     """model.zip + vecnormalize.pkl (if any) + config.json, each written to a temp name then renamed;
     config.json last, with the SHA-256 of the other two (``files``), so that a set mixed by a kill
-    between the renames (new weights, old statistics) is refused on load (``control.agent_spec``)."""
+    between the renames (new weights, old statistics) is refused on load (``agents.load.agent_files``)."""
     from .._io import sha256_file, write_text_atomic, write_with
     directory.mkdir(parents=True, exist_ok=True)
     write_with(directory / "model.zip", lambda p: model.save(str(p)), suffix=".zip")
@@ -259,7 +259,7 @@ def save_agent(model, venv, cfg: TrainConfig, directory: Path, extra: Optional[d
     files = {"model.zip": sha256_file(directory / "model.zip"),
              "vecnormalize.pkl": sha256_file(norm_file) if norm is not None else None}
     # the base parameters' digest: the actions are residuals around them, so evaluation refuses a
-    # changed file (``control.agent_files``)
+    # changed file (``agents.load.agent_files``)
     base = cfg.env_kwargs()["base_params"]
     doc = {"train": _jsonable(dataclasses.asdict(cfg)), "env": cfg.env_kwargs(), **(extra or {}), "files": files,
            "base_params_sha256": None if base is None else sha256_file(base)}

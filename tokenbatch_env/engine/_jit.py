@@ -3,7 +3,8 @@ guard against stale compiled code.
 
 numba's on-disk cache of a function is keyed on its own source file only: a cached kernel that calls
 a score formula keeps the old formula after ``scoring.py`` changes. ``guard_stale_cache`` flushes the
-cached machine code of the given dispatchers whenever any engine source file changes.
+cached machine code of the given dispatchers whenever any engine source file changes (or a compiled
+file below the engine that such code links, ``LINKED_SOURCES``).
 """
 
 from __future__ import annotations
@@ -299,19 +300,32 @@ except ImportError:  # pragma: no cover
         return arr
 
 
+#: compiled source files outside ``engine/`` that engine-dependent compiled code links, covered by
+#: ``engine_digest`` like the engine's own: the traces layer's compiled prefix ids (docs/design.md
+#: section 1; ``envs._window_columns`` calls them)
+LINKED_SOURCES = (Path(__file__).parent.parent / "traces" / "prefix.py",)
+
+
 def engine_digest(extra_sources=()) -> str:
-    """SHA-256 of every engine source file (what compiled engine code depends on), plus ``extra_sources``."""
+    """SHA-256 of every engine source file and ``LINKED_SOURCES`` (what compiled engine code depends
+    on), plus ``extra_sources``."""
     h = hashlib.sha256()
-    for f in [*sorted(Path(__file__).parent.glob("*.py")), *map(Path, extra_sources)]:
+    for f in [*sorted(Path(__file__).parent.glob("*.py")), *LINKED_SOURCES, *map(Path, extra_sources)]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 
 def guard_stale_cache(dispatchers=None, tag: str = "engine", extra_sources=()) -> None:
-    """Flush the on-disk compiled code of ``dispatchers`` (default: every engine function) when the
-    engine sources (or ``extra_sources``, other files they link) changed since it was written;
-    numba then recompiles on first use."""
+    """Flush the on-disk compiled code of ``dispatchers`` (default: every function of the engine's
+    own modules registered so far) when the engine sources (``engine_digest``, or ``extra_sources``,
+    other files they link) changed since it was written; numba then recompiles on first use. The
+    stamp lives in the first dispatcher's cache directory: the default leaves out the functions of
+    modules outside ``engine/`` (``traces.prefix``, ``policies``: each has a guard of its own), so
+    that the stamp is the engine's whichever module was imported first."""
     disp = [d for d in (_REGISTRY if dispatchers is None else dispatchers) if hasattr(d, "_cache")]
+    if dispatchers is None:
+        pkg = __name__.rsplit(".", 1)[0] + "."
+        disp = [d for d in disp if d.py_func.__module__.startswith(pkg)]
     GUARDED.update(id(d) for d in disp)
     if not disp:
         return

@@ -892,8 +892,7 @@ def _prefetch_copy(c, hi, n, ref, bhash, hnext, fq_prev, fq_next, arrival, promp
 
 # ---------------------------------------------------------------------------------- one iteration
 @njit
-def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed, active, claim, mine, max_steps,
-                until_ns,
+def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, active, claim, mine, max_steps, until_ns,
                 n_req, arrival, prompt, out_len, prio, capped, t1, est, chain_off, chain_val,
                 uniq_base, now, it, next_arr, n_ended, key_hi, key_lo, n_run,
                 n_wait, n_free, n_slot_free, n_pend, n_iter_rec, status, end_state, computed,
@@ -902,8 +901,9 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                 pend_ids, table, ref, bhash, hnext, fq_prev, fq_next, hash_head,
                 sched_r, sched_new, sched_cb, iter_rec, jump_ids, jump_off, emit_it, swapped, swap_ids,
                 n_swap, host_free, epoch, gtab, acc, ev_blocks, w_hits, w_st):
-    """``run_copies`` with the struct of arrays unpacked. One iteration of copy c is the body of the
-    inner loop (written inline: a call with more than 30 arguments cannot be inlined by numba).
+    """``run_copies`` with the struct of arrays unpacked (``kernel_args``: every parameter by name,
+    ``KERNEL_ARGS``). One iteration of copy c is the body of the inner loop (written inline: a call
+    with more than 30 arguments cannot be inlined by numba).
     ``gtab``: the empirical-Gittins table (``scoring.gittins_table(mrl)``); ``acc``, ``ev_blocks``,
     ``w_hits``, ``w_st``: this call's scratch (``_scratch``), allocated by the caller so that they
     too are borrowed (an array allocated here could not be)."""
@@ -921,7 +921,6 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     nan_score = borrow(nan_score)
     tier = borrow(tier)
     score = borrow(score)
-    shed = borrow(shed)
     active = borrow(active)
     claim = borrow(claim)
     mine = borrow(mine)
@@ -1014,8 +1013,6 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
     budget_cfg = cfg[C_BUDGET]
     u_p = fcfg[F_U_P]
     u_d = fcfg[F_U_D]
-    # the caller's shed marks exist only with an external scorer
-    external = mode == MODE_SCORE and pid == P_EXTERNAL
     # argument groups for _preempt (a call with more than 30 arguments cannot be compiled)
     req_t = (recomputed, computed, n_preempt, resumed, qkey, status, held, n_cached)
     pool_t = (ref, bhash, fq_prev, fq_next, n_free, hash_head, hnext)
@@ -1053,13 +1050,6 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
         # cache stays exact: arrivals get larger keys, FCFS victims the smallest (and in FCFS
         # ``resumed`` is equivalent to a negative key, so resume_first does not change the order).
         fbest = -1
-        # the shed/time-out pass over the waiting list is a no-op without shed marks or max_wait
-        scan_wait = max_wait >= 0
-        if not scan_wait and external:
-            for r in range(n):
-                if shed[c, r]:
-                    scan_wait = True
-                    break
         # Stop at until_ns[c] or, deciding (docs/design.md section 5), at the first iteration boundary at or
         # after an epoch where a decision is needed or every scored request has ended; epochs that
         # need none are skipped here, so the copy runs on with the same parameters.
@@ -1179,18 +1169,12 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
                         return -1
                     i += 1
 
-            # Rule 12: client time-outs; the shed mechanism (the caller's mask).
+            # Rule 12: client time-outs (a no-op without max_wait).
             i = 0
-            while scan_wait and i < n_wait[c]:
+            while max_wait >= 0 and i < n_wait[c]:
                 r = wait_ids[c, i]
-                gone = False
-                if shed[c, r]:
-                    _end(status, end_state, finish, n_ended, c, r, E_SHED, t_now)
-                    gone = True
-                elif max_wait >= 0 and gen[c, r] == 0 and t_now >= arrival[c, r] + max_wait:
+                if gen[c, r] == 0 and t_now >= arrival[c, r] + max_wait:
                     _end(status, end_state, finish, n_ended, c, r, E_TIMED_OUT, t_now)
-                    gone = True
-                if gone:
                     if fbest == i:
                         fbest = -1
                     elif fbest == n_wait[c] - 1:
@@ -1225,8 +1209,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed
             # same block claims in the same order, so the state afterwards is the one k single
             # steps would give.
             if (cfg[C_JUMPS] != 0 and n_pend[c] == 0 and n_swap[c] == 0 and n_run[c] > 0
-                    and n_run[c] <= cfg[C_BUDGET] and not (mode == MODE_SCORE and pid == P_EXTERNAL)
-                    and (n_wait[c] == 0 or not waiting_preempts)):
+                    and n_run[c] <= cfg[C_BUDGET] and (n_wait[c] == 0 or not waiting_preempts)):
                 D = n_run[c]
                 k_done = cfg[C_MAX_ITERS] - it[c]
                 if cfg[C_REC_STREAM] != 0 and iter_rec.shape[1] - n_iter_rec[c] < k_done:
@@ -1791,9 +1774,11 @@ def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active,
     no shedding). With an in-engine policy (``cfg[C_PID]``) the kernel writes ``tier``/``score``
     itself, from each iteration's start: for every waiting request at each stepped iteration, for the
     running ones only when a preemption is possible (the only time they are read), none inside a
-    jump; with ``P_EXTERNAL`` they (and the ``shed`` mask) are the caller's.
+    jump; FCFS and priority do not read them.
     ``mrl`` is the residual-life table; ``gtab`` the empirical-Gittins table built from it
     (``scoring.gittins_table``; None: built here, cached per table, when the policy needs it).
+    ``shed`` is not read (the caller's shed marks went with the Python score hook; the argument stays
+    until the env's kernel wrapper, ``envs/core.py``, stops passing it).
 
     Threads: calls running at once with the same ``active`` mask and one ``claim`` counter
     (``np.zeros(1, np.int64)``) share out its copies as they go (``next_copy``); each marks the
@@ -1805,11 +1790,31 @@ def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active,
     return checked_total(_run_copies(*args), args)
 
 
+#: ``_run_copies``'s parameters in order, each passed by name (``kernel_args``): the call's own
+#: arguments, then fields of the struct of arrays (``EngineArrays``, read with ``getattr``), then the
+#: empirical-Gittins table and the call's scratch (``_scratch``). ``tests/test_engine_args.py``
+#: checks them against the kernel's signature and ``EngineArrays``.
+KERNEL_CALL_ARGS = ("cfg", "fcfg", "theta", "shed_margin", "mrl", "nan_score", "tier", "score", "active", "claim",
+                    "mine", "max_steps", "until_ns")
+KERNEL_STATE_ARGS = (
+    "n_req", "arrival", "prompt", "out_len", "prio", "capped", "t1", "est", "chain_off", "chain_val", "uniq_base",
+    "now", "it", "next_arr", "n_ended", "key_hi", "key_lo", "n_run", "n_wait", "n_free", "n_slot_free", "n_pend",
+    "n_iter_rec", "status", "end_state", "computed", "gen", "qkey", "slot_of", "held", "n_cached", "first_sched",
+    "first_token", "first_token_it", "finish", "finish_it", "n_preempt", "recomputed", "resumed", "run_ids",
+    "wait_ids", "slot_free", "pend_ids", "table", "ref", "bhash", "hnext", "fq_prev", "fq_next", "hash_head",
+    "sched_r", "sched_new", "sched_cb", "iter_rec", "jump_ids", "jump_off", "emit_it", "swapped", "swap_ids",
+    "n_swap", "host_free", "epoch")
+KERNEL_SCRATCH_ARGS = ("gtab", "acc", "ev_blocks", "w_hits", "w_st")
+KERNEL_ARGS = KERNEL_CALL_ARGS + KERNEL_STATE_ARGS + KERNEL_SCRATCH_ARGS
+_ARG_CFG, _ARG_NAN_SCORE = KERNEL_ARGS.index("cfg"), KERNEL_ARGS.index("nan_score")
+
+
 def kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns,
                 gtab=None, claim=None, mine=None) -> tuple:
-    """``_run_copies``'s arguments for a ``run_copies`` call (the struct of arrays unpacked, the
-    scratch allocated): for compiled callers that run the kernel themselves (``_run_copies(*args)``),
-    which then pass its result through ``checked_total``."""
+    """``_run_copies``'s arguments for a ``run_copies`` call (the struct of arrays unpacked by field
+    name, ``KERNEL_ARGS``; the scratch allocated): for compiled callers that run the kernel
+    themselves (``_run_copies(*args)``), which then pass its result through ``checked_total``.
+    ``shed``: not read (``run_copies``)."""
     if claim is None:
         claim = np.zeros(1, np.int64)
     if mine is None:
@@ -1817,9 +1822,12 @@ def kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active
     if gtab is None:
         gtab = _gittins_table_for(mrl) if int(cfg[C_PID]) == P_GITTINS and int(cfg[C_MODE]) == MODE_SCORE \
             else _NO_GTAB
-    nan_score = np.full(2, -1, np.int64)
-    return (cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, shed, active, claim, mine, max_steps,
-            until_ns, *A, gtab, *_scratch(A))
+    acc, ev_blocks, w_hits, w_st = _scratch(A)
+    named = {"cfg": cfg, "fcfg": fcfg, "theta": theta, "shed_margin": shed_margin, "mrl": mrl,
+             "nan_score": np.full(2, -1, np.int64), "tier": tier, "score": score, "active": active, "claim": claim,
+             "mine": mine, "max_steps": max_steps, "until_ns": until_ns,
+             "gtab": gtab, "acc": acc, "ev_blocks": ev_blocks, "w_hits": w_hits, "w_st": w_st}
+    return tuple(named[n] if n in named else getattr(A, n) for n in KERNEL_ARGS)
 
 
 def checked_total(total: int, args: tuple) -> int:
@@ -1828,7 +1836,7 @@ def checked_total(total: int, args: tuple) -> int:
     if total < 0:
         from ..errors import PolicyError
         from .scoring import POLICY_NAMES
-        pid, nan_score = int(args[0][C_PID]), args[5]
+        pid, nan_score = int(args[_ARG_CFG][C_PID]), args[_ARG_NAN_SCORE]
         raise PolicyError(f"policy {POLICY_NAMES.get(pid, pid)!r} (id {pid}) produced a NaN score for copy "
                           f"{int(nan_score[0])}, request {int(nan_score[1])}")
     return int(total)

@@ -74,9 +74,9 @@ def write_suite_lambda_sat(suite_name: str, profiles=MANIFEST_PROFILES) -> dict:
     import json
 
     from .._io import write_text_atomic
-    from ..traces.suites import _manifest_path
+    from ..traces.suites import manifest_path
 
-    path = _manifest_path(suite_name)
+    path = manifest_path(suite_name)
     manifest = json.loads(path.read_text())
     lam = dict(manifest.get("lambda_sat") or {})
     for p in profiles:

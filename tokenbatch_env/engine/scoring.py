@@ -15,7 +15,7 @@ import numpy as np
 
 from ._jit import njit
 
-# policy ids (the kernel's MODE_SCORE dispatches on these)
+# policy ids (the kernel's MODE_SCORE dispatches on these; P_EXTERNAL: no in-engine score, FCFS's and priority's)
 P_EXTERNAL, P_SJF, P_EDF, P_LLF, P_INDEX, P_GITTINS, P_LINEAR = 0, 1, 2, 3, 4, 5, 6
 POLICY_IDS = {"external": P_EXTERNAL, "sjf": P_SJF, "edf": P_EDF, "llf": P_LLF, "index": P_INDEX,
               "empirical-gittins": P_GITTINS, "weights": P_LINEAR}

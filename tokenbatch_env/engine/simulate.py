@@ -1,7 +1,8 @@
 """Drive the kernel over N traces at once and collect per-request outcomes.
 
 ``simulate(traces, profile, policy="fcfs")`` is the one entry point used by the CLI, the evaluator,
-the envs and tuning. Policies that need fresh scores every iteration pass a ``Scorer``.
+the envs and tuning. Every policy runs in the kernel: vLLM's FCFS and priority orders, or an
+in-engine score (``EnginePolicy``, docs/design.md sections 3 and 4).
 """
 
 from __future__ import annotations
@@ -38,19 +39,6 @@ class EnginePolicy:
     pid: int = 0
     theta: Optional[np.ndarray] = None
     shed_margin: Union[None, float, np.ndarray] = None
-
-
-@dataclasses.dataclass
-class Scorer:
-    """A score policy: ``fn(arrays, now) -> (tier int8 [C,R], score float64 [C,R], shed bool [C,R])``.
-
-    ``time_dependent=False`` lets the engine keep the scores for many iterations (they must then be
-    valid for requests that have not arrived yet, e.g. EDF's deadlines).
-    """
-
-    fn: Callable
-    time_dependent: bool = True
-    name: str = "score"
 
 
 @dataclasses.dataclass
@@ -123,15 +111,16 @@ def _record_columns(A: K.EngineArrays, copy, lo: int, hi: int, slos) -> dict:
     return rec
 
 
-def _resolve_policy(policy) -> tuple[EnginePolicy, Optional[Scorer]]:
-    if isinstance(policy, Scorer):
-        return EnginePolicy(policy.name, K.MODE_SCORE, P_EXTERNAL), policy
+def _resolve_policy(policy) -> EnginePolicy:
     if isinstance(policy, EnginePolicy):
-        return policy, None
+        if policy.mode == K.MODE_SCORE and policy.pid == P_EXTERNAL:
+            raise ConfigError(f"engine policy {policy.name!r}: MODE_SCORE needs an in-engine score id "
+                              f"(engine.scoring.POLICY_IDS), got {policy.pid}")
+        return policy
     if isinstance(policy, str) and policy in BUILTIN_MODES:
-        return EnginePolicy(policy, BUILTIN_MODES[policy]), None
-    raise ConfigError(f"unknown engine policy {policy!r}; valid: {sorted(BUILTIN_MODES)}, an "
-                      f"EnginePolicy (see tokenbatch_env.policies) or a Scorer")
+        return EnginePolicy(policy, BUILTIN_MODES[policy])
+    raise ConfigError(f"unknown engine policy {policy!r}; valid: {sorted(BUILTIN_MODES)} or an "
+                      f"EnginePolicy (see tokenbatch_env.policies)")
 
 
 def _per_copy(value, C: int, what: str, width: Optional[int] = None) -> np.ndarray:
@@ -151,7 +140,7 @@ class EngineRun:
     decision epoch (``start_epochs``); ``set_policy_params`` changes per-copy parameters between."""
 
     def __init__(self, traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile] = "stress-512",
-                 policy: Union[str, EnginePolicy, Scorer] = "fcfs", config: Optional[EngineConfig] = None,
+                 policy: Union[str, EnginePolicy] = "fcfs", config: Optional[EngineConfig] = None,
                  *, estimates: Optional[Sequence[np.ndarray]] = None,
                  residual_life: Optional[np.ndarray] = None,
                  iteration_sink: Optional[Callable[[int, dict], None]] = None,
@@ -177,7 +166,7 @@ class EngineRun:
         self.traces = list(traces)
         self.config = config or EngineConfig()
         self.profile = self.config.resolve(load_profile(profile) if isinstance(profile, str) else profile)
-        self.policy, self.scorer = _resolve_policy(policy)
+        self.policy = _resolve_policy(policy)
         compile_notice()   # (one line, once, if numba is about to compile the kernel: a run would look hung)
         self.arrays = A = build_arrays(self.traces, self.profile, self.config, estimates)
         if iteration_sink is not None and self.config.record_iterations < 1:
@@ -201,7 +190,7 @@ class EngineRun:
         self.mrl = mrl
         self.tier = np.zeros((C, R), np.int8)
         self.score = np.zeros((C, R), np.float64)
-        self._no_shed = np.zeros((C, R), np.bool_)
+        self._no_shed = None   # (only for tests/test_envs.py, which passes it as ``run_copies``' unread ``shed``)
         self._rec_emitted = np.zeros(C, np.int64)  # per copy: requests [0, n) handed to record_sink
 
     @property
@@ -291,10 +280,6 @@ class EngineRun:
         thread, sharing them out), then the sinks and the no-progress check; ``meanwhile`` in one of
         the threads before its call."""
         A = self.arrays
-        tier, score, shed, steps = self.tier, self.score, self._no_shed, chunk_steps
-        if self.scorer is not None:
-            tier, score, shed = self.scorer.fn(A, A.now)
-            steps = 1 if self.scorer.time_dependent else chunk_steps
         before = int(A.n_ended.sum())
         snap = (A.now.copy(), A.it.copy(), A.n_ended.copy(), A.n_wait.copy(), A.n_run.copy())
 
@@ -303,8 +288,8 @@ class EngineRun:
         run_copies = K.run_copies if kernel is None else kernel
 
         def run(g):
-            return run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, tier, score, shed, g,
-                              steps, until, claim=claim, mine=np.zeros_like(g))
+            return run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, self.tier, self.score, None,
+                              g, chunk_steps, until, claim=claim, mine=np.zeros_like(g))
         if self.iteration_sink is None and self.record_sink is None:
             total = sum(self.map_groups(run, act, split=False, meanwhile=meanwhile))
         else:   # the sinks see the buffers of one call
@@ -432,7 +417,7 @@ class EngineRun:
 
 
 def simulate(traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile] = "stress-512",
-             policy: Union[str, EnginePolicy, Scorer] = "fcfs", config: Optional[EngineConfig] = None,
+             policy: Union[str, EnginePolicy] = "fcfs", config: Optional[EngineConfig] = None,
              *, estimates: Optional[Sequence[np.ndarray]] = None,
              residual_life: Optional[np.ndarray] = None, progress: bool = False,
              chunk_steps: int = 20_000,

@@ -136,30 +136,6 @@ def unique_block_bases(prompt, out_len, prefix_lengths, n_uniq, bs):
     return base, ids
 
 
-@njit
-def window_prefix_ids(units, start, count, n_ids, ids, out, n_uniq):
-    """``traces.trace.subset_prefix_ids`` of many windows at once (the env lays out a batch of
-    episodes): window e's chain entries ``ids[units[e], start[e]:start[e] + count[e]]`` (unit u's
-    dense prefix ids, ``n_ids[u]`` of them) re-ranked by first appearance into ``out[e]``, their number
-    of distinct ids into ``n_uniq[e]``."""
-    m_max = 0
-    for e in range(units.shape[0]):
-        m_max = max(m_max, n_ids[units[e]])
-    rank = np.zeros(m_max, np.int64)   # 1 + an id's rank in this window, 0 if not seen yet
-    for e in range(units.shape[0]):
-        u, a, k = units[e], start[e], count[e]
-        s = 0
-        for j in range(k):
-            i = ids[u, a + j]
-            if rank[i] == 0:
-                s += 1
-                rank[i] = s
-            out[e, j] = rank[i] - 1
-        n_uniq[e] = s
-        for j in range(k):
-            rank[ids[u, a + j]] = 0
-
-
 def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig,
                  estimates: Optional[Sequence[np.ndarray]] = None, *, block_table: bool = True) -> K.EngineArrays:
     """Lay N traces out as the struct of arrays, one copy each, padded to the longest.
@@ -263,4 +239,4 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
 
 
 # (defined after the kernel module ran its guard: this module imports it): flushed likewise
-guard_stale_cache([capped_outputs, unique_block_bases, window_prefix_ids], tag="state")
+guard_stale_cache([capped_outputs, unique_block_bases], tag="state")

@@ -22,7 +22,7 @@ Settings (each from the constructor's ``tokenbatch_config``, else ``--additional
 
 ====================== ====================================================================
 ``policy``             index (default), edf, sjf, llf, srpt-oracle
-``policy_file``        the tuning JSON (``tokenbatch_env.evaluate.load_params_file`` format)
+``policy_file``        the tuning JSON (``tokenbatch_env.params.load_params_file`` format)
 ``shed``               off (default), on (the file's margin for the policy, 0 if absent),
                        or a margin: a number in [0, 2] (``0`` is margin 0, not off) or inf
 ``profile``            engine cost profile pricing the work (default: the file's ``meta.profile``,
@@ -121,7 +121,7 @@ class PluginConfig:
 
     @classmethod
     def _build(cls, src: dict) -> "PluginConfig":
-        from ..evaluate import load_params_file
+        from ..params import load_params_file
         from ..policies import IndexParams, check_shed_margin
 
         def get(k, default=None):

@@ -67,11 +67,12 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
 from ..errors import ConfigError
+from .checks import check_keys, choice, num
 from .sla import STREAM_CLASSES, SlaSpec, assign_arrays
 from .trace import MAX_TOKENS, NS_PREFIX_GROUP, Trace, block_hash
 
@@ -90,62 +91,9 @@ ARRIVAL_RESOLUTION_NS = 1000
 # Independent random streams per component (part of the reproducibility contract: never renumber).
 STREAM_ARRIVALS, STREAM_LENGTHS, STREAM_PREFIX = 1, 2, 3  # STREAM_CLASSES = 4 lives in sla.py
 
-_MISSING = object()
-
-
 def rng_stream(seed: int, stream: int) -> np.random.Generator:
     """The PCG64 generator for component ``stream`` of trace seed ``seed`` (both ints >= 0)."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(stream)])))
-
-
-# ---------------------------------------------------------------------------------------- validation
-def _check_keys(d: Any, path: str, required: Sequence[str], optional: Sequence[str] = ()) -> dict:
-    if not isinstance(d, dict):
-        raise ConfigError(f"{path}: expected an object, got {type(d).__name__}")
-    unknown = sorted(set(d) - set(required) - set(optional))
-    if unknown:
-        raise ConfigError(f"{path}: unknown field(s) {unknown}; valid: {sorted([*required, *optional])}")
-    missing = [k for k in required if k not in d]
-    if missing:
-        raise ConfigError(f"{path}.{missing[0]}: required field is missing")
-    return d
-
-
-def _num(d: dict, key: str, path: str, *, lo=None, hi=None, lo_open=False, hi_open=False,
-         integer=False, default=_MISSING, allow_none=False):
-    if key not in d:
-        if default is _MISSING:
-            raise ConfigError(f"{path}.{key}: required field is missing")
-        return default
-    v = d[key]
-    where = f"{path}.{key}"
-    if v is None and allow_none:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ConfigError(f"{where}: must be a number, got {v!r}")
-    if integer:
-        if isinstance(v, float):
-            if not v.is_integer():
-                raise ConfigError(f"{where}: must be an integer, got {v!r}")
-            v = int(v)
-    elif not math.isfinite(v):
-        raise ConfigError(f"{where}: must be finite, got {v!r}")
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise ConfigError(f"{where}: must be {'>' if lo_open else '>='} {lo}, got {v!r}")
-    if hi is not None and (v >= hi if hi_open else v > hi):
-        raise ConfigError(f"{where}: must be {'<' if hi_open else '<='} {hi}, got {v!r}")
-    return int(v) if integer else float(v)
-
-
-def _choice(d: dict, key: str, path: str, options: Sequence[str], default=_MISSING) -> str:
-    if key not in d:
-        if default is _MISSING:
-            raise ConfigError(f"{path}.{key}: required field is missing; valid: {list(options)}")
-        return default
-    v = d[key]
-    if v not in options:
-        raise ConfigError(f"{path}.{key}: must be one of {list(options)}, got {v!r}")
-    return v
 
 
 # ---------------------------------------------------------------------------------------- arrivals
@@ -161,15 +109,15 @@ class ArrivalSpec:
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "arrivals") -> "ArrivalSpec":
-        _check_keys(d, path, ["process", "rate_rps"], ["cv", "states", "transitions"])
-        process = _choice(d, "process", path, cls.PROCESSES)
-        rate = _num(d, "rate_rps", path, lo=0, lo_open=True, hi=1e9)
+        check_keys(d, path, ["process", "rate_rps"], ["cv", "states", "transitions"])
+        process = choice(d, "process", path, cls.PROCESSES)
+        rate = num(d, "rate_rps", path, lo=0, lo_open=True, hi=1e9)
         if process != "gamma" and "cv" in d:
             raise ConfigError(f"{path}.cv: only valid for process 'gamma'")
         if process != "mmpp" and ("states" in d or "transitions" in d):
             raise ConfigError(f"{path}.states: only valid for process 'mmpp'")
         if process == "gamma":
-            cv = _num(d, "cv", path, lo=0.01, hi=100.0)
+            cv = num(d, "cv", path, lo=0.01, hi=100.0)
             return cls("gamma", rate, cv=cv)
         if process == "poisson":
             return cls("poisson", rate)
@@ -179,8 +127,8 @@ class ArrivalSpec:
         st = []
         for i, s in enumerate(states):
             p = f"{path}.states[{i}]"
-            _check_keys(s, p, ["rate_mult", "mean_dwell_s"])
-            st.append((_num(s, "rate_mult", p, lo=0), _num(s, "mean_dwell_s", p, lo=0, lo_open=True)))
+            check_keys(s, p, ["rate_mult", "mean_dwell_s"])
+            st.append((num(s, "rate_mult", p, lo=0), num(s, "mean_dwell_s", p, lo=0, lo_open=True)))
         if not any(m > 0 for m, _ in st):
             raise ConfigError(f"{path}.states: at least one state needs rate_mult > 0")
         trans = None
@@ -192,7 +140,7 @@ class ArrivalSpec:
                 raise ConfigError(f"{path}.transitions: must be a {k}x{k} list of lists")
             rows = []
             for i, r in enumerate(t):
-                row = tuple(_num({"x": x}, "x", f"{path}.transitions[{i}][{j}]", lo=0, hi=1)
+                row = tuple(num({"x": x}, "x", f"{path}.transitions[{i}][{j}]", lo=0, hi=1)
                             for j, x in enumerate(r))
                 if row[i] != 0:
                     raise ConfigError(f"{path}.transitions[{i}][{i}]: diagonal must be 0 "
@@ -328,12 +276,12 @@ class LengthSpec:
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "lengths") -> "LengthSpec":
-        _check_keys(d, path, ["dist"], ["prompt", "output", "corr", "max_model_len", "truncation",
-                                        "path"])
-        dist = _choice(d, "dist", path, ("lognormal", "pairs"))
-        L = _num(d, "max_model_len", path, lo=2, hi=MAX_TOKENS, integer=True, default=None,
-                 allow_none=True)
-        trunc = _choice(d, "truncation", path, ("resample", "clip"), default="resample")
+        check_keys(d, path, ["dist"], ["prompt", "output", "corr", "max_model_len", "truncation",
+                                       "path"])
+        dist = choice(d, "dist", path, ("lognormal", "pairs"))
+        L = num(d, "max_model_len", path, lo=2, hi=MAX_TOKENS, integer=True, default=None,
+                allow_none=True)
+        trunc = choice(d, "truncation", path, ("resample", "clip"), default="resample")
         if dist == "pairs":
             for k in ("prompt", "output", "corr"):
                 if k in d:
@@ -344,13 +292,13 @@ class LengthSpec:
             return cls("pairs", max_model_len=L, truncation=trunc, path=p)
         if "path" in d:
             raise ConfigError(f"{path}.path: only valid for dist 'pairs'")
-        pr = _check_keys(d.get("prompt"), f"{path}.prompt", ["mu", "sigma"])
-        ou = _check_keys(d.get("output"), f"{path}.output", ["mu", "sigma"])
-        kw = dict(prompt_mu=_num(pr, "mu", f"{path}.prompt", lo=-5, hi=16),
-                  prompt_sigma=_num(pr, "sigma", f"{path}.prompt", lo=0, hi=5),
-                  output_mu=_num(ou, "mu", f"{path}.output", lo=-5, hi=16),
-                  output_sigma=_num(ou, "sigma", f"{path}.output", lo=0, hi=5),
-                  corr=_num(d, "corr", path, lo=-1, hi=1, lo_open=True, hi_open=True, default=0.0))
+        pr = check_keys(d.get("prompt"), f"{path}.prompt", ["mu", "sigma"])
+        ou = check_keys(d.get("output"), f"{path}.output", ["mu", "sigma"])
+        kw = dict(prompt_mu=num(pr, "mu", f"{path}.prompt", lo=-5, hi=16),
+                  prompt_sigma=num(pr, "sigma", f"{path}.prompt", lo=0, hi=5),
+                  output_mu=num(ou, "mu", f"{path}.output", lo=-5, hi=16),
+                  output_sigma=num(ou, "sigma", f"{path}.output", lo=0, hi=5),
+                  corr=num(d, "corr", path, lo=-1, hi=1, lo_open=True, hi_open=True, default=0.0))
         return cls("lognormal", max_model_len=L, truncation=trunc, **kw)
 
     def to_dict(self) -> dict:
@@ -455,30 +403,30 @@ class PrefixSpec:
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "prefix") -> "PrefixSpec":
-        _check_keys(d, path, ["share_fraction", "num_groups", "ratio"], ["zipf", "common_prefix_tokens"])
-        f = _num(d, "share_fraction", path, lo=0, hi=1)
-        g = _num(d, "num_groups", path, lo=1, hi=10_000_000, integer=True)
-        a = _num(d, "zipf", path, lo=0, hi=10, default=0.0)
-        c = _num(d, "common_prefix_tokens", path, lo=0, hi=MAX_TOKENS, integer=True, default=0)
+        check_keys(d, path, ["share_fraction", "num_groups", "ratio"], ["zipf", "common_prefix_tokens"])
+        f = num(d, "share_fraction", path, lo=0, hi=1)
+        g = num(d, "num_groups", path, lo=1, hi=10_000_000, integer=True)
+        a = num(d, "zipf", path, lo=0, hi=10, default=0.0)
+        c = num(d, "common_prefix_tokens", path, lo=0, hi=MAX_TOKENS, integer=True, default=0)
         r = d["ratio"]
         rp = f"{path}.ratio"
         if isinstance(r, (int, float)) and not isinstance(r, bool):
-            ratio = ("fixed", _num({"ratio": r}, "ratio", path, lo=0, hi=1))
+            ratio = ("fixed", num({"ratio": r}, "ratio", path, lo=0, hi=1))
         else:
-            kind = _choice(_check_keys(r, rp, ["dist"], ["value", "low", "high", "a", "b"]), "dist", rp,
-                           ("fixed", "uniform", "beta"))
+            kind = choice(check_keys(r, rp, ["dist"], ["value", "low", "high", "a", "b"]), "dist", rp,
+                          ("fixed", "uniform", "beta"))
             need = {"fixed": ["value"], "uniform": ["low", "high"], "beta": ["a", "b"]}[kind]
-            _check_keys(r, rp, ["dist", *need])
+            check_keys(r, rp, ["dist", *need])
             if kind == "fixed":
-                ratio = ("fixed", _num(r, "value", rp, lo=0, hi=1))
+                ratio = ("fixed", num(r, "value", rp, lo=0, hi=1))
             elif kind == "uniform":
-                lo, hi = _num(r, "low", rp, lo=0, hi=1), _num(r, "high", rp, lo=0, hi=1)
+                lo, hi = num(r, "low", rp, lo=0, hi=1), num(r, "high", rp, lo=0, hi=1)
                 if hi < lo:
                     raise ConfigError(f"{rp}.high: must be >= low ({lo}), got {hi}")
                 ratio = ("uniform", lo, hi)
             else:
-                ratio = ("beta", _num(r, "a", rp, lo=0, lo_open=True, hi=1e4),
-                         _num(r, "b", rp, lo=0, lo_open=True, hi=1e4))
+                ratio = ("beta", num(r, "a", rp, lo=0, lo_open=True, hi=1e4),
+                         num(r, "b", rp, lo=0, lo_open=True, hi=1e4))
         return cls(f, g, a, ratio, c)
 
     def to_dict(self) -> dict:
@@ -542,10 +490,10 @@ class TraceSpec:
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "generator") -> "TraceSpec":
-        _check_keys(d, path, ["num_requests", "arrivals", "lengths"], ["prefix", "sla", "block_size",
-                                                                       "name"])
-        n = _num(d, "num_requests", path, lo=1, hi=100_000_000, integer=True)
-        bs = _num(d, "block_size", path, lo=1, hi=4096, integer=True, default=16)
+        check_keys(d, path, ["num_requests", "arrivals", "lengths"], ["prefix", "sla", "block_size",
+                                                                      "name"])
+        n = num(d, "num_requests", path, lo=1, hi=100_000_000, integer=True)
+        bs = num(d, "block_size", path, lo=1, hi=4096, integer=True, default=16)
         name = d.get("name", "synthetic")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{path}.name: must be a non-empty string, got {name!r}")

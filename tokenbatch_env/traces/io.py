@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import io as _stdio
 import json
 import os
@@ -62,12 +63,10 @@ from ..errors import TraceError
 from .trace import MAX_SLO_NS, MAX_TOKENS, NS_MOONCAKE, Trace, block_hash_runs
 
 __all__ = [
-    "FORMATS", "LoadReport", "LoadResult", "save_npz", "load_npz", "save_csv", "load_csv",
+    "FORMATS", "READERS", "TraceReader", "LoadReport", "LoadResult", "save_npz", "load_npz", "save_csv", "load_csv",
     "read_azure", "read_mooncake", "read_burstgpt", "detect_format", "load_trace", "save_trace",
 ]
 
-#: Format names accepted by ``load_trace(fmt=...)`` and ``--format``.
-FORMATS = ("npz", "csv", "azure", "mooncake", "burstgpt")
 #: Tokens per Mooncake hash id.
 MOONCAKE_BLOCK_TOKENS = 512
 CSV_MAGIC = "# tokenbatch-trace v1"
@@ -782,15 +781,6 @@ def detect_format(path) -> str:
                      f"--format ({', '.join(FORMATS)})", file=f, row=1)
 
 
-_READERS: dict = {
-    "npz": lambda path, **kw: _canonical(path, "npz", **kw),
-    "csv": lambda path, **kw: _canonical(path, "csv", **kw),
-    "azure": read_azure,
-    "mooncake": read_mooncake,
-    "burstgpt": read_burstgpt,
-}
-
-
 def _canonical(path, fmt: str, *, block_size: Optional[int] = None,
                name: Optional[str] = None) -> LoadResult:
     if fmt == "npz":
@@ -805,6 +795,35 @@ def _canonical(path, fmt: str, *, block_size: Optional[int] = None,
     if name is not None:
         result = LoadResult(trace.replace(name=name), result.report)
     return result
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceReader:
+    """A registered trace format (docs/design.md section 2). Adding a format is one entry in
+    ``READERS``: ``load_trace``, ``tokenbatch traces convert --format`` and the readers' contract
+    test read the registry.
+
+    Attributes:
+        name: the format's name (``--format``).
+        read: ``read(path, *, block_size=..., name=...) -> LoadResult``; bad input raises
+            ``TraceError`` naming file, row and column.
+        summary: one line for help texts.
+    """
+
+    name: str
+    read: Callable[..., LoadResult]
+    summary: str
+
+
+READERS = {r.name: r for r in (
+    TraceReader("npz", functools.partial(_canonical, fmt="npz"), "canonical binary (exact round trip)"),
+    TraceReader("csv", functools.partial(_canonical, fmt="csv"), "canonical text (exact round trip)"),
+    TraceReader("azure", read_azure, "Azure LLM inference trace CSV (2023)"),
+    TraceReader("mooncake", read_mooncake, "Mooncake JSONL (hash_ids -> block-hash chains)"),
+    TraceReader("burstgpt", read_burstgpt, "BurstGPT CSV (failed requests dropped and counted)"),
+)}
+#: Format names accepted by ``load_trace(fmt=...)`` and ``--format`` (registry order).
+FORMATS = tuple(READERS)
 
 
 def load_trace(path, fmt: Optional[str] = None, *, block_size: Optional[int] = None,
@@ -833,13 +852,13 @@ def load_trace(path, fmt: Optional[str] = None, *, block_size: Optional[int] = N
     """
     if fmt is None:
         fmt = detect_format(path)
-    reader: Optional[Callable] = _READERS.get(fmt)
+    reader: Optional[TraceReader] = READERS.get(fmt)
     if reader is None:
         raise TraceError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})", file=str(path))
     kw = {"name": name}
     if block_size is not None:
         kw["block_size"] = block_size
-    return reader(path, **kw)
+    return reader.read(path, **kw)
 
 
 def save_trace(trace: Trace, path) -> None:

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import ConfigError, TraceError
+from .checks import check_keys, num
 from .trace import MAX_SLO_NS, Trace
 
 __all__ = ["SlaClass", "SlaSpec", "DEFAULT_SLA", "ttft_idle_ns", "slo_arrays", "draw_classes",
@@ -64,9 +65,7 @@ class SlaSpec:
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "sla") -> "SlaSpec":
-        from .generators import _check_keys, _num  # shared validation helpers
-
-        _check_keys(d, path, ["classes"], ["profile"])
+        check_keys(d, path, ["classes"], ["profile"])
         profile = d.get("profile", "stress-512")
         if not isinstance(profile, str) or not profile:
             raise ConfigError(f"{path}.profile: must be a profile name, got {profile!r}")
@@ -76,15 +75,15 @@ class SlaSpec:
         out = []
         for i, c in enumerate(raw):
             p = f"{path}.classes[{i}]"
-            _check_keys(c, p, ["weight", "ttft_scale", "tpot_ms"], ["name", "priority"])
+            check_keys(c, p, ["weight", "ttft_scale", "tpot_ms"], ["name", "priority"])
             name = c.get("name", f"class{i}")
             if not isinstance(name, str) or not name:
                 raise ConfigError(f"{p}.name: must be a non-empty string, got {name!r}")
-            out.append(SlaClass(name, _num(c, "weight", p, lo=0, lo_open=True, hi=1e9),
-                                _num(c, "ttft_scale", p, lo=0, lo_open=True, hi=1e6),
-                                _num(c, "tpot_ms", p, lo=0, lo_open=True, hi=86_400_000),
-                                _num(c, "priority", p, lo=-1_000_000, hi=1_000_000, integer=True,
-                                     default=0)))
+            out.append(SlaClass(name, num(c, "weight", p, lo=0, lo_open=True, hi=1e9),
+                                num(c, "ttft_scale", p, lo=0, lo_open=True, hi=1e6),
+                                num(c, "tpot_ms", p, lo=0, lo_open=True, hi=86_400_000),
+                                                num(c, "priority", p, lo=-1_000_000, hi=1_000_000, integer=True,
+                                    default=0)))
         names = [c.name for c in out]
         if len(set(names)) != len(names):
             raise ConfigError(f"{path}.classes: class names must be unique, got {names}")

@@ -47,12 +47,13 @@ import numpy as np
 
 from .._io import write_text_atomic
 from ..errors import ConfigError, TokenBatchError
-from .generators import GENERATOR_VERSION, TraceSpec, _check_keys, _num, generate_trace
+from .checks import check_keys, num
+from .generators import GENERATOR_VERSION, TraceSpec, generate_trace
 from .trace import Trace
 
 __all__ = ["SPEC_FORMAT", "MANIFEST_FORMAT", "SuiteSpec", "Suite", "ManifestMismatchError",
-           "list_suites", "load_suite", "load_suite_spec", "compute_manifest", "regenerate_manifest",
-           "cache_dir", "generate_command", "main"]
+           "list_suites", "load_suite", "load_suite_spec", "compute_manifest", "manifest_path",
+           "regenerate_manifest", "cache_dir", "generate_command", "main"]
 
 SPEC_FORMAT = "tokenbatch-suite-spec"
 MANIFEST_FORMAT = "tokenbatch-suite-manifest"
@@ -105,8 +106,8 @@ class SuiteSpec:
 
     @classmethod
     def _from_dict(cls, d: Any) -> "SuiteSpec":
-        _check_keys(d, "spec", ["name", "seed", "splits", "generator"],
-                    ["format", "version", "description", "predictor", "provenance"])
+        check_keys(d, "spec", ["name", "seed", "splits", "generator"],
+                   ["format", "version", "description", "predictor", "provenance"])
         if d.get("format", SPEC_FORMAT) != SPEC_FORMAT:
             raise ConfigError(f"format: must be {SPEC_FORMAT!r}, got {d.get('format')!r}")
         if d.get("version", SPEC_VERSION) != SPEC_VERSION:
@@ -114,32 +115,32 @@ class SuiteSpec:
         name = d["name"]
         if not isinstance(name, str) or not name or any(c in name for c in "/\\ ") or name.startswith("."):
             raise ConfigError(f"name: must be a non-empty name without spaces or slashes, got {name!r}")
-        seed = _num(d, "seed", "spec", lo=0, hi=2**62, integer=True)
+        seed = num(d, "seed", "spec", lo=0, hi=2**62, integer=True)
         raw = d["splits"]
         if not isinstance(raw, list) or not raw:
             raise ConfigError("splits: must be a non-empty list of {\"name\", \"count\"}")
         splits = []
         for i, s in enumerate(raw):
             p = f"splits[{i}]"
-            _check_keys(s, p, ["name", "count"])
+            check_keys(s, p, ["name", "count"])
             sn = s["name"]
             if not isinstance(sn, str) or not sn or "/" in sn:
                 raise ConfigError(f"{p}.name: must be a non-empty string without '/', got {sn!r}")
-            splits.append((sn, _num(s, "count", p, lo=1, hi=1_000_000, integer=True)))
+            splits.append((sn, num(s, "count", p, lo=1, hi=1_000_000, integer=True)))
         names = [s for s, _ in splits]
         if len(set(names)) != len(names):
             raise ConfigError(f"splits: split names must be unique, got {names}")
         gen = TraceSpec.from_dict(d["generator"], "generator")
         pred = d.get("predictor", {"kind": "noisy", "sigma": 0.5, "seed": 0})
-        _check_keys(pred, "predictor", ["kind"], ["sigma", "seed"])
+        check_keys(pred, "predictor", ["kind"], ["sigma", "seed"])
         if pred["kind"] not in PREDICTOR_KINDS:
             raise ConfigError(f"predictor.kind: must be one of {list(PREDICTOR_KINDS)}, got {pred['kind']!r}")
         pred = dict(pred)
         if pred["kind"] == "noisy":
-            pred["sigma"] = _num(pred, "sigma", "predictor", lo=0, hi=10)
+            pred["sigma"] = num(pred, "sigma", "predictor", lo=0, hi=10)
         elif "sigma" in pred:
             raise ConfigError("predictor.sigma: only valid for kind 'noisy'")
-        pred["seed"] = _num(pred, "seed", "predictor", lo=0, hi=2**62, integer=True, default=0)
+        pred["seed"] = num(pred, "seed", "predictor", lo=0, hi=2**62, integer=True, default=0)
         desc = d.get("description", "")
         if not isinstance(desc, str):
             raise ConfigError("description: must be a string")
@@ -395,7 +396,9 @@ def load_suite(name_or_path: str) -> Suite:
     return Suite(spec, manifest, where)
 
 
-def _manifest_path(name_or_path: str) -> Path:
+def manifest_path(name_or_path: str) -> Path:
+    """Where the manifest of a suite lives: ``<stem>.manifest.json`` beside a spec file, or the
+    shipped one of a suite name (``tokenbatch_env/data/suites``)."""
     s = str(name_or_path)
     if _is_path(s):
         p = Path(s)
@@ -426,7 +429,7 @@ def regenerate_manifest(name_or_path: str) -> Path:
         elif old.get("lambda_sat"):
             print(f"{spec.name}: digests changed; dropping the recorded lambda_sat "
                   f"(re-measure it)", file=sys.stderr)
-    path = _manifest_path(name_or_path)
+    path = manifest_path(name_or_path)
     write_text_atomic(path, _manifest_text(new))
     os.chmod(path, 0o644)  # package data: world-readable like the specs
     return path

@@ -28,7 +28,9 @@ MAX_SLO_NS = 86_400 * 10**9
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's next output from the state ``x`` (uint64, scalar or array; arithmetic mod 2**64): the
+    mixer behind ``block_hash`` and the predictors' counter-based normals."""
     x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK64
     x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
     x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
@@ -42,7 +44,7 @@ NS_UNIQUE = 3  # per-request unique blocks, where a generator needs explicit has
 
 
 def _splitmix64_inplace(x: np.ndarray) -> np.ndarray:
-    """``_splitmix64`` on a uint64 array, overwriting it (uint64 array arithmetic wraps mod 2**64)."""
+    """``splitmix64`` on a uint64 array, overwriting it (uint64 array arithmetic wraps mod 2**64)."""
     x += np.uint64(0x9E3779B97F4A7C15)
     x ^= x >> np.uint64(30)
     x *= np.uint64(0xBF58476D1CE4E5B9)
@@ -64,7 +66,7 @@ def block_hash_runs(namespace: int, keys, per_key: int) -> np.ndarray:
         return np.zeros(0, np.int64)
     uniq, inverse = np.unique(k, return_inverse=True)
     with np.errstate(over="ignore"):
-        h0 = _splitmix64(np.uint64(namespace) * np.uint64(0x100000001B3) + np.uint64(1))
+        h0 = splitmix64(np.uint64(namespace) * np.uint64(0x100000001B3) + np.uint64(1))
         hk = _splitmix64_inplace(uniq.astype(np.uint64) ^ h0)
         table = hk[:, None] ^ np.arange(per_key, dtype=np.uint64)[None, :]
         _splitmix64_inplace(table)
@@ -81,9 +83,9 @@ def block_hash(namespace: int, key, index) -> np.ndarray:
     with np.errstate(over="ignore"):
         k = np.asarray(key, dtype=np.int64).astype(np.uint64)
         j = np.asarray(index, dtype=np.int64).astype(np.uint64)
-        h = _splitmix64(np.uint64(namespace) * np.uint64(0x100000001B3) + np.uint64(1))
-        h = _splitmix64(h ^ k)
-        h = _splitmix64(h ^ j)
+        h = splitmix64(np.uint64(namespace) * np.uint64(0x100000001B3) + np.uint64(1))
+        h = splitmix64(h ^ k)
+        h = splitmix64(h ^ j)
         return (h >> np.uint64(1)).astype(np.int64)
 
 
@@ -125,7 +127,7 @@ def first_appearance_ids(values: np.ndarray) -> tuple:
 def subset_prefix_ids(n_ids: int, ids: np.ndarray, a: int, b: int) -> tuple:
     """``prefix_ids`` of the chain entries ``[a, b)`` of a trace whose ids are ``(n_ids, ids)``: the
     parent's ids of the entries present, re-ranked by first appearance (no sorting)."""
-    from ..engine.state import window_prefix_ids   # (compiled; imported here: ``import`` stays light)
+    from .prefix import window_prefix_ids   # (compiled; imported here: ``import`` stays light)
     out, n_uniq = np.zeros((1, b - a), np.int64), np.zeros(1, np.int64)
     # (the window's entries copied: a read-only view of the parent's would compile a second variant)
     window_prefix_ids(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([b - a], np.int64),

@@ -1,0 +1,278 @@
+"""The benchmark itself (docs/design.md section 6): ``run_benchmark(BenchConfig) -> BenchReport``,
+every row on every (load, unit), then the report's numbers (bootstrap CIs, paired differences,
+pooled metrics, the upper bound, capacity at SLO, the primary endpoint)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ..workload import prepare_workload
+from .config import BASELINE_ROWS, PRIMARY_LOAD, PRIMARY_SPLIT, BenchConfig
+from .definitions import DEFINITIONS
+from .evidence import evidence_id, evidence_inputs, num_or_str
+from .outcomes import pooled_metrics, prompt_quintile_edges, request_outcomes, unit_metrics
+from .rows import CONTROL_COMPARATORS, CONTROLLED, build_rows, is_primary_suite, run_row
+from .slo_capacity import capacity_summary, row_capacity
+
+
+def _ci(values, cfg: BenchConfig, block) -> dict:
+    from ..metrics import bootstrap_ci
+    m, lo, hi = bootstrap_ci(values, B=cfg.bootstrap_b, seed=cfg.bootstrap_seed, block=block)
+    return {"mean": m, "ci95": [lo, hi]}
+
+
+def _paired(a, b, cfg: BenchConfig, block) -> dict:
+    from ..metrics import paired_difference, win_rate
+    m, lo, hi = paired_difference(a, b, B=cfg.bootstrap_b, seed=cfg.bootstrap_seed, block=block)
+    return {"diff": m, "ci95": [lo, hi], "win_rate": win_rate(a, b)}
+
+
+@dataclasses.dataclass
+class BenchReport:
+    """``data``: the JSON report (deterministic); ``meta``: wall time, host, date (sidecar)."""
+
+    config: BenchConfig
+    data: dict
+    meta: dict
+    curves: dict = dataclasses.field(default_factory=dict, repr=False)   # for the plots
+
+    @property
+    def evidence_id(self) -> str:
+        return self.data["evidence_id"]
+
+    def to_json(self) -> str:
+        from ..report import report_json
+        return report_json(self.data)
+
+    def to_markdown(self) -> str:
+        from ..report import report_markdown
+        return report_markdown(self.data)
+
+    def summary_text(self) -> str:
+        from ..report import console_summary
+        return console_summary(self.data)
+
+    def write(self, out_dir) -> list:
+        from ..report import write_report
+        return write_report(self, out_dir)
+
+
+def _primary_load(loads) -> float:
+    if PRIMARY_LOAD in loads:
+        return PRIMARY_LOAD
+    return loads[len(loads) // 2]
+
+
+def run_benchmark(config: BenchConfig) -> BenchReport:
+    """Run the benchmark of ``config``: the library form of ``tokenbatch bench``, for scripts and
+    notebooks. Nothing is written; ``BenchReport.write`` does that.
+
+    Args:
+        config: what to run (``BenchConfig``).
+
+    Returns:
+        ``BenchReport``: the deterministic JSON data (with its evidence id), the run's metadata and
+        the curves for the plots.
+
+    Raises:
+        TokenBatchError: a bad input found while preparing it: ``ProfileError`` (profile),
+            ``TraceError`` (trace file), ``ConfigError`` (e.g. a suite or split that does not exist).
+    """
+    import platform
+    import time
+    from datetime import datetime, timezone
+
+    from tqdm.auto import tqdm
+
+    from .. import __version__
+    from ..engine.profiles import load_profile
+
+    t_start = time.time()
+    cfg = config
+    profile = cfg.engine.resolve(load_profile(cfg.profile))
+    wl = prepare_workload(cfg, profile)
+    rows = build_rows(cfg)
+    inputs = evidence_inputs(cfg, wl, profile, rows)
+    eid = evidence_id(inputs)
+    loads = list(cfg.loads)
+    L, U = len(loads), len(wl.units)
+    at = {rho: wl.at(rho) for rho in loads}
+    copies = [t for rho in loads for t in at[rho]]
+    est_pred, est_oracle = wl.estimates(False), (wl.estimates(True) if any(r.reference for r in rows) else None)
+    total = len(rows) + (1 if cfg.upper_bound else 0) + (len(rows) * cfg.capacity_steps if cfg.capacity else 0)
+    bar = tqdm(total=total, desc="bench runs", unit="run", disable=not cfg.progress, file=sys.stderr,
+               leave=False)
+    per_row = {}
+    try:
+        def one_row(row):
+            est = est_oracle if row.reference else est_pred
+            res = run_row(row, wl, copies, est * L, profile, cfg)
+            return [[request_outcomes(res.records(li * U + u), copies[li * U + u], wl.scored[u])
+                     for u in range(U)] for li in range(L)]
+
+        if cfg.threads > 1:   # the compiled kernel releases the GIL; each row is independent
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(min(cfg.threads, len(rows))) as ex:
+                futs = [(row, ex.submit(one_row, row)) for row in rows]
+                for row, f in futs:
+                    per_row[row.label] = f.result()
+                    bar.set_postfix_str(row.label)
+                    bar.update(1)
+        else:
+            for row in rows:
+                bar.set_postfix_str(row.label)
+                per_row[row.label] = one_row(row)
+                bar.update(1)
+        ub = None
+        if cfg.upper_bound:
+            from ..bounds import upper_bound
+            bar.set_postfix_str("upper bound")
+            ub = np.empty((L, U))
+            for li, rho in enumerate(loads):
+                for u, t in enumerate(at[rho]):
+                    b = upper_bound(t, profile, config=cfg.engine)
+                    m = wl.scored[u]
+                    ub[li, u] = min(b.ub, int(b.attainable[m].sum())) / int(m.sum())
+            bar.update(1)
+        caps = None
+        if cfg.capacity:
+            caps = {}
+            for row in rows:
+                bar.set_postfix_str(f"capacity {row.label}")
+                grid = np.array([[unit_metrics(o)["goodput"] for o in per_row[row.label][li]] for li in range(L)])
+                caps[row.label] = row_capacity(row, wl, est_oracle if row.reference else est_pred, profile,
+                                            cfg, grid, bar)
+    finally:
+        bar.close()
+
+    # ---------------------------------------------------------------- aggregate
+    qedges = prompt_quintile_edges(np.concatenate([u.prompt_tokens[m] for u, m in zip(wl.units, wl.scored)]))
+    block = wl.block
+    unit_good = {r.label: np.array([[unit_metrics(o)["goodput"] for o in per_row[r.label][li]]
+                                    for li in range(L)]) for r in rows}
+    loads_out = []
+    curves = {"loads": loads, "goodput": {}, "ttft_cdf": {}}
+    for li, rho in enumerate(loads):
+        res_rows = []
+        g_fcfs = float(unit_good["fcfs"][li].mean())
+        ub_mean = float(ub[li].mean()) if ub is not None else None
+        for r in rows:
+            outs = per_row[r.label][li]
+            um = [unit_metrics(o) for o in outs]
+            g = unit_good[r.label][li]
+            d = {"label": r.label, "policy": r.policy,
+                 "shed_margin": num_or_str(r.shed_margin), "reference": r.reference,
+                 "goodput": _ci(g, cfg, block),
+                 "relative_goodput": (float(g.mean()) / g_fcfs - 1) if g_fcfs > 0 else None}
+            vs = BASELINE_ROWS + (CONTROL_COMPARATORS if r.policy == CONTROLLED else ())
+            d["vs"] = {b: _paired(g, unit_good[b][li], cfg, block) for b in vs if b != r.label and b in unit_good}
+            if ub_mean is not None:
+                d["gap_closed"] = ((float(g.mean()) - g_fcfs) / (ub_mean - g_fcfs)
+                                   if ub_mean - g_fcfs >= 0.02 else None)
+            tot = lambda k, um=um: int(sum(m[k] for m in um))  # noqa: E731
+            d.update({
+                "arrived": tot("arrived"), "met": tot("met"), "completed": tot("completed"),
+                "shed": tot("shed"), "timed_out": tot("timed_out"), "rejected": tot("rejected"),
+                "unfinished": tot("unfinished"), "preemptions": tot("preemptions"),
+                "recomputed_tokens": tot("recomputed_tokens"),
+                "throughput_tok_s": float(np.mean([m["throughput_tok_s"] for m in um])),
+                "met_req_s": float(np.mean([m["met_req_s"] for m in um])),
+            })
+            d.update(pooled_metrics(outs, qedges, wl.class_names))
+            d["goodput_per_unit"] = [float(x) for x in g]
+            res_rows.append(d)
+            curves["goodput"].setdefault(r.label, []).append(d["goodput"])
+            if rho == _primary_load(loads):
+                curves["ttft_cdf"][r.label] = np.sort(np.concatenate([o["ttft_ms"] for o in outs]))
+        deploy = [d for d in res_rows if not d["reference"]]
+        best = max(deploy or res_rows, key=lambda d: d["goodput"]["mean"])
+        best_all = max(res_rows, key=lambda d: d["goodput"]["mean"])
+        ent = {"rho": rho, "rate_rps": rho * wl.lambda_sat, "rows": res_rows,
+               "fcfs_goodput": g_fcfs,
+               "best_observed": {"label": best["label"], "goodput": best["goodput"]["mean"]}}
+        if best_all is not best:
+            ent["best_observed_reference"] = {"label": best_all["label"], "goodput": best_all["goodput"]["mean"]}
+        if ub is not None:
+            ent["upper_bound"] = {**_ci(ub[li], cfg, block), "per_unit": [float(x) for x in ub[li]],
+                                  "gap_closed_printed": ub_mean - g_fcfs >= 0.02}
+        loads_out.append(ent)
+
+    primary = None
+    if is_primary_suite(cfg):
+        if PRIMARY_LOAD in loads:
+            li = loads.index(PRIMARY_LOAD)
+            p = _paired(unit_good["index+shed"][li], unit_good["edf+shed"][li], cfg, block)
+            primary = {
+                "definition": ("paired difference in mean goodput, index with shedding minus EDF with "
+                               "shedding, seed-200/test at rho = 1.2, 95% paired percentile bootstrap CI"),
+                "split": cfg.split, "rho": PRIMARY_LOAD, "units": U,
+                "is_primary_split": cfg.split == PRIMARY_SPLIT and cfg.max_traces is None,
+                "index_plus_shed": float(unit_good["index+shed"][li].mean()),
+                "edf_plus_shed": float(unit_good["edf+shed"][li].mean()), **p,
+                "parameters": _params_note(cfg),
+            }
+        else:
+            primary = {"definition": "not computed: rho = 1.2 is not among the loads"}
+
+    data = {
+        "format": "tokenbatch-bench-report", "version": 1,
+        "evidence_id": eid,
+        "tokenbatch_version": __version__,
+        "primary_endpoint": primary,
+        "workload": {"kind": wl.kind, "name": wl.name,
+                     "split": cfg.split if wl.kind == "suite" else None, "units": U,
+                     "requests_scored": int(sum(int(m.sum()) for m in wl.scored)),
+                     "bootstrap": ("moving-block, block %d" % block) if block else "percentile (independent traces)",
+                     "notes": wl.notes},
+        "profile": {"name": profile.name, "provenance": profile.provenance},
+        "lambda_sat": {"rps": wl.lambda_sat, "source": wl.lambda_sat_source},
+        "predictor": wl.predictor.to_dict(),
+        "t_ref_ms": wl.t_ref_ms,
+        "parameters": _params_note(cfg),
+        "baselines": list(BASELINE_ROWS),
+        "prompt_quintile_edges": qedges,
+        "sla_classes": wl.class_names,
+        "primary_load": _primary_load(loads),
+        "loads": loads_out,
+        "capacity": capacity_summary(caps, rows, wl, cfg) if caps is not None else None,
+        "definitions": DEFINITIONS,
+        "evidence_inputs": inputs,
+    }
+    meta = {"evidence_id": eid, "wall_time_s": round(time.time() - t_start, 3),
+            "host": platform.node(), "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version(), "numpy": np.__version__, "argv": list(sys.argv)}
+    return BenchReport(cfg, data, meta, curves)
+
+
+def _tuned_info(src: Optional[str]) -> Optional[dict]:
+    """The ``tuned`` block that tuning/optuna_search.py writes into its params file (else None)."""
+    if src is None:
+        return None
+    try:
+        t = json.loads(Path(src).read_text()).get("tuned")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return t if isinstance(t, dict) and t.get("by") == "tuning/optuna_search.py" else None
+
+
+def _params_note(cfg: BenchConfig) -> dict:
+    src = cfg.params_source
+    t = _tuned_info(src)
+    if t is not None:
+        note = (f"TUNED: from {Path(src).name} (tuning/optuna_search.py on {t.get('suite')}/{t.get('split')} "
+                f"at rho {t.get('loads')}, {t.get('trials_per_study')} trials per study)")
+    elif src is None:
+        note = "UNTUNED: default IndexParams"
+    else:
+        note = f"from {Path(src).name}; not produced by this project's tuning (untuned)"
+    return {"index": dataclasses.asdict(cfg.index_params),
+            "shed_margins": {p: cfg.shed_margin(p) for p in sorted({*cfg.policies, "edf", "index"})},
+            "source": Path(src).name if t is not None else (src or "defaults (IndexParams(), shed margin 0.0)"),
+            "tuned": t is not None,
+            "note": note}

@@ -1,0 +1,152 @@
+"""The benchmark's configuration (docs/design.md section 6): ``BenchConfig``, one config per
+evidence id, and the constants of the protocol (default rows and loads, the primary endpoint)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+
+from ..errors import ConfigError, PolicyError
+
+DEFAULT_LOADS = (0.6, 0.8, 1.0, 1.2, 1.5, 2.0)
+DEFAULT_POLICIES = ("fcfs", "sjf", "edf", "llf", "index")
+BASELINE_ROWS = ("fcfs", "edf+shed")
+PRIMARY_SUITE, PRIMARY_SPLIT, PRIMARY_LOAD = "seed-200", "test", 1.2
+SHED_SUFFIX = "+shed"
+
+
+def _finite_pos(x, what: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(float(x)) or float(x) <= 0:
+        raise ConfigError(f"{what}: must be a positive finite number, got {x!r}")
+    return float(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """Everything that determines a benchmark, so that one config gives one evidence id (every field
+    enters it except ``progress``). Frozen; validated on construction.
+
+    The fields mirror ``tokenbatch bench``'s options: the workload (``suite``/``split``/``max_traces``,
+    or ``trace_file`` cut into ``windows`` with ``warmup``/``cooldown``), the ``profile`` and
+    ``engine``, the rows (``policies``, ``shed``, ``index_params``, ``weights``, ``schedule``,
+    ``controllers``), the ``loads`` (rho, relative to FCFS saturation), the statistics
+    (``bootstrap_seed``, ``bootstrap_b``) and the optional ``capacity`` search and ``upper_bound``.
+    The module docstring says how each is used.
+
+    Raises:
+        ConfigError: a field out of range or of the wrong type (the message names it).
+        PolicyError: an unknown policy, or a bad shed margin.
+    """
+
+    suite: str = "seed-200"
+    split: str = "test"
+    profile: str = "stress-512"
+    policies: tuple = DEFAULT_POLICIES
+    shed: bool = False                          # add a +shed row for every policy
+    loads: tuple = DEFAULT_LOADS
+    index_params: object = None                 # IndexParams (None = defaults)
+    weights: object = None                      # LinearWeights of the ``weights`` policy (None = defaults)
+    shed_margins: tuple = ()                    # ((policy, margin), ...); default 0.0
+    params_source: Optional[str] = None         # where the parameters came from (for the report)
+    max_traces: Optional[int] = None
+    bootstrap_seed: int = 0
+    bootstrap_b: int = 10_000
+    capacity: bool = False
+    capacity_target: float = 0.9
+    capacity_steps: int = 6
+    gpu_price: Optional[float] = None           # $ per GPU-hour
+    gpus: Optional[int] = None
+    trace_file: Optional[str] = None            # a real trace instead of a suite
+    trace_format: Optional[str] = None
+    windows: Optional[int] = None               # scored requests per window (real trace)
+    warmup: int = 0
+    cooldown: int = 0
+    engine: object = None                       # EngineConfig (None = defaults)
+    upper_bound: bool = True
+    progress: bool = False
+    threads: int = 1                            # rows simulated concurrently (results identical)
+    schedule: object = None                     # IndexSchedule: adds the "index-scheduled" row
+    controllers: tuple = ()                     # control.ControlSpec rows (trained agents)
+
+    def __post_init__(self):
+        from ..engine.state import EngineConfig
+        from ..policies import BASELINES, IndexParams
+
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        if self.index_params is None:
+            set_("index_params", IndexParams())
+        elif not isinstance(self.index_params, IndexParams):
+            raise ConfigError("index_params must be an IndexParams")
+        from ..policies import LinearWeights
+        if self.weights is None:
+            set_("weights", LinearWeights())
+        elif not isinstance(self.weights, LinearWeights):
+            raise ConfigError("weights must be a LinearWeights")
+        if self.engine is None:
+            set_("engine", EngineConfig())
+        elif not isinstance(self.engine, EngineConfig):
+            raise ConfigError("engine must be an EngineConfig")
+        pols = tuple(self.policies)
+        if not pols:
+            raise ConfigError(f"policies: need at least one; valid: {', '.join(BASELINES)}")
+        bad = [p for p in pols if p not in BASELINES]
+        if bad:
+            raise PolicyError(f"unknown policy {bad[0]!r}; valid: {', '.join(BASELINES)}")
+        if len(set(pols)) != len(pols):
+            raise ConfigError(f"policies: duplicates in {list(pols)}")
+        set_("policies", pols)
+        loads = tuple(_finite_pos(x, "loads (rho)") for x in self.loads)
+        if not loads:
+            raise ConfigError("loads: need at least one rho > 0")
+        set_("loads", tuple(sorted(set(loads))))
+        from ..policies import check_shed_margin
+        sm = dict(self.shed_margins)
+        for p, m in sm.items():
+            if p not in BASELINES:
+                raise PolicyError(f"shed margin for unknown policy {p!r}; valid: {', '.join(BASELINES)}")
+            check_shed_margin(m)
+        set_("shed_margins", tuple(sorted(sm.items())))
+        from ..control import ControlSpec
+        from ..policies import IndexSchedule
+        if self.schedule is not None and not isinstance(self.schedule, IndexSchedule):
+            raise ConfigError("schedule must be a policies.IndexSchedule")
+        ctl = tuple(self.controllers)
+        if any(not isinstance(c, ControlSpec) for c in ctl):
+            raise ConfigError("controllers must be control.ControlSpec objects")
+        labels = [c.label for c in ctl] + (["index-scheduled"] if self.schedule is not None else [])
+        if len(set(labels)) != len(labels) or set(labels) & set(BASELINES) or \
+                any(lab.endswith(SHED_SUFFIX) for lab in labels):
+            raise ConfigError(f"controllers: labels must be unique and differ from the policy rows, got {labels}")
+        set_("controllers", ctl)
+        if self.max_traces is not None and (isinstance(self.max_traces, bool)
+                                            or not isinstance(self.max_traces, int) or self.max_traces < 1):
+            raise ConfigError(f"max_traces: must be an integer >= 1, got {self.max_traces!r}")
+        for f, lo in (("bootstrap_seed", 0), ("bootstrap_b", 100), ("capacity_steps", 0),
+                      ("warmup", 0), ("cooldown", 0), ("threads", 1)):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise ConfigError(f"{f}: must be an integer >= {lo}, got {v!r}")
+        t = self.capacity_target
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < float(t) <= 1):
+            raise ConfigError(f"capacity_target: must be in (0, 1], got {t!r}")
+        if (self.gpu_price is None) != (self.gpus is None):
+            raise ConfigError("give --gpu-price and --gpus together (or neither)")
+        if self.gpu_price is not None:
+            _finite_pos(self.gpu_price, "gpu_price")
+            if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
+                raise ConfigError(f"gpus: must be an integer >= 1, got {self.gpus!r}")
+        if self.trace_file is not None:
+            if self.windows is None or isinstance(self.windows, bool) or not isinstance(self.windows, int) \
+                    or self.windows < 1:
+                raise ConfigError(f"windows: a real trace needs --windows W >= 1, got {self.windows!r}")
+        elif self.windows is not None:
+            raise ConfigError("windows: only with a real trace (--trace FILE)")
+
+    def shed_margin(self, policy: str) -> float:
+        """The +shed row's margin for ``policy`` (default 0.0)."""
+        return float(dict(self.shed_margins).get(policy, 0.0))
+

@@ -1,0 +1,69 @@
+"""The evidence id (docs/design.md section 6): SHA-256 of the canonical JSON of everything a
+benchmark's numbers depend on (trace digests, windows, loads, lambda_sat, engine config, profile,
+policy parameters, predictor, residual-life table, bootstrap seed and B, package version)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+
+import numpy as np
+
+from ..util import canonical_json
+from .config import BenchConfig
+from .rows import CONTROLLED, control_specs
+
+
+def num_or_str(x):
+    """A shed margin (or any number) as report.json writes it: None, a float, or "inf"."""
+    if x is None:
+        return None
+    return float(x) if math.isfinite(float(x)) else "inf"
+
+
+def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
+    """Everything the numbers of ``cfg``'s benchmark depend on (the workload ``wl``, ``profile``,
+    the ``rows``), as JSON-able data: what ``evidence_id`` hashes."""
+    from .. import __version__
+    pol = []
+    for r in rows:
+        d = {"label": r.label, "policy": r.policy, "shed_margin": num_or_str(r.shed_margin),
+             "estimates": "oracle" if r.reference else "predictor"}
+        if r.policy == "index":
+            d["index_params"] = dataclasses.asdict(cfg.index_params)
+            d["t_ref_ms"] = wl.t_ref_ms
+        if r.policy == "weights":
+            d["weights"] = cfg.weights.to_dict()["w"]
+            d["t_ref_ms"] = wl.t_ref_ms
+        if r.policy == CONTROLLED:
+            spec = next(s for s in control_specs(cfg) if s.label == r.label)
+            d["controller"] = {"action_mode": spec.action_mode, "k": spec.k,
+                               "decision_interval_ms": spec.decision_interval_ms,
+                               "base_margin": num_or_str(spec.base_margin), **dict(spec.evidence)}
+            d["t_ref_ms"] = wl.t_ref_ms
+        pol.append(d)
+    return {
+        "workload": {"kind": wl.kind, "name": wl.name,
+                     "split": cfg.split if wl.kind == "suite" else None,
+                     "trace_digests": wl.digests,
+                     "windows": None if wl.windows is None else [list(w) for w in wl.windows]},
+        "loads": list(cfg.loads),
+        "lambda_sat_rps": wl.lambda_sat,
+        "engine_config": cfg.engine.to_dict(),
+        "profile": {"name": profile.name, "profile": profile.to_dict()},
+        "policies": pol,
+        "predictor": wl.predictor.to_dict(),
+        "residual_life_sha256": hashlib.sha256(np.ascontiguousarray(wl.residual_life).tobytes()).hexdigest(),
+        "bootstrap": {"seed": cfg.bootstrap_seed, "B": cfg.bootstrap_b,
+                      "block": wl.block},
+        "capacity": ({"target": cfg.capacity_target, "steps": cfg.capacity_steps,
+                      "gpu_price": cfg.gpu_price, "gpus": cfg.gpus} if cfg.capacity else None),
+        "upper_bound": cfg.upper_bound,
+        "package_version": __version__,
+    }
+
+
+def evidence_id(inputs: dict) -> str:
+    """SHA-256 of the canonical JSON of ``evidence_inputs``."""
+    return hashlib.sha256(canonical_json(inputs).encode()).hexdigest()

@@ -1,0 +1,287 @@
+"""The workload an evaluation or an env episode runs on (docs/design.md sections 5 and 6): the units
+(suite traces, or windows cut from one real trace) at their stored rate, and how to put them at a
+load rho: ``lambda_sat`` (FCFS saturation throughput; the suite manifest's, else measured), the
+residual-life table of the ``prior`` predictor, T_ref, the suite's predictor and its estimates.
+
+The evaluator (``evaluate.run_benchmark``), the env (``envs``), tuning and the agents' validation
+all prepare their workload here, so agents and baselines see the same traces scaled the same way.
+``prepare_workload`` takes a ``WorkloadSpec`` (or any config with its fields, such as
+``evaluate.BenchConfig``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
+from typing import Optional
+
+import numpy as np
+
+from .errors import ConfigError
+
+__all__ = ["LAMBDA_SAT_TRACES", "Workload", "WorkloadSpec", "is_shipped", "prepare_workload"]
+
+LAMBDA_SAT_TRACES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+    """What a workload is made of: a suite split (``suite``/``split``, at most ``max_traces``
+    traces), or windows cut from one real trace (``trace_file`` in ``trace_format``, ``windows``
+    scored requests each with ``warmup``/``cooldown`` requests around them), run by the engine
+    ``engine`` (an ``EngineConfig``; None = the defaults) when lambda_sat is measured. The
+    evaluator's ``BenchConfig`` has these fields (validated there)."""
+
+    suite: str = "seed-200"
+    split: str = "test"
+    max_traces: Optional[int] = None
+    trace_file: Optional[str] = None
+    trace_format: Optional[str] = None
+    windows: Optional[int] = None
+    warmup: int = 0
+    cooldown: int = 0
+    engine: object = None
+
+    def __post_init__(self):
+        if self.engine is None:
+            from .engine.state import EngineConfig
+            object.__setattr__(self, "engine", EngineConfig())
+        if self.trace_file is not None and self.windows is None:
+            raise ConfigError(f"windows: a real trace needs --windows W >= 1, got {self.windows!r}")
+
+    @classmethod
+    def of(cls, config) -> "WorkloadSpec":
+        """``config`` itself if a WorkloadSpec, else the spec of its fields of these names (e.g.
+        an ``evaluate.BenchConfig``)."""
+        if isinstance(config, cls):
+            return config
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass
+class Workload:
+    """The units (traces or windows) at their stored rate, and how to put them at a load."""
+
+    name: str
+    kind: str                       # "suite" or "trace"
+    units: list                     # unscaled Trace per unit
+    scored: list                    # bool mask per unit
+    windows: Optional[list]         # [(lo, hi, scored_start, scored_stop)] in the parent (trace kind)
+    parent: object                  # parent Trace (trace kind) or None
+    nominal_rps: Optional[float]    # suite: the stored nominal rate
+    lambda_sat: float
+    lambda_sat_source: str
+    residual_life: np.ndarray
+    t_ref_ms: float
+    predictor: object               # PredictorSpec
+    class_names: list
+    digests: list                   # unscaled unit digests (trace kind: the parent's once)
+    notes: list = dataclasses.field(default_factory=list)
+
+    @property
+    def block(self) -> Optional[int]:
+        from .metrics import default_block
+        return default_block(len(self.units)) if self.kind == "trace" else None
+
+    def unit_at(self, i: int, rho: float):
+        from .traces.windows import scale_to_rate
+        rate = rho * self.lambda_sat
+        if self.kind == "suite":
+            return scale_to_rate(self.units[i], rate, nominal_rps=self.nominal_rps)
+        lo, hi, _, _ = self.windows[i]
+        return scale_to_rate(self.parent, rate).subset(slice(lo, hi))
+
+    def scale_factor(self, rho: float):
+        """The exact factor (a Fraction) by which ``unit_at(i, rho)`` scales every unit's times."""
+        nominal = self.__dict__.get("_nominal")
+        if nominal is None:   # the units' stored rate: a constant of the workload
+            from .traces.windows import as_fraction, empirical_rate_rps
+            nominal = as_fraction(self.nominal_rps if self.kind == "suite" else empirical_rate_rps(self.parent),
+                                  "nominal_rps")
+            self.__dict__["_nominal"] = nominal
+        rate = rho * self.lambda_sat
+        if type(rate) is float and 0.0 < rate < math.inf:   # (the env draws one per episode: kept cheap)
+            a, b = rate.as_integer_ratio()   # the float's exact value, as as_fraction takes it
+            return Fraction(nominal.numerator * b, nominal.denominator * a)   # = nominal / rate, normalised
+        from .traces.windows import as_fraction
+        return nominal / as_fraction(rate, "rate_rps")   # scale_to_rate's factor
+
+    def scaled_in_range(self, i: int, factor) -> bool:
+        """Whether unit i's last arrival stays in range at ``factor`` (else ``unit_at`` raises)."""
+        from .traces.trace import MAX_ARRIVAL_NS
+        last = self.__dict__.get("_last_arrival")
+        if last is None:   # each unit's last arrival (the parent's for every window of a trace)
+            arr = [(u if self.kind == "suite" else self.parent).arrival_ns for u in self.units]
+            last = self.__dict__["_last_arrival"] = [int(a[-1]) if len(a) else None for a in arr]
+        v = last[i]
+        f = factor.numerator / factor.denominator if type(factor) is Fraction else float(factor)
+        if v is None or v * f < MAX_ARRIVAL_NS / 2:
+            return True
+        from .traces.windows import scale_ints
+        return not int(scale_ints(np.array([v], np.int64), factor)[0]) > MAX_ARRIVAL_NS
+
+    def window_at(self, i: int, rho: float, start: int, size: int, warmup: int = 0, cooldown: int = 0):
+        """``traces.windows.window_at(self.unit_at(i, rho), start, size, warmup, cooldown)``, the same
+        Window, computed by cutting the window first and scaling only its rows (scaling about t = 0
+        commutes exactly with ``Trace.subset``)."""
+        from .traces.windows import Window, time_scale, window_at
+        factor = self.scale_factor(rho)
+        if not self.scaled_in_range(i, factor):
+            return window_at(self.unit_at(i, rho), start, size, warmup, cooldown)   # raises, as unit_at does
+        unit = self.units[i]
+        unit.prefix_ids()   # cached on the unit: its windows derive theirs without sorting
+        w = window_at(unit, start, size, warmup, cooldown)
+        return Window(time_scale(w.trace, factor), w.scored_start, w.scored_stop, w.parent_start)
+
+    def check_load(self, rho: float, what: str = "rho", units=None) -> None:
+        """A ConfigError naming ``rho`` (as ``what``) if a unit's times (of ``units``, default all), put
+        at that load, leave the engine's int64 ns range. The lowest load stretches them most, so
+        checking the lowest of a range covers the whole range."""
+        from .errors import TraceError
+        units = tuple(range(len(self.units)) if units is None else units)
+        known = self.__dict__.setdefault("_loads_fit", {})   # (every env of a process checks its rho)
+        fits = known.get((rho, units))
+        if fits is None:
+            try:
+                f = self.scale_factor(rho)
+                fits = all(self.scaled_in_range(i, f) for i in units)
+            except (ConfigError, TraceError, OverflowError):   # (a factor itself beyond int64, or a float)
+                fits = False
+            known[(rho, units)] = fits
+        if not fits:
+            raise ConfigError(f"{what}: a load of {rho!r} is too low for {self.name}: its arrival times, stretched "
+                              f"to that load, pass the engine's int64 ns range")
+
+    def at(self, rho: float) -> list:
+        self.check_load(rho, "loads")
+        if self.kind == "suite":
+            return [self.unit_at(i, rho) for i in range(len(self.units))]
+        from .traces.windows import scale_to_rate
+        scaled = scale_to_rate(self.parent, rho * self.lambda_sat)
+        return [scaled.subset(slice(lo, hi)) for lo, hi, _, _ in self.windows]
+
+    def estimates(self, oracle: bool = False) -> list:
+        from .predictors import PredictorSpec, estimates
+        spec = PredictorSpec("oracle") if oracle else self.predictor
+        if self.kind == "suite":
+            return [estimates(t, spec) for t in self.units]
+        e = estimates(self.parent, spec)
+        return [e[lo:hi].copy() for lo, hi, _, _ in self.windows]
+
+
+def _measure_lambda(traces, profile, engine) -> float:
+    from .engine.saturation import measure_lambda_sat
+    return float(measure_lambda_sat(list(traces)[:LAMBDA_SAT_TRACES], profile, engine))
+
+
+def _class_names(spec_sla, n_hint: int) -> list:
+    try:
+        return [c.name for c in spec_sla.classes]
+    except AttributeError:
+        return [f"class {i}" for i in range(n_hint)]
+
+
+def is_shipped(profile) -> bool:
+    """Whether ``profile`` is the shipped profile of its name, field for field (a suite manifest's
+    ``lambda_sat`` is keyed by name: a file reusing a shipped name, or a profile with engine
+    overrides applied, has its own saturation rate)."""
+    from .engine.profiles import is_profile_file, list_profiles, load_profile
+    if is_profile_file(profile.name) or profile.name not in list_profiles():
+        return False
+    return load_profile(profile.name).to_dict() == profile.to_dict()
+
+
+def prepare_workload(spec, profile) -> Workload:
+    """The workload of ``spec`` (a ``WorkloadSpec``, or a config with its fields such as
+    ``evaluate.BenchConfig``) for ``profile`` (resolved: ``EngineConfig.resolve``), see the module
+    docstring."""
+    from .predictors import PredictorSpec, ResidualLife
+
+    cfg = WorkloadSpec.of(spec)
+
+    if cfg.trace_file is None:
+        from .traces.suites import load_suite
+        suite = load_suite(cfg.suite)
+        traces = suite.traces(cfg.split)
+        if cfg.max_traces is not None:
+            traces = traces[:cfg.max_traces]
+        if not traces:
+            raise ConfigError(f"suite {cfg.suite!r} split {cfg.split!r} has no traces")
+        if not all(t.has_slos for t in traces):
+            raise ConfigError(f"suite {cfg.suite!r}: traces without SLOs cannot be scored")
+        train_split = "train" if "train" in suite.splits else suite.splits[0]
+        train = suite.traces(train_split)
+        notes = []
+        lam = suite.lambda_sat.get(profile.name)
+        shipped = lam is None or is_shipped(profile)
+        if lam is not None and shipped:
+            lam, src = float(lam), f"suite manifest ({profile.name})"
+        else:
+            lam = _measure_lambda(train, profile, cfg.engine)
+            src = (f"measured (measure_lambda_sat, FCFS backlogged) on {min(len(train), LAMBDA_SAT_TRACES)} "
+                   f"{train_split} traces: " + (f"the manifest has no entry for {profile.name}" if shipped else
+                                                 f"the manifest's entry for {profile.name} is the shipped profile's, "
+                                                 f"and this one differs from it"))
+        rl = ResidualLife.from_lengths(np.concatenate([t.output_tokens for t in train])).table
+        t_ref = suite.t_ref_ns
+        if t_ref is None:
+            t_ref = float(np.median(np.concatenate([t.ttft_slo_ns for t in traces])))
+            notes.append("T_ref = median T1 of the evaluated traces (the manifest records none)")
+        sla = getattr(suite.spec.generator, "sla", None)
+        ncls = int(max(int(t.class_id.max()) for t in traces)) + 1
+        notes += _unit_notes(len(traces))
+        return Workload(suite.name, "suite", traces, [np.ones(len(t), bool) for t in traces], None, None,
+                        float(suite.nominal_rate_rps), lam, src, rl, float(t_ref) / 1e6,
+                        PredictorSpec.from_dict(suite.predictor), _class_names(sla, ncls),
+                        [t.digest for t in traces], notes)
+    # a real trace family: windows cut from one trace
+    from .traces.io import load_trace
+    from .traces.sla import DEFAULT_SLA, assign_slas
+    from .traces.windows import cut_windows
+    trace, _ = load_trace(cfg.trace_file, cfg.trace_format)
+    notes = []
+    if not trace.has_slos:
+        trace = assign_slas(trace, seed=0)
+        notes.append("SLOs assigned by the default 3-class rule (seed 0): the trace has none")
+    wins = cut_windows(trace, cfg.windows, cfg.warmup, cfg.cooldown)
+    # the load's reference rate from the trace's first windows, however many are evaluated (so that
+    # rho means the same with any --max-traces)
+    lam_units = [w.trace for w in wins if len(w.trace) >= 10][:LAMBDA_SAT_TRACES]
+    if cfg.max_traces is not None:
+        wins = wins[:cfg.max_traces]
+    if not wins:
+        raise ConfigError(f"trace {cfg.trace_file!r}: no window of {cfg.windows} scored requests fits "
+                          f"(warmup {cfg.warmup}, cooldown {cfg.cooldown}, {len(trace)} requests)")
+    short = [w for w in wins if w.scored_stop - w.scored_start < cfg.windows]
+    if short:   # (cut_windows tiles the whole scored region: the last window may hold fewer requests)
+        notes.append(f"{len(short)} of {len(wins)} windows hold fewer than {cfg.windows} scored requests "
+                     f"(the trace's last ones: {', '.join(str(w.scored_stop - w.scored_start) for w in short)})")
+    spans = [(w.parent_start, w.parent_start + len(w.trace), w.scored_start, w.scored_stop) for w in wins]
+    units = [w.trace for w in wins]
+    scored = [w.scored_mask() for w in wins]
+    if not lam_units:
+        raise ConfigError("windows too small to measure lambda_sat (need >= 10 requests)")
+    lam = _measure_lambda(lam_units, profile, cfg.engine)
+    src = f"measured (measure_lambda_sat, FCFS backlogged) on the trace's first {len(lam_units)} windows"
+    rl = ResidualLife.from_lengths(trace.output_tokens).table
+    notes.append("residual-life table (prior predictor) from the trace's own output lengths")
+    notes += _unit_notes(len(units))
+    ncls = int(trace.class_id.max()) + 1
+    return Workload(trace.name, "trace", units, scored, spans, trace, None, lam, src, rl,
+                    float(np.median(trace.ttft_slo_ns)) / 1e6, _default_predictor(),
+                    _class_names(DEFAULT_SLA, ncls), [trace.digest], notes)
+
+
+def _unit_notes(n_units: int) -> list:
+    """A warning for the report when its 95% CIs cannot mean anything: they resample the independent
+    units (traces or windows), so one unit gives intervals of zero width."""
+    if n_units >= 2:
+        return []
+    return ["only one trace or window: every 95% CI below has zero width (the bootstrap resamples the "
+            "independent units; use at least two, preferably 20 or more)"]
+
+
+def _default_predictor():
+    from .predictors import PredictorSpec
+    return PredictorSpec("noisy", 0.5, 0)
