@@ -73,10 +73,11 @@ import numpy as np
 
 from .config_cli import option
 from .errors import ConfigError, TokenBatchError
+from .policies import policy_names
 from .util import available_cores, canonical_json, parse_loads
 
 #: baselines whose only parameter is the shed margin of their +shed row (aging: not implemented)
-TUNABLE_BASELINES = ("fcfs", "priority", "sjf", "edf", "llf")
+TUNABLE_BASELINES = policy_names(tuned="margin")   # the registry's rows whose shed margin is tuned
 DEFAULT_BASELINES = ("edf", "sjf", "llf")
 SAMPLERS = ("tpe", "cmaes", "random")
 PRUNERS = ("none", "median")
@@ -303,9 +304,9 @@ def suggest_index(trial) -> dict:
     (inf) is left out: the tuned row is index+shed (the primary endpoint's), the no-shed ``index``
     row is reported beside it, and an unshed trial at rho >= 1 costs ~4x the engine time (the
     queue grows without bound) for goodput far below every shed row."""
-    from .policies import INDEX_RANGES, SHED_RANGE
+    from .policies import POLICIES, SHED_RANGE
     idx = {}
-    for name, (lo, hi, scale) in INDEX_RANGES.items():
+    for name, (lo, hi, scale) in POLICIES["index"].ranges:
         if scale == "log":
             idx[name] = trial.suggest_float(name, lo, hi, log=True)
         elif scale == "log1p":

@@ -115,7 +115,7 @@ def run(args) -> int:
         if rec_sink is not None:
             rec_sink.header(rec)  # an empty trace: the header alone
     s = summarize(rec, trace)
-    from ..evaluate import canonical_json
+    from ..util import canonical_json
     s.update({"trace": trace.name, "trace_digest": trace.digest, "file_digest": file_digest, "profile": profile.name,
               "profile_provenance": profile.provenance,
               # (the profile's content: a file may reuse a shipped profile's name)

@@ -13,13 +13,14 @@ import numpy as np
 
 from ..engine import scoring as S
 from ..errors import TokenBatchError
+from ..policies import policy_names
 
 
 class ActionError(TokenBatchError, ValueError):
     """An action is malformed, NaN/inf, or outside [-1, 1] (without ``clip_actions``)."""
 
 
-ACTION_MODES = ("index", "weights")
+ACTION_MODES = policy_names(parametric=True)   # the registry's policies with parameters
 #: index-mode action dimensions, in order: the seven index coefficients, then the shed margin
 ACTION_NAMES = ("kappa", "slope", "gamma", "theta", "beta", "w_prefix", "a_edf", "shed_margin")
 #: action dimensions of the ``weights`` mode: one weight per linear-score feature, then the shed margin

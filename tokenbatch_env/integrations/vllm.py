@@ -61,6 +61,7 @@ from vllm.v1.request import RequestStatus
 
 from ..engine import scoring as _s
 from ..errors import ConfigError
+from ..policies import policy_names
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ EXTRA_TPOT_SLO_MS = "tokenbatch_tpot_slo_ms"
 EXTRA_EST_OUTPUT_TOKENS = "tokenbatch_est_output_tokens"
 
 #: policies the plug-in runs (fcfs and priority are vLLM's own: use its --scheduling-policy)
-PLUGIN_POLICIES = ("index", "edf", "sjf", "llf", "srpt-oracle")
+PLUGIN_POLICIES = policy_names(in_plugin=True)   # the registry's
 _PIDS = {"index": _s.P_INDEX, "edf": _s.P_EDF, "sjf": _s.P_SJF, "llf": _s.P_LLF,
          "srpt-oracle": _s.P_SJF}
 _KEYS = ("policy", "policy_file", "shed", "profile", "t_ref_ms", "default_ttft_slo_ms",
