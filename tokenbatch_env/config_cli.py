@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import sys
 import types
 import typing
 from typing import Any, Optional
@@ -290,3 +291,17 @@ def one_line_errors(parser_class=argparse.ArgumentParser) -> type:
             sys.exit(2)
     return OneLine
 
+
+
+def standalone_main(parser, run, argv, prog: str, run_arg: str) -> int:
+    """A command's standalone entry (the scripts in ``tuning/`` and ``agents/``): parse ``argv`` with
+    ``parser``, call ``run(args, run_arg)``; a ``TokenBatchError`` is one line prefixed with ``prog``,
+    exit 2."""
+    from .errors import TokenBatchError
+
+    args = parser.parse_args(argv)
+    try:
+        return run(args, run_arg)
+    except TokenBatchError as e:
+        sys.stderr.write(f"{prog}: error: {e}\n")
+        return 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import ConfigError, TokenBatchError
+from .errors import ConfigError
 
 DESCRIPTION = ("Tune the index, the baselines' shed margins and the comparators on a suite's TRAIN split "
                "(Optuna).")
@@ -107,9 +107,5 @@ def run(args, prog: str = "tokenbatch") -> int:
 
 def main(argv=None, prog: str = "optuna_search.py", cmd: str = "python tuning/optuna_search.py") -> int:
     """The standalone entry (tuning/optuna_search.py): its messages are prefixed with ``prog``."""
-    args = build_parser(prog, cmd).parse_args(argv)
-    try:
-        return run(args, prog)
-    except TokenBatchError as e:
-        sys.stderr.write(f"{prog}: error: {e}\n")
-        return 2
+    from .config_cli import standalone_main
+    return standalone_main(build_parser(prog, cmd), run, argv, prog, prog)

@@ -129,13 +129,8 @@ def run(args, prog: str = "tokenbatch") -> int:
 
 def main(argv=None, prog: str = "evaluate_agent.py", cmd: str = "python agents/evaluate_agent.py") -> int:
     """The standalone entry (agents/evaluate_agent.py): errors are one line prefixed with ``prog``, exit 2."""
-    from ..errors import TokenBatchError
-    args = build_parser(prog, cmd).parse_args(argv)
-    try:
-        return run(args, prog)
-    except TokenBatchError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+    from ..config_cli import standalone_main
+    return standalone_main(build_parser(prog, cmd), run, argv, prog, prog)
 
 
 # ------------------------------------------------------------------------------ evaluation

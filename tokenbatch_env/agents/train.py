@@ -183,13 +183,8 @@ def run(args, evaluate_cmd: str = "tokenbatch evaluate-agent") -> int:
 
 def main(argv=None, prog: str = "train_ppo.py", cmd: str = "python agents/train_ppo.py") -> int:
     """The standalone entry (agents/train_ppo.py): errors are one line prefixed with ``prog``, exit 2."""
-    from ..errors import TokenBatchError
-    args = build_parser(prog, cmd).parse_args(argv)
-    try:
-        return run(args, "python agents/evaluate_agent.py")
-    except TokenBatchError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+    from ..config_cli import standalone_main
+    return standalone_main(build_parser(prog, cmd), run, argv, prog, "python agents/evaluate_agent.py")
 
 
 # ------------------------------------------------------------------------------ validation
