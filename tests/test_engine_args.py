@@ -52,7 +52,7 @@ def test_kernel_args_put_each_array_at_its_name():
                 tier=run.tier, score=run.score, active=np.ones(C, bool), max_steps=20_000,
                 until_ns=np.full(C, NEVER, np.int64), claim=np.zeros(1, np.int64), mine=np.zeros(C, bool))
     args = K.kernel_args(A, call["cfg"], call["fcfg"], call["theta"], call["shed_margin"], call["mrl"],
-                         call["tier"], call["score"], None, call["active"], call["max_steps"], call["until_ns"],
+                         call["tier"], call["score"], call["active"], call["max_steps"], call["until_ns"],
                          claim=call["claim"], mine=call["mine"])
     assert len(args) == len(K.KERNEL_ARGS)
     at = dict(zip(K.KERNEL_ARGS, args))

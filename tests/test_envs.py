@@ -946,7 +946,7 @@ def test_advance_to_decision_kernel_runs_each_copy_once_per_call(threads, chunk_
         def kernel(*args, claim, mine):   # (called within this iteration, by advance_to_decision)
             total = K.run_copies(*args, claim=claim, mine=mine)
             with lock:   # (claim kept: ids stay unique)
-                calls.append((claim, args[9].copy(), mine.copy()))  # noqa: B023
+                calls.append((claim, args[8].copy(), mine.copy()))  # noqa: B023
             return total
         stop = run.advance_to_decision(active, chunk_steps=chunk_steps, kernel=kernel)
         rounds: dict = {}
@@ -1243,7 +1243,7 @@ def test_engine_threads_share_out_the_copies():
     def go(i):
         start.wait()
         K.run_copies(A, run.cfg, run.fcfg, run.theta, run.shed_margin, run.mrl, run.tier, run.score,
-                     run._no_shed, active, 50_000_000, until, claim=claim, mine=mines[i])
+                     active, 50_000_000, until, claim=claim, mine=mines[i])
     ts = [threading.Thread(target=go, args=(i,)) for i in range(2)]
     for t in ts:
         t.start()

@@ -199,6 +199,15 @@ def _help(f: dataclasses.Field, kind: _Kind) -> str:
     return f"{h} (default {shown})" if h else f"(default {shown})"
 
 
+def configure_command(parser, cls, description: str, epilog: str) -> None:
+    """A command's parser from its config dataclass: the description, the epilog (shown as written)
+    and one option per field (``add_config_arguments``)."""
+    parser.description = description
+    parser.epilog = epilog
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_config_arguments(parser, cls)
+
+
 def add_config_arguments(parser, cls, *, exclude=()) -> None:
     """One option per field of the dataclass ``cls`` (not those in ``exclude``), in field order.
     Each option's namespace attribute is the field's name and is None when not given."""

@@ -51,13 +51,10 @@ NO_OPTUNA = "optuna is not installed: pip install -e '.[tune]'"
 
 
 def configure(p: argparse.ArgumentParser, cmd: str = "tokenbatch tune") -> None:
-    from .config_cli import add_config_arguments
+    from .config_cli import configure_command
     from .tuning import TuneConfig
 
-    p.description = DESCRIPTION
-    p.epilog = EPILOG.format(cmd=cmd)
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_config_arguments(p, TuneConfig)
+    configure_command(p, TuneConfig, DESCRIPTION, EPILOG.format(cmd=cmd))
 
 
 def build_parser(prog: str = "optuna_search.py", cmd: str = "python tuning/optuna_search.py"):

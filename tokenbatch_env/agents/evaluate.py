@@ -99,11 +99,8 @@ class EvaluateAgentConfig:
 
 # ------------------------------------------------------------------------------ CLI
 def configure(p: argparse.ArgumentParser, cmd: str = "tokenbatch evaluate-agent") -> None:
-    from ..config_cli import add_config_arguments
-    p.description = DESCRIPTION
-    p.epilog = EPILOG.format(cmd=cmd)
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_config_arguments(p, EvaluateAgentConfig)
+    from ..config_cli import configure_command
+    configure_command(p, EvaluateAgentConfig, DESCRIPTION, EPILOG.format(cmd=cmd))
 
 
 def build_parser(prog: str = "evaluate_agent.py", cmd: str = "python agents/evaluate_agent.py"):

@@ -146,11 +146,8 @@ class TrainConfig:
 # ------------------------------------------------------------------------------ CLI
 def configure(p: argparse.ArgumentParser, cmd: str = "tokenbatch train",
               evaluate: str = "tokenbatch evaluate-agent --model runs/ppo/best") -> None:
-    from ..config_cli import add_config_arguments
-    p.description = DESCRIPTION
-    p.epilog = EPILOG.format(cmd=cmd, evaluate=evaluate)
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_config_arguments(p, TrainConfig)
+    from ..config_cli import configure_command
+    configure_command(p, TrainConfig, DESCRIPTION, EPILOG.format(cmd=cmd, evaluate=evaluate))
 
 
 def build_parser(prog: str = "train_ppo.py", cmd: str = "python agents/train_ppo.py") -> argparse.ArgumentParser:

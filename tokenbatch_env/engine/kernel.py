@@ -1763,7 +1763,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, acti
     return total
 
 
-def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns,
+def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_steps, until_ns,
                gtab=None, claim=None, mine=None):
     """Advance every active copy by up to ``max_steps`` iterations, stopping a copy once its clock
     reaches ``until_ns[c]`` or its iteration cap. Returns iterations run. With ``cfg[C_DECIDE]``
@@ -1777,15 +1777,13 @@ def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active,
     jump; FCFS and priority do not read them.
     ``mrl`` is the residual-life table; ``gtab`` the empirical-Gittins table built from it
     (``scoring.gittins_table``; None: built here, cached per table, when the policy needs it).
-    ``shed`` is not read (the caller's shed marks went with the Python score hook; the argument stays
-    until the env's kernel wrapper, ``envs/core.py``, stops passing it).
 
     Threads: calls running at once with the same ``active`` mask and one ``claim`` counter
     (``np.zeros(1, np.int64)``) share out its copies as they go (``next_copy``); each marks the
     copies it ran in its own ``mine`` (bool, one per copy). Without ``claim``, this call runs them all.
 
     The struct of arrays is unpacked here, in Python, so the compiled code sees plain arrays."""
-    args = kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns,
+    args = kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_steps, until_ns,
                        gtab, claim, mine)
     return checked_total(_run_copies(*args), args)
 
@@ -1809,12 +1807,11 @@ KERNEL_ARGS = KERNEL_CALL_ARGS + KERNEL_STATE_ARGS + KERNEL_SCRATCH_ARGS
 _ARG_CFG, _ARG_NAN_SCORE = KERNEL_ARGS.index("cfg"), KERNEL_ARGS.index("nan_score")
 
 
-def kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns,
+def kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_steps, until_ns,
                 gtab=None, claim=None, mine=None) -> tuple:
     """``_run_copies``'s arguments for a ``run_copies`` call (the struct of arrays unpacked by field
     name, ``KERNEL_ARGS``; the scratch allocated): for compiled callers that run the kernel
-    themselves (``_run_copies(*args)``), which then pass its result through ``checked_total``.
-    ``shed``: not read (``run_copies``)."""
+    themselves (``_run_copies(*args)``), which then pass its result through ``checked_total``."""
     if claim is None:
         claim = np.zeros(1, np.int64)
     if mine is None:

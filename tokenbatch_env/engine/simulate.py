@@ -190,7 +190,6 @@ class EngineRun:
         self.mrl = mrl
         self.tier = np.zeros((C, R), np.int8)
         self.score = np.zeros((C, R), np.float64)
-        self._no_shed = None   # (only for tests/test_envs.py, which passes it as ``run_copies``' unread ``shed``)
         self._rec_emitted = np.zeros(C, np.int64)  # per copy: requests [0, n) handed to record_sink
 
     @property
@@ -288,8 +287,8 @@ class EngineRun:
         run_copies = K.run_copies if kernel is None else kernel
 
         def run(g):
-            return run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, self.tier, self.score, None,
-                              g, chunk_steps, until, claim=claim, mine=np.zeros_like(g))
+            return run_copies(A, cfg, self.fcfg, self.theta, self.shed_margin, self.mrl, self.tier, self.score, g,
+                              chunk_steps, until, claim=claim, mine=np.zeros_like(g))
         if self.iteration_sink is None and self.record_sink is None:
             total = sum(self.map_groups(run, act, split=False, meanwhile=meanwhile))
         else:   # the sinks see the buffers of one call

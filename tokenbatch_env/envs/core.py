@@ -386,10 +386,9 @@ class Core:
         epoch = run.arrays.epoch   # EP_STOP: read once each copy has stopped
         rew_args, met_args = self._reward_args(reward), self._metric_args()
 
-        def kernel(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, active, max_steps, until_ns,
-                   claim, mine):
+        def kernel(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_steps, until_ns, claim, mine):
             chunk, priv, stopped = np.zeros_like(active), np.zeros(1, np.int64), np.zeros_like(active)
-            kargs = K.kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, shed, chunk, max_steps,
+            kargs = K.kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, chunk, max_steps,
                                   until_ns, claim=priv, mine=mine)
             total = advance_observe(kargs, active, claim, chunk, priv, stopped, epoch, self.config.max_steps,
                                      self.steps, trunc, observe_args(run, self.obs, self.k, self.ocfg), rew_args,
