@@ -18,8 +18,9 @@ import pytest
 from tokenbatch_env import cli
 from tokenbatch_env.agents.evaluate import EvaluateAgentConfig
 from tokenbatch_env.agents.train import TrainConfig
-from tokenbatch_env.config_cli import (add_config_arguments, config_from_args, config_to_argv, field_flags, option,
-                                       parser_flags)
+from tokenbatch_env.config_cli import (add_config_arguments, config_flags, config_from_args, config_to_argv,
+                                       field_flags, option, parser_flags)
+from tokenbatch_env.envs import TokenBatchConfig
 from tokenbatch_env.errors import ConfigError
 from tokenbatch_env.tuning import TuneConfig
 
@@ -111,9 +112,11 @@ def _help(command, capsys) -> str:
 def test_help_lists_every_config_field(command, capsys):
     out = _help(command, capsys)
     assert out.startswith(f"usage: tokenbatch {command} ")
-    for f in dataclasses.fields(COMMANDS[command]):
-        for flag in field_flags(f):
-            assert flag in out, (command, f.name, flag)
+    flags = config_flags(COMMANDS[command])
+    assert len(flags) >= len(dataclasses.fields(COMMANDS[command]))
+    for name, spellings in flags.items():
+        for flag in spellings:
+            assert flag in out, (command, name, flag)
 
 
 def test_top_level_help_lists_the_commands(capsys):
@@ -147,17 +150,21 @@ def test_train_config_round_trips(tmp_path):
     assert config_from_args(TrainConfig, _parse(TrainConfig, [])) == TrainConfig()
     bp = tmp_path / "bp.json"
     bp.write_text("{}")
-    cfg = TrainConfig(suite="seed-200", split="validation", val_split="test", profile="linear", rho=(1.0, 1.0),
-                      action_mode="weights", policy="set", base_params=str(bp), window=16, warmup=0, cooldown=4,
-                      decision_interval_ms=50.5, k=4, reward_mode="goodput", shed_action=False, n_envs=3,
+    env = TokenBatchConfig(suite="seed-200", split="validation", profile="linear", rho=(1.0, 1.0),
+                           action_mode="weights", base_params=str(bp), window=16, warmup=0, cooldown=4,
+                           decision_interval_ms=50.5, k=4, reward_mode="met", shed_action=False, seed=3)
+    cfg = TrainConfig(env=env, val_split="test", policy="set", n_envs=3,
                       timesteps=99, n_steps=5, batch_size=15, n_epochs=1, learning_rate=1e-5, gamma=0.9,
                       gae_lambda=0.5, clip_range=0.1, ent_coef=0.01, log_std_init=-2.0, net_arch=(8, 4, 2),
-                      normalize=False, eval_every=0, eval_traces=1, eval_loads=(1.0, 2.0), seed=3, out="o",
+                      normalize=False, eval_every=0, eval_traces=1, eval_loads=(1.0, 2.0), out="o",
                       progress=False)
     argv = _round_trip(TrainConfig, cfg)
     assert "--no-shed-action" in argv and "--no-normalize" in argv and "--no-progress" in argv
     # one --rho value: a constant load, as agents/train_ppo.py always read it
-    assert config_from_args(TrainConfig, _parse(TrainConfig, ["--rho", "1.2"])).rho == (1.2, 1.2)
+    assert config_from_args(TrainConfig, _parse(TrainConfig, ["--rho", "1.2"])).env.rho == (1.2, 1.2)
+    # an env field that is no option cannot be spelled
+    with pytest.raises(ValueError, match="env.max_steps"):
+        config_to_argv(TrainConfig(env=dataclasses.replace(env, max_steps=5)))
 
 
 def test_evaluate_agent_config_round_trips():
@@ -253,8 +260,7 @@ def test_command_modules_import_light():
 
 def test_config_json_of_a_run_gives_its_options_back():
     """A training run's config.json ("train") rebuilds the same TrainConfig through the options."""
-    cfg = TrainConfig(rho=(1.0, 1.5), net_arch=(32,), timesteps=64)
-    doc = json.loads(json.dumps({k: list(v) if isinstance(v, tuple) else v
-                                 for k, v in dataclasses.asdict(cfg).items()}))
-    again = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()})
+    cfg = TrainConfig(env=TokenBatchConfig(rho=(1.0, 1.5), seed=0), net_arch=(32,), timesteps=64)
+    again = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg
     assert _round_trip(TrainConfig, again) == ["--rho", "1.0,1.5", "--timesteps", "64", "--net-arch", "32"]

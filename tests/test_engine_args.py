@@ -1,5 +1,5 @@
 """The kernel's argument list, by name (docs/design.md section 3): ``kernel.kernel_args`` builds
-``_run_copies``'s ~80 positional arguments from ``KERNEL_ARGS``, reading the struct of arrays by
+``run_copies_kernel``'s ~80 positional arguments from ``KERNEL_ARGS``, reading the struct of arrays by
 field name. Checked field by field against the kernel's own signature and ``EngineArrays``, and on
 a built state: each position holds the very array its name says."""
 
@@ -16,7 +16,7 @@ from engine_helpers import tiny_trace
 
 
 def _kernel_params() -> list:
-    py = getattr(K._run_copies, "py_func", K._run_copies)   # (the Python function under numba's dispatcher)
+    py = getattr(K.run_copies_kernel, "py_func", K.run_copies_kernel)   # (the Python function under numba's dispatcher)
     return list(inspect.signature(py).parameters)
 
 
@@ -64,7 +64,7 @@ def test_kernel_args_put_each_array_at_its_name():
     for n in K.KERNEL_SCRATCH_ARGS:
         assert isinstance(at[n], np.ndarray), n
     # and the kernel runs on them: every request of the copy ends
-    assert K.checked_total(K._run_copies(*args), args) > 0
+    assert K.checked_total(K.run_copies_kernel(*args), args) > 0
     assert int(A.n_ended[0]) == 3
 
 

@@ -112,7 +112,7 @@ def test_compiled_functions_read_and_write_their_cache_under_a_lock():
     from tokenbatch_env.engine import _jit, kernel
     caches = [d._cache for d in _jit._REGISTRY if hasattr(d, "_cache")]
     assert len(caches) >= 40 and all(getattr(c, "tokenbatch_locked", False) for c in caches)
-    cache = kernel._run_copies._cache
+    cache = kernel.run_copies_kernel._cache
     lock = Path(cache.cache_path) / "tokenbatch.lock"
     probe = ("import fcntl, sys\nf = open(sys.argv[1], 'a+b')\ntry:\n"
              "    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)\n    print('free')\n"

@@ -175,6 +175,44 @@ def test_no_underscore_names_across_modules():
     assert bad == [], "\n".join(sorted(bad))
 
 
+def module_aliases(mod: str, path: Path, known: dict) -> dict:
+    """Names bound in the file to one of the package's modules (``from ..engine import kernel as K``,
+    ``import tokenbatch_env.engine.kernel as kernel``): alias -> module."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in known and a.asname:
+                    out[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for a in node.names:
+                if f"{target}.{a.name}" in known:
+                    out[a.asname or a.name] = f"{target}.{a.name}"
+    return out
+
+
+def test_no_underscore_attributes_across_modules():
+    """``K._name`` on another module bound to a name is the same breach as importing ``_name``."""
+    known = modules()
+    bad = []
+    for mod, path in known.items():
+        aliases = module_aliases(mod, path, known)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and aliases[node.value.id] != mod):
+                bad.append(f"{mod} reads {aliases[node.value.id]}.{node.attr} (line {node.lineno})")
+    assert bad == [], "\n".join(sorted(bad))
+
+
 def test_import_light():
     """``import tokenbatch_env`` imports no numba, torch, SB3 or Optuna (docs/design.md section 1)."""
     from conftest import heavy_modules_loaded

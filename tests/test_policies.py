@@ -215,7 +215,7 @@ def test_drop_in_reproduces_scores_captured_from_a_simulate_run():
             r = int(A.wait_ids[0, k])
             if A.gen[0, r] != 0:
                 continue  # preempted after its first token: not the drop-in's case
-            hits = int(K._prefix_hits(A.hash_head, A.chain_off, A.chain_val, A.uniq_base, 0, r,
+            hits = int(K.prefix_hits(A.hash_head, A.chain_off, A.chain_val, A.uniq_base, 0, r,
                                       int(A.prompt[0, r]), params.block_size))
             snap.append((r, hits, int(A.n_free[0])))
         if not snap:

@@ -51,7 +51,7 @@ def test_bench_startup_tiny(capsys):
     assert list(parts) == [label for _, label in bench.PHASES]
     assert abs(sum(int(v.replace(",", "")) for v in parts.values()) - total) <= len(parts)   # (rounded to ms)
     from tokenbatch_env.engine import _jit, kernel
-    assert _jit.cached(kernel._run_copies)
+    assert _jit.cached(kernel.run_copies_kernel)
 
 
 @needs_jit

@@ -22,7 +22,14 @@ What a field's options are, from its type annotation and ``dataclasses.field(met
 * ``tuple[X, ...]``: comma-separated values (at least one, unless ``metadata["allow_empty"]`` or an
   empty default); with ``metadata["append"]`` a repeatable flag, one value each;
 * ``metadata["parse"]``: ``parse(text, flag) -> value`` replaces the parsing above;
-* ``metadata["required"]``: the option must be given.
+* ``metadata["required"]``: the option must be given;
+* ``metadata["type"]``: the type the options are generated for, when the annotation is wider
+  (``Any``);
+* a field whose type is itself a config dataclass, with ``metadata["options"]`` (sub-field name ->
+  that sub-field's metadata, as above): one option per named sub-field, the sub-field's default
+  read from the field's default instance, shown under ``metadata["group"]`` (an argument group); the
+  parsed sub-fields ``dataclasses.replace`` the default instance (``TrainConfig.env`` is the env's
+  ``TokenBatchConfig``, its training options the env's own fields).
 
 Values are parsed here, not by argparse types, so that each bad value gives one line naming its
 flag (``--k: must be an integer, got 'x'``) as a ``ConfigError``: the ``tokenbatch`` command prints
@@ -42,7 +49,7 @@ from typing import Any, Optional
 
 from .errors import ConfigError
 
-__all__ = ["add_config_arguments", "config_from_args", "config_kwargs", "config_to_argv", "field_flags",
+__all__ = ["add_config_arguments", "config_flags", "config_from_args", "config_kwargs", "config_to_argv", "field_flags",
            "option", "parse_int", "parse_float"]
 
 
@@ -65,8 +72,8 @@ def _hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
-def _kind(cls, f: dataclasses.Field) -> _Kind:
-    t = _hints(cls)[f.name]
+def _kind(cls, f) -> _Kind:
+    t = f.metadata.get("type") or _hints(cls)[f.name]
     optional = False
     origin = typing.get_origin(t)
     if origin in (typing.Union, types.UnionType):
@@ -97,7 +104,60 @@ def _fields(cls, exclude=()) -> list:
     return [f for f in dataclasses.fields(cls) if f.init and f.name not in exclude]
 
 
-def _default(f: dataclasses.Field):
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One option: a field, or a sub-field of a nested config field (``path`` = (field, sub-field)).
+    Has the attributes of a ``dataclasses.Field`` that the functions below read."""
+
+    path: tuple
+    metadata: Any
+    default: Any
+    kind: _Kind
+    group: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        return self.path[-1]
+
+    @property
+    def default_factory(self):
+        return dataclasses.MISSING
+
+
+def config_flags(cls, exclude=()) -> dict:
+    """Option name (field or nested sub-field) -> its option strings, in help order."""
+    return {e.name: field_flags(e) for e in _entries(cls, exclude)}
+
+
+def _nested(cls, f) -> Optional[type]:
+    """The config dataclass a field holds when its options are its sub-fields', else None."""
+    t = _hints(cls)[f.name]
+    return t if "options" in f.metadata and dataclasses.is_dataclass(t) and isinstance(t, type) else None
+
+
+def _entries(cls, exclude=()) -> list:
+    """The options of ``cls`` in order: one per field, the named sub-fields of a nested field in its
+    place (a name used twice is a TypeError)."""
+    out = []
+    for f in _fields(cls, exclude):
+        sub_cls = _nested(cls, f)
+        if sub_cls is None:
+            out.append(_Entry((f.name,), f.metadata, f.default if f.default is not dataclasses.MISSING
+                              else _default(f), _kind(cls, f)))
+            continue
+        base, subs = _default(f), {g.name: g for g in dataclasses.fields(sub_cls)}
+        for name, meta in f.metadata["options"].items():
+            if name not in subs:
+                raise TypeError(f"{cls.__name__}.{f.name}: {sub_cls.__name__} has no field {name!r}")
+            probe = _Entry((f.name, name), meta, getattr(base, name), _Kind(str, False, False))
+            out.append(dataclasses.replace(probe, kind=_kind(sub_cls, probe), group=f.metadata.get("group")))
+    names = [e.name for e in out]
+    if len(set(names)) != len(names):
+        raise TypeError(f"{cls.__name__}: an option name is used twice ({names})")
+    return out
+
+
+def _default(f):
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:   # type: ignore[misc]
@@ -182,7 +242,7 @@ def _parse(value, kind: _Kind, f: dataclasses.Field, flag: str):
 
 
 # ------------------------------------------------------------------------------ parser
-def _help(f: dataclasses.Field, kind: _Kind) -> str:
+def _help(f, kind: _Kind) -> str:
     """The help text (argparse's %-escapes applied by the caller)."""
     h = f.metadata.get("help", "")
     if kind.base is bool and not kind.many:
@@ -210,41 +270,45 @@ def configure_command(parser, cls, description: str, epilog: str) -> None:
 
 def add_config_arguments(parser, cls, *, exclude=()) -> None:
     """One option per field of the dataclass ``cls`` (not those in ``exclude``), in field order.
-    Each option's namespace attribute is the field's name and is None when not given."""
-    for f in _fields(cls, exclude):
-        kind = _kind(cls, f)
-        flags = field_flags(f)
-        m = f.metadata
-        kw: dict = {"dest": f.name, "default": None}
-        hp = _help(f, kind)
+    Each option's namespace attribute is the field's (or sub-field's) name and is None when not given."""
+    groups: dict = {}
+    for e in _entries(cls, exclude):
+        kind, flags, m = e.kind, field_flags(e), e.metadata
+        target = parser if e.group is None else groups.setdefault(e.group, parser.add_argument_group(e.group))
+        kw: dict = {"dest": e.name, "default": None}
+        hp = _help(e, kind)
         if hp:
             kw["help"] = hp.replace("%", "%%")
         if kind.base is bool and not kind.many:
             if "sets" in m:
-                parser.add_argument(*flags, action="store_const", const=bool(m["sets"]), **kw)
+                target.add_argument(*flags, action="store_const", const=bool(m["sets"]), **kw)
             else:
-                parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
+                target.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
             continue
         if m.get("metavar"):
             kw["metavar"] = m["metavar"]
         if m.get("required"):
             kw["required"] = True
-        parser.add_argument(*flags, action="append" if m.get("append") else "store", **kw)
+        target.add_argument(*flags, action="append" if m.get("append") else "store", **kw)
 
 
 def config_kwargs(cls, args, *, exclude=()) -> dict:
     """The dataclass keywords of the options given in ``args`` (parsed, one-line ConfigError naming
-    the flag for a bad value); fields whose option was not given are left out (their defaults)."""
-    kw = {}
-    for f in _fields(cls, exclude):
-        v = getattr(args, f.name, None)
+    the flag for a bad value); fields whose option was not given are left out (their defaults). A
+    nested field is its default instance with the given sub-fields replaced."""
+    kw, nested = {}, {}
+    for e in _entries(cls, exclude):
+        v = getattr(args, e.name, None)
         if v is None:
             continue
-        kind = _kind(cls, f)
-        if kind.base is bool and not kind.many:
-            kw[f.name] = bool(v)
-            continue
-        kw[f.name] = _parse(v, kind, f, field_flags(f)[0])
+        v = bool(v) if e.kind.base is bool and not e.kind.many else _parse(v, e.kind, e, field_flags(e)[0])
+        if len(e.path) == 1:
+            kw[e.name] = v
+        else:
+            nested.setdefault(e.path[0], {})[e.name] = v
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name, given in nested.items():
+        kw[name] = dataclasses.replace(_default(fields[name]), **given)
     return kw
 
 
@@ -256,32 +320,61 @@ def config_from_args(cls, args, *, exclude=(), **overrides):
 def config_to_argv(cfg, *, exclude=()) -> list:
     """The options that give ``cfg`` back through ``add_config_arguments`` + ``config_from_args``
     (only the fields that differ from their defaults). ValueError for a value no option spells (a
-    None where the field has no ``none`` word, a bool a ``sets`` flag cannot set)."""
+    None where the field has no ``none`` word, a bool a ``sets`` flag cannot set, a nested field's
+    sub-field that is no option and differs from its default)."""
     cls = type(cfg)
-    argv: list = []
     for f in _fields(cls, exclude):
-        v, d = getattr(cfg, f.name), _default(f)
-        if d is not dataclasses.MISSING and v == d and not f.metadata.get("required"):
+        if _nested(cls, f) is not None:
+            v, d = getattr(cfg, f.name), _default(f)
+            for g in dataclasses.fields(v):
+                if g.name not in f.metadata["options"] and getattr(v, g.name) != getattr(d, g.name):
+                    raise ValueError(f"{f.name}.{g.name}={getattr(v, g.name)!r}: no option spells it")
+    argv: list = []
+    for e in _entries(cls, exclude):
+        v = getattr(cfg, e.name) if len(e.path) == 1 else getattr(getattr(cfg, e.path[0]), e.name)
+        d, m = e.default, e.metadata
+        if d is not dataclasses.MISSING and v == d and not m.get("required"):
             continue
-        kind = _kind(cls, f)
-        flag = field_flags(f)[0]
-        m = f.metadata
+        kind, flag = e.kind, field_flags(e)[0]
         if kind.base is bool and not kind.many:
             if "sets" in m:
                 if bool(v) != bool(m["sets"]):
-                    raise ValueError(f"{f.name}={v!r}: {flag} cannot spell it")
+                    raise ValueError(f"{e.name}={v!r}: {flag} cannot spell it")
                 argv.append(flag)
             else:
                 argv.append(flag if v else "--no-" + flag[2:])
             continue
         if v is None and not (kind.optional and "none" in m):
-            raise ValueError(f"{f.name}=None: no option spells it")
+            raise ValueError(f"{e.name}=None: no option spells it")
         if m.get("append"):
             for x in v:
                 argv += [flag, str(x)]
             continue
-        argv += [flag, _text(v, kind, f)]
+        argv += [flag, _text(v, kind, e)]
     return argv
+
+
+class LazyChoices:
+    """An argparse ``choices`` read from a registry only when a parser checks or shows them, so that
+    a command's parser is built without importing the registry's compiled layers (``load``: a
+    function returning the names)."""
+
+    def __init__(self, load):
+        self._load, self._names = load, None
+
+    def _get(self) -> tuple:
+        if self._names is None:
+            self._names = tuple(self._load())
+        return self._names
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __contains__(self, name) -> bool:
+        return name in self._get()
+
+    def __len__(self) -> int:
+        return len(self._get())
 
 
 def parser_flags(parser) -> set:

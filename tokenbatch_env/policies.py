@@ -267,6 +267,11 @@ def policy_names(*, engine_mode: Optional[str] = None, tuned: Optional[str] = No
                  and (parametric is None or (s.params is not None) == parametric))
 
 
+def vllm_modes() -> tuple:
+    """The policies vLLM's own scheduler runs (its two queue orders, no score)."""
+    return tuple(s.name for s in POLICIES.values() if s.engine_mode != "score")
+
+
 def check_shed_margin(m: Optional[float]) -> Optional[float]:
     """None or inf = no shedding; else a number in [0, 2]."""
     if m is None or (isinstance(m, float) and math.isinf(m) and m > 0):

@@ -13,12 +13,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_fidelity import H, KINDS, budgets, gen
 
+from tokenbatch_env.policies import vllm_modes
+
 
 def main() -> int:
     total = same = 0
     print("| configuration | arrival ties allowed | distinct arrivals |\n| --- | --- | --- |")
     for asy in (False, True):
-        for pol in ("fcfs", "priority"):
+        for pol in vllm_modes():
             cells = []
             for pc in (True, False):
                 for distinct in (False, True):

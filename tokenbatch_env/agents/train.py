@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..config_cli import option
+from ..envs.config import TokenBatchConfig
 
 DESCRIPTION = "Train a PPO agent (stable-baselines3) on TokenBatch-v0 as a challenger to the tuned index."
 
@@ -58,29 +59,43 @@ def _parse_rho(text, flag: str) -> tuple:
     return (v[0], v[0]) if len(v) == 1 else v
 
 
+#: The env's fields that are ``tokenbatch train`` options, with their help there (``config_cli``:
+#: their defaults are ``TrainConfig``'s default env's, their checks ``TokenBatchConfig``'s own).
+ENV_OPTIONS = {
+    "suite": {"help": "suite name or spec .json; episodes are windows of its --split"},
+    "split": {"help": "split whose windows are the episodes"},
+    "profile": {"help": "engine profile (tokenbatch profiles list)"},
+    "rho": {"help": "training loads low,high: each episode draws rho uniformly (one value: a constant load)",
+            "parse": _parse_rho, "type": tuple[float, ...]},
+    "action_mode": {"help": "index (residual around theta*) or weights"},
+    "base_params": {"help": "tuned parameters JSON (tokenbatch tune's best_params.json): theta* / w* and the "
+                            "margins the actions are residuals around (default: IndexParams defaults)"},
+    "window": {"help": "scored requests per episode window"},
+    "warmup": {"help": "requests simulated before each window, not scored"},
+    "cooldown": {"help": "requests simulated after each window, not scored"},
+    "decision_interval_ms": {"help": "time between decision epochs (ms)"},
+    "k": {"help": "waiting requests the observation shows"},
+    "reward_mode": {"help": "the env's reward (TokenBatchConfig.reward_mode)"},
+    "shed_action": {"help": "a shed-margin action (--no-shed-action: the margin stays theta*'s)"},
+    "seed": {"help": "seed of PPO and the env"},
+}
+
+
+def _default_env():
+    from ..envs.config import TokenBatchConfig
+    return TokenBatchConfig(seed=0)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """The whole training run (saved as config.json beside the model). Each field's ``help`` is its
-    ``tokenbatch train`` / agents/train_ppo.py option's (``config_cli``)."""
+    """The whole training run (saved as config.json beside the model): the training env's
+    ``TokenBatchConfig`` (``env``; the fields in ``ENV_OPTIONS`` are options) and PPO's settings.
+    Each field's ``help`` is its ``tokenbatch train`` / agents/train_ppo.py option's (``config_cli``)."""
 
-    suite: str = option("seed-200", "suite name or spec .json; episodes are windows of its --split")
-    split: str = option("train", "split whose windows are the episodes")
+    env: TokenBatchConfig = dataclasses.field(default_factory=_default_env, metadata={
+        "options": ENV_OPTIONS, "group": "the training env (TokenBatchConfig)"})
     val_split: str = option("validation", "split the validation replays judge the policy on")
-    profile: str = option("stress-512", "engine profile (tokenbatch profiles list)")
-    rho: tuple[float, ...] = option((0.8, 1.5), "training loads low,high: each episode draws rho uniformly "
-                                    "(one value: a constant load)", parse=_parse_rho)
-    action_mode: str = option("index", "index (residual around theta*) or weights")
     policy: str = option("mlp", "mlp (SB3 MlpPolicy) or set (RequestSetExtractor)")
-    base_params: Optional[str] = option(None, "tuned parameters JSON (tokenbatch tune's best_params.json): "
-                                        "theta* / w* and the margins the actions are residuals around "
-                                        "(default: IndexParams defaults)")
-    window: int = option(128, "scored requests per episode window")
-    warmup: int = option(32, "requests simulated before each window, not scored")
-    cooldown: int = option(32, "requests simulated after each window, not scored")
-    decision_interval_ms: float = option(100.0, "time between decision epochs (ms)")
-    k: int = option(8, "waiting requests the observation shows")
-    reward_mode: str = option("certain_miss", "the env's reward (TokenBatchConfig.reward_mode)")
-    shed_action: bool = option(True, "a shed-margin action (--no-shed-action: the margin stays theta*'s)")
     n_envs: int = option(256, "env copies (one engine batch)")
     timesteps: int = option(100_000, "training env-steps")
     n_steps: int = option(32, "rollout length per env: batch = n_envs * n_steps")
@@ -97,17 +112,19 @@ class TrainConfig:
     eval_every: int = option(25_000, "timesteps between validation replays (0 = only at the end)")
     eval_traces: int = option(20, "validation traces replayed (the first N)")
     eval_loads: tuple[float, ...] = option((1.2,), "validation loads rho, comma-separated", parse=_parse_loads)
-    seed: int = option(0, "seed of PPO and the env")
     out: str = option("runs/ppo", "output directory")
     progress: bool = option(True, "a progress bar on stderr")
 
     def __post_init__(self):
+        from ..envs.config import TokenBatchConfig
         from ..errors import ConfigError
-        if self.action_mode not in ("index", "weights"):
-            raise ConfigError(f"action_mode: index or weights, got {self.action_mode!r}")
+        if not isinstance(self.env, TokenBatchConfig):
+            raise ConfigError(f"env: must be a TokenBatchConfig, got {type(self.env).__name__}")
+        if self.env.seed is None:
+            raise ConfigError("seed: training needs an integer seed (PPO's and the env's), got None")
         if self.policy not in ("mlp", "set"):
             raise ConfigError(f"policy: mlp or set, got {self.policy!r}")
-        for f in ("n_envs", "timesteps", "n_steps", "batch_size", "n_epochs", "eval_traces", "k", "window"):
+        for f in ("n_envs", "timesteps", "n_steps", "batch_size", "n_epochs", "eval_traces"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{f}: must be an integer >= 1, got {v!r}")
@@ -129,18 +146,32 @@ class TrainConfig:
         if (self.n_envs * self.n_steps) % self.batch_size and self.batch_size > self.n_envs * self.n_steps:
             raise ConfigError(f"batch_size {self.batch_size} exceeds the rollout n_envs * n_steps = "
                               f"{self.n_envs * self.n_steps}")
-        if self.base_params is not None and not Path(self.base_params).is_file():
-            raise ConfigError(f"base_params: file {self.base_params!r} not found")
+        if self.env.base_params is not None and not Path(self.env.base_params).is_file():
+            raise ConfigError(f"base_params: file {self.env.base_params!r} not found")
 
     def env_kwargs(self) -> dict:
-        """TokenBatchConfig fields of the training env (also how evaluation rebuilds it)."""
-        return {"suite": self.suite, "split": self.split, "profile": self.profile, "rho": list(self.rho),
-                "window": self.window, "warmup": self.warmup, "cooldown": self.cooldown,
-                "decision_interval_ms": self.decision_interval_ms, "k": self.k,
-                "action_mode": self.action_mode, "reward_mode": self.reward_mode,
-                # (resolved: evaluation may run from another directory)
-                "base_params": None if self.base_params is None else str(Path(self.base_params).resolve()),
-                "seed": self.seed, "shed_action": self.shed_action}
+        """The training env's ``TokenBatchConfig`` fields that are options (also how evaluation
+        rebuilds it: config.json's ``"env"``), ``base_params`` resolved (evaluation may run from
+        another directory)."""
+        out = {name: getattr(self.env, name) for name in ENV_OPTIONS}
+        out["rho"] = list(out["rho"])
+        if out["base_params"] is not None:
+            out["base_params"] = str(Path(out["base_params"]).resolve())
+        return out
+
+    def to_dict(self) -> dict:
+        """The run as JSON values: PPO's settings and ``"env"`` (the env's options, as given)."""
+        d = {f.name: list(v) if isinstance(v, tuple) else v
+             for f in dataclasses.fields(self) if f.name != "env" for v in [getattr(self, f.name)]}
+        return {"env": {name: list(v) if isinstance(v, tuple) else v
+                        for name in ENV_OPTIONS for v in [getattr(self.env, name)]}, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """``to_dict``'s inverse (lists back to tuples)."""
+        tup = lambda x: tuple(x) if isinstance(x, list) else x  # noqa: E731
+        env = dataclasses.replace(_default_env(), **{k: tup(v) for k, v in d.get("env", {}).items()})
+        return cls(env=env, **{k: tup(v) for k, v in d.items() if k != "env"})
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -194,9 +225,9 @@ class Validator:
         from ..evaluate import BenchConfig, prepare_workload
 
         self.cfg = cfg
-        bc = BenchConfig(suite=cfg.suite, split=cfg.val_split, profile=cfg.profile, loads=cfg.eval_loads,
+        bc = BenchConfig(suite=cfg.env.suite, split=cfg.val_split, profile=cfg.env.profile, loads=cfg.eval_loads,
                          max_traces=cfg.eval_traces, upper_bound=False)
-        self.profile = bc.engine.resolve(load_profile(cfg.profile))
+        self.profile = bc.engine.resolve(load_profile(cfg.env.profile))
         self.engine = bc.engine
         self.wl = prepare_workload(bc, self.profile)
         self.traces = [t for rho in cfg.eval_loads for t in self.wl.at(rho)]
@@ -215,10 +246,10 @@ class Validator:
 
     def agent(self, predict, core) -> float:
         from ..control import policy_spec, run_controlled
-        mode = self.cfg.action_mode
+        mode = self.cfg.env.action_mode
         base = core.base_params if mode == "index" else core.base_weights
-        spec = policy_spec("agent", mode, base, core.base_margin, self.cfg.k, self.cfg.decision_interval_ms,
-                           lambda: predict, shed_action=self.cfg.shed_action)
+        spec = policy_spec("agent", mode, base, core.base_margin, self.cfg.env.k, self.cfg.env.decision_interval_ms,
+                           lambda: predict, shed_action=self.cfg.env.shed_action)
         return self._goodput(run_controlled(self.traces, self.profile, self.engine, spec, estimates=self.est,
                                             residual_life=self.wl.residual_life, t_ref_ms=self.wl.t_ref_ms,
                                             lambda_sat=self.wl.lambda_sat))
@@ -227,10 +258,10 @@ class Validator:
 def _references(cfg: TrainConfig, val: Validator, core) -> dict:
     """EDF+shed (its tuned margin if the base JSON has one, else 0) and the base policy (a = 0)."""
     from ..params import load_params_file
-    margins = dict(load_params_file(cfg.base_params)[1]) if cfg.base_params else {}
+    margins = dict(load_params_file(cfg.env.base_params)[1]) if cfg.env.base_params else {}
     edf_margin = margins.get("edf", 0.0)
     out = {"edf+shed": val.policy("edf", edf_margin)}
-    if cfg.action_mode == "index":
+    if cfg.env.action_mode == "index":
         out["base"] = val.policy("index", core.base_margin, params=core.base_params)
     else:
         out["base"] = val.policy("weights", core.base_margin, weights=core.base_weights)
@@ -253,15 +284,11 @@ def save_agent(model, venv, cfg: TrainConfig, directory: Path, extra: Optional[d
     # the base parameters' digest: the actions are residuals around them, so evaluation refuses a
     # changed file (``agents.load.agent_files``)
     base = cfg.env_kwargs()["base_params"]
-    doc = {"train": _jsonable(dataclasses.asdict(cfg)), "env": cfg.env_kwargs(), **(extra or {}), "files": files,
+    doc = {"train": cfg.to_dict(), "env": cfg.env_kwargs(), **(extra or {}), "files": files,
            "base_params_sha256": None if base is None else sha256_file(base)}
     write_text_atomic(directory / "config.json", json.dumps(doc, indent=1, default=str) + "\n")
     if norm is None:
         norm_file.unlink(missing_ok=True)   # an earlier run's statistics in this directory
-
-
-def _jsonable(d):
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
 def _vecnormalize(venv):
@@ -333,12 +360,12 @@ def train(cfg: TrainConfig) -> dict:
     policy_kwargs = {"log_std_init": cfg.log_std_init, "net_arch": list(cfg.net_arch)}
     if cfg.policy == "set":
         policy_kwargs.update(features_extractor_class=request_set_extractor_class(),
-                             features_extractor_kwargs={"k": cfg.k})
+                             features_extractor_kwargs={"k": cfg.env.k})
     batch = min(cfg.batch_size, cfg.n_envs * cfg.n_steps)
     model = PPO("MlpPolicy", venv, n_steps=cfg.n_steps, batch_size=batch, n_epochs=cfg.n_epochs,
                 learning_rate=cfg.learning_rate, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda,
                 clip_range=cfg.clip_range, ent_coef=cfg.ent_coef, policy_kwargs=policy_kwargs,
-                device="cpu", seed=cfg.seed, verbose=0, tensorboard_log=str(out / "tb"))
+                device="cpu", seed=cfg.env.seed, verbose=0, tensorboard_log=str(out / "tb"))
     val = Validator(cfg)
     refs = _references(cfg, val, core)
     curve = []
@@ -381,7 +408,7 @@ def train(cfg: TrainConfig) -> dict:
     train_s = time.time() - t_start
     final_g = evaluate_now(model.num_timesteps)
     save_agent(model, venv, cfg, out / "final", {"val_goodput": final_g, "timesteps": model.num_timesteps})
-    metrics = {"config": _jsonable(dataclasses.asdict(cfg)), "timesteps": model.num_timesteps,
+    metrics = {"config": cfg.to_dict(), "timesteps": model.num_timesteps,
                "wall_s": round(time.time() - t_start, 1), "train_wall_s": round(train_s, 1),
                "env_steps_per_s_end_to_end": round(model.num_timesteps / train_s, 1),
                "validation": {"split": cfg.val_split, "loads": list(cfg.eval_loads), "traces": cfg.eval_traces,

@@ -26,5 +26,5 @@ def compile_notice(extra=(), file=None) -> bool:
     from . import _jit
     from . import kernel as K
 
-    parts = [("the engine", [K._run_copies], COMPILE_SECONDS["engine"]), *extra]
+    parts = [("the engine", [K.run_copies_kernel], COMPILE_SECONDS["engine"]), *extra]
     return _jit.notice_if_cold(parts, file)

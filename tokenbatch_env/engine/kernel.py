@@ -135,7 +135,7 @@ class EngineArrays(NamedTuple):
 
 # ---------------------------------------------------------------------------------- block size
 @helper
-def _block_shift(bs):
+def block_shift(bs):
     """log2(bs) if the block size is a power of two (then ``_bdiv``/``_bmod`` shift and mask), else -1."""
     sh = 0
     while (1 << sh) < bs:
@@ -145,7 +145,7 @@ def _block_shift(bs):
 
 @helper
 def _bdiv(x, bs, bsh):
-    """x // bs. bsh = ``_block_shift(bs)``: a shift equals floor division for every int64 x when bs
+    """x // bs. bsh = ``block_shift(bs)``: a shift equals floor division for every int64 x when bs
     is a power of two (numba's ``//`` by a runtime value is an idiv plus sign fix-ups)."""
     if bsh >= 0:
         return x >> bsh
@@ -338,7 +338,7 @@ def _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev,
 
 
 @helper
-def _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs, bsh=-1):
+def prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, num_tokens, bs, bsh=-1):
     """Cached leading blocks of r: a contiguous chain from block 0, capped at num_tokens - 1."""
     max_blocks = _bdiv(num_tokens - 1, bs, bsh)
     lo, n, ub = _hash_ids(chain_off, uniq_base, c, r)
@@ -358,7 +358,7 @@ def request_inputs(waiting, hits, prompt, gen, computed, held, to_deadline_ns, e
     the shed rule, the decision rule and the env's observation. The request's state comes as scalars
     (prompt, generated and computed tokens, held blocks, ns to its TTFT deadline, output estimate
     (NaN: the residual-life table ``mrl``), and, if waiting, its cached prefix blocks ``hits`` from
-    ``_prefix_hits``), so that callers need not pass the [C, R] state arrays. Returns (cached tokens:
+    ``prefix_hits``), so that callers need not pass the [C, R] state arrays. Returns (cached tokens:
     hits if waiting, else computed prompt; prefill left P; blocks needed; first token out; ms to the
     deadline; slack ms; estimated decode left d; S ms)."""
     cached, p_left, blocks_needed, first_out, idle_ms, d_left, s_ms = request_static(
@@ -495,7 +495,7 @@ def _first_slack_below(base, idle_ms, thr):
 
 @helper
 def _hits_evictable(hash_head, chain_off, chain_val, uniq_base, ref, c, r, num_tokens, bs, bsh, ev_blocks, n_ev):
-    """``_prefix_hits`` of r and how many of those hit blocks sit in the free queue (ref 0: they count
+    """``prefix_hits`` of r and how many of those hit blocks sit in the free queue (ref 0: they count
     against the free blocks), in one walk; the latter are written to ``ev_blocks[n_ev:]`` while it
     has room. Returns (hits, evictable)."""
     max_blocks = _bdiv(num_tokens - 1, bs, bsh)
@@ -654,7 +654,7 @@ def _decision_needed(c, shed_on, t_now, n_wait, wait_ids, prompt, gen, arrival, 
     r = wait_ids[c, 0]
     hits = 0
     if prefix_on:
-        hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, prompt[c, r] + gen[c, r], bs)
+        hits = prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, prompt[c, r] + gen[c, r], bs)
     _, _, _, first_out, _, slack_ms, _, _ = request_inputs(
         True, hits, prompt[c, r], gen[c, r], 0, 0, arrival[c, r] + t1[c, r] - t_now, est[c, r], mrl, bs, budget,
         ps, u_p, u_d)
@@ -892,15 +892,16 @@ def _prefetch_copy(c, hi, n, ref, bhash, hnext, fq_prev, fq_next, arrival, promp
 
 # ---------------------------------------------------------------------------------- one iteration
 @njit
-def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, active, claim, mine, max_steps, until_ns,
-                n_req, arrival, prompt, out_len, prio, capped, t1, est, chain_off, chain_val,
-                uniq_base, now, it, next_arr, n_ended, key_hi, key_lo, n_run,
-                n_wait, n_free, n_slot_free, n_pend, n_iter_rec, status, end_state, computed,
-                gen, qkey, slot_of, held, n_cached, first_sched, first_token, first_token_it,
-                finish, finish_it, n_preempt, recomputed, resumed, run_ids, wait_ids, slot_free,
-                pend_ids, table, ref, bhash, hnext, fq_prev, fq_next, hash_head,
-                sched_r, sched_new, sched_cb, iter_rec, jump_ids, jump_off, emit_it, swapped, swap_ids,
-                n_swap, host_free, epoch, gtab, acc, ev_blocks, w_hits, w_st):
+def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, active, claim, mine, max_steps,
+                      until_ns,
+                      n_req, arrival, prompt, out_len, prio, capped, t1, est, chain_off, chain_val,
+                      uniq_base, now, it, next_arr, n_ended, key_hi, key_lo, n_run,
+                      n_wait, n_free, n_slot_free, n_pend, n_iter_rec, status, end_state, computed,
+                      gen, qkey, slot_of, held, n_cached, first_sched, first_token, first_token_it,
+                      finish, finish_it, n_preempt, recomputed, resumed, run_ids, wait_ids, slot_free,
+                      pend_ids, table, ref, bhash, hnext, fq_prev, fq_next, hash_head,
+                      sched_r, sched_new, sched_cb, iter_rec, jump_ids, jump_off, emit_it, swapped, swap_ids,
+                      n_swap, host_free, epoch, gtab, acc, ev_blocks, w_hits, w_st):
     """``run_copies`` with the struct of arrays unpacked (``kernel_args``: every parameter by name,
     ``KERNEL_ARGS``). One iteration of copy c is the body of the inner loop (written inline: a call
     with more than 30 arguments cannot be inlined by numba).
@@ -988,7 +989,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, acti
     host_free = borrow(host_free)
     epoch = borrow(epoch)
     bs = cfg[C_BS]
-    bsh = _block_shift(bs)
+    bsh = block_shift(bs)
     mode = cfg[C_MODE]
     max_wait = cfg[C_MAX_WAIT]
     nb = ref.shape[1]
@@ -1150,7 +1151,7 @@ def _run_copies(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, acti
                     r = wait_ids[c, i] if waiting else run_ids[c, i - n_wait[c]]
                     hits = 0
                     if waiting and prefix_on:
-                        hits = _prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r,
+                        hits = prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r,
                                             prompt[c, r] + gen[c, r], bs, bsh)
                     shed_now, tr, sc = _request_score(
                         waiting, hits, prompt[c, r], gen[c, r], computed[c, r], held[c, r], arrival[c, r], t1[c, r],
@@ -1785,10 +1786,10 @@ def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_s
     The struct of arrays is unpacked here, in Python, so the compiled code sees plain arrays."""
     args = kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_steps, until_ns,
                        gtab, claim, mine)
-    return checked_total(_run_copies(*args), args)
+    return checked_total(run_copies_kernel(*args), args)
 
 
-#: ``_run_copies``'s parameters in order, each passed by name (``kernel_args``): the call's own
+#: ``run_copies_kernel``'s parameters in order, each passed by name (``kernel_args``): the call's own
 #: arguments, then fields of the struct of arrays (``EngineArrays``, read with ``getattr``), then the
 #: empirical-Gittins table and the call's scratch (``_scratch``). ``tests/test_engine_args.py``
 #: checks them against the kernel's signature and ``EngineArrays``.
@@ -1809,9 +1810,9 @@ _ARG_CFG, _ARG_NAN_SCORE = KERNEL_ARGS.index("cfg"), KERNEL_ARGS.index("nan_scor
 
 def kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_steps, until_ns,
                 gtab=None, claim=None, mine=None) -> tuple:
-    """``_run_copies``'s arguments for a ``run_copies`` call (the struct of arrays unpacked by field
+    """``run_copies_kernel``'s arguments for a ``run_copies`` call (the struct of arrays unpacked by field
     name, ``KERNEL_ARGS``; the scratch allocated): for compiled callers that run the kernel
-    themselves (``_run_copies(*args)``), which then pass its result through ``checked_total``."""
+    themselves (``run_copies_kernel(*args)``), which then pass its result through ``checked_total``."""
     if claim is None:
         claim = np.zeros(1, np.int64)
     if mine is None:

@@ -12,14 +12,20 @@ import os
 import numpy as np
 
 from .._io import atomic_path
+from ..config_cli import LazyChoices
 from ..errors import ConfigError, TraceError
+
+
+def _vllm_modes() -> tuple:
+    from ..policies import vllm_modes
+    return vllm_modes()
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="trace file (any supported format)")
     p.add_argument("--format", default=None, help="trace format (default: detected)")
     p.add_argument("--profile", default="stress-512", help="engine profile (tokenbatch profiles list)")
-    p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"], help="scheduling policy")
+    p.add_argument("--policy", default="fcfs", choices=LazyChoices(_vllm_modes), help="scheduling policy")
     p.add_argument("--rho", type=float, default=None,
                    help="rescale arrivals to rho x lambda_sat (FCFS saturation rate, measured)")
     p.add_argument("--sla-seed", type=int, default=0,

@@ -59,7 +59,7 @@ def advance_observe(kargs, act, claim, chunk, priv, stopped, epoch, max_ep_steps
         if not some:
             continue
         priv[0] = lo
-        t = K._run_copies(*kargs)
+        t = K.run_copies_kernel(*kargs)
         if t < 0:
             for c in range(lo, hi):
                 chunk[c] = False

@@ -138,7 +138,7 @@ def observe_kernel(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_
     uniq_base = borrow(uniq_base)
     epoch = borrow(epoch)
     bs = cfg[K.C_BS]
-    bsh = K._block_shift(bs)
+    bsh = K.block_shift(bs)
     budget = cfg[K.C_BUDGET]
     usable = float(cfg[K.C_USABLE])
     max_seqs = float(cfg[K.C_MAX_SEQS])
@@ -185,7 +185,7 @@ def observe_kernel(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_
             r = wait_ids[c, i]
             hits = 0
             if prefix_on:  # the engine's prefix-cache lookup
-                hits = K._prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, prompt[c, r] + gen[c, r], bs,
+                hits = K.prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, r, prompt[c, r] + gen[c, r], bs,
                                       bsh)
             cached, p_left, blocks, first_out, to_deadline, slack, d_left, s_ms = K.request_inputs(
                 True, hits, prompt[c, r], gen[c, r], 0, 0, arrival[c, r] + t1[c, r] - t_now, est[c, r], mrl, bs,

@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..config_cli import LazyChoices
 from ..errors import ConfigError
+
+
+def _vllm_modes() -> tuple:
+    from ..policies import vllm_modes
+    return vllm_modes()
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -15,7 +21,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="total KV blocks incl. vLLM's null block 0")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
+    p.add_argument("--policy", choices=LazyChoices(_vllm_modes), default="fcfs")
     p.add_argument("--async", dest="async_scheduling", action="store_true",
                    help="vLLM's AsyncScheduler (and the engine's async_scheduling)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")

@@ -95,12 +95,13 @@ class HarnessConfig:
     max_model_len: int = 4096
     prefix_caching: bool = True
     async_scheduling: bool = False
-    policy: str = "fcfs"            # fcfs | priority
+    policy: str = "fcfs"            # one of policies.vllm_modes()
     watermark: float = 0.0          # vLLM's SchedulerConfig.watermark (a fraction of the blocks)
 
     def __post_init__(self):
-        if self.policy not in ("fcfs", "priority"):
-            raise ConfigError(f"vLLM policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        from ..policies import vllm_modes
+        if self.policy not in vllm_modes():
+            raise ConfigError(f"vLLM policy must be {' or '.join(map(repr, vllm_modes()))}, got {self.policy!r}")
         if self.num_blocks < 2:
             raise ConfigError("num_blocks must be >= 2 (block 0 is vLLM's null block)")
 
