@@ -42,6 +42,14 @@ class EngineConfig:
     max_num_batched_tokens: Optional[int] = None  # override the profile's B
     max_num_seqs: Optional[int] = None
     num_blocks: Optional[int] = None
+    # vLLM's --block-size: without num_blocks, the pool keeps the profile's KV token capacity
+    # (vLLM sizes it from memory): usable blocks = floor(usable x profile block size / block_size)
+    block_size: Optional[int] = None
+    max_model_len: Optional[int] = None       # vLLM's --max-model-len (the model's context limit)
+
+    #: fields added after evidence ids were first published: they enter ``to_dict`` only when set,
+    #: so that every earlier configuration keeps its id
+    OPTIONAL_FIELDS = ("block_size", "max_model_len")
 
     def __post_init__(self):
         if self.max_wait_ms is not None and not (np.isfinite(self.max_wait_ms) and self.max_wait_ms > 0):
@@ -53,7 +61,7 @@ class EngineConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{f} must be a non-negative integer, got {v!r}")
-        for f in ("max_num_batched_tokens", "max_num_seqs", "num_blocks"):
+        for f in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size", "max_model_len"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or v < (2 if f == "num_blocks" else 1)):
                 raise ConfigError(f"{f} must be a positive integer or None, got {v!r}")
@@ -65,15 +73,31 @@ class EngineConfig:
             ch["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.max_num_seqs is not None:
             ch["max_num_seqs"] = self.max_num_seqs
+        if self.block_size is not None:
+            ch["block_size"] = self.block_size
+            if self.num_blocks is None:
+                usable = profile.usable_blocks * profile.block_size // self.block_size
+                if usable < 1:
+                    raise ConfigError(f"block_size {self.block_size}: larger than the profile's whole KV pool "
+                                      f"({profile.usable_blocks * profile.block_size} tokens)")
+                ch["num_blocks"] = usable + 1
+                ch["watermark_blocks"] = min(profile.watermark_blocks * profile.block_size // self.block_size,
+                                             usable - 1)
         if self.num_blocks is not None:
             ch["num_blocks"] = self.num_blocks
             ch["watermark_blocks"] = min(profile.watermark_blocks, self.num_blocks - 2)
+        if self.max_model_len is not None:
+            ch["max_model_len_limit"] = self.max_model_len
         if self.async_scheduling is not None:
             ch["async_scheduling"] = self.async_scheduling
         return dataclasses.replace(profile, **ch) if ch else profile
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for f in self.OPTIONAL_FIELDS:
+            if d[f] is None:
+                del d[f]
+        return d
 
 
 def make_fcfg(profile: Profile) -> np.ndarray:
