@@ -165,7 +165,23 @@ def _header_lines(data) -> list:
             f"{lam['rps']:.4g} req/s ({lam['source']})",
             f"predictor  {data['predictor']}; T_ref {data['t_ref_ms']:.1f} ms",
             f"parameters {data['parameters']['note']}",
+            *_admission_lines(data),
             f"evidence   {data['evidence_id']}"]
+
+
+def _admission_lines(data) -> list:
+    """The engine's length limit on this workload (docs/design.md section 10): what no policy can
+    serve, and a warning when it is more than 5% of the arrivals."""
+    a = data.get("admission")
+    if a is None:
+        return []
+    out = [f"admission  max_model_len {a['max_model_len']}: rejected {a['rejected_share']:.1%}, length-capped "
+           f"{a['capped_share']:.1%} of the arrivals; ceiling {a['ceiling']:.3f}; loads are admitted loads"]
+    if a["warning"]:
+        out.append(f"WARNING    {a['rejected_share'] + a['capped_share']:.1%} of the arrivals can never be met "
+                   f"(rejected or length-capped): goodput over all arrivals is at most {a['ceiling']:.3f}; "
+                   f"each row's goodput_admitted_uncapped leaves them out")
+    return out
 
 
 def console_summary(data: dict) -> str:

@@ -20,9 +20,12 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["LAMBDA_SAT_TRACES", "Workload", "WorkloadSpec", "is_shipped", "prepare_workload"]
+__all__ = ["ADMISSION_WARN", "LAMBDA_SAT_TRACES", "Workload", "WorkloadSpec", "admitted_share", "is_shipped",
+           "prepare_workload"]
 
 LAMBDA_SAT_TRACES = 8
+#: rejected + capped share of the arrivals past which a report warns (docs/design.md section 10)
+ADMISSION_WARN = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +81,28 @@ class Workload:
     class_names: list
     digests: list                   # unscaled unit digests (trace kind: the parent's once)
     notes: list = dataclasses.field(default_factory=list)
+    # share of the train part's arrivals the engine admits (prompt < max_model_len): loads are
+    # admitted loads (docs/design.md section 10), so all arrivals come at rho x lambda_sat / share
+    admitted_share: float = 1.0
+
+    def rate(self, rho: float) -> float:
+        """All arrivals' rate (req/s) at load ``rho``: the admitted requests' is rho x lambda_sat."""
+        r = rho * self.lambda_sat
+        return r if self.admitted_share == 1.0 else r / self.admitted_share
+
+    def admission(self, max_model_len: int) -> dict:
+        """The evaluated units' scored requests the engine rejects at arrival (prompt >=
+        max_model_len) or caps (prompt + output > max_model_len), as shares of the arrivals, and the
+        ceiling of any policy's goodput, ``1 - rejected - capped`` (docs/design.md section 10)."""
+        p = np.concatenate([u.prompt_tokens[m] for u, m in zip(self.units, self.scored)]).astype(np.int64)
+        o = np.concatenate([u.output_tokens[m] for u, m in zip(self.units, self.scored)]).astype(np.int64)
+        n = max(1, p.size)
+        rejected = p >= max_model_len
+        capped = ~rejected & (p + o > max_model_len)
+        r, c = float(rejected.sum()) / n, float(capped.sum()) / n
+        return {"max_model_len": int(max_model_len), "rejected_share": r, "capped_share": c,
+                "ceiling": 1.0 - r - c, "admitted_share_train": self.admitted_share,
+                "warning": bool(r + c > ADMISSION_WARN)}
 
     @property
     def block(self) -> Optional[int]:
@@ -86,7 +111,7 @@ class Workload:
 
     def unit_at(self, i: int, rho: float):
         from .traces.windows import scale_to_rate
-        rate = rho * self.lambda_sat
+        rate = self.rate(rho)
         if self.kind == "suite":
             return scale_to_rate(self.units[i], rate, nominal_rps=self.nominal_rps)
         lo, hi, _, _ = self.windows[i]
@@ -100,7 +125,7 @@ class Workload:
             nominal = as_fraction(self.nominal_rps if self.kind == "suite" else empirical_rate_rps(self.parent),
                                   "nominal_rps")
             self.__dict__["_nominal"] = nominal
-        rate = rho * self.lambda_sat
+        rate = self.rate(rho)
         if type(rate) is float and 0.0 < rate < math.inf:   # (the env draws one per episode: kept cheap)
             a, b = rate.as_integer_ratio()   # the float's exact value, as as_fraction takes it
             return Fraction(nominal.numerator * b, nominal.denominator * a)   # = nominal / rate, normalised
@@ -158,7 +183,7 @@ class Workload:
         if self.kind == "suite":
             return [self.unit_at(i, rho) for i in range(len(self.units))]
         from .traces.windows import scale_to_rate
-        scaled = scale_to_rate(self.parent, rho * self.lambda_sat)
+        scaled = scale_to_rate(self.parent, self.rate(rho))
         return [scaled.subset(slice(lo, hi)) for lo, hi, _, _ in self.windows]
 
     def estimates(self, oracle: bool = False) -> list:
@@ -224,6 +249,7 @@ def prepare_workload(spec, profile) -> Workload:
                                                  f"the manifest's entry for {profile.name} is the shipped profile's, "
                                                  f"and this one differs from it"))
         rl = ResidualLife.from_lengths(np.concatenate([t.output_tokens for t in train])).table
+        share = admitted_share(train, profile)
         t_ref = suite.t_ref_ns
         if t_ref is None:
             t_ref = float(np.median(np.concatenate([t.ttft_slo_ns for t in traces])))
@@ -234,7 +260,7 @@ def prepare_workload(spec, profile) -> Workload:
         return Workload(suite.name, "suite", traces, [np.ones(len(t), bool) for t in traces], None, None,
                         float(suite.nominal_rate_rps), lam, src, rl, float(t_ref) / 1e6,
                         PredictorSpec.from_dict(suite.predictor), _class_names(sla, ncls),
-                        [t.digest for t in traces], notes)
+                        [t.digest for t in traces], notes, share)
     # a real trace family: windows cut from one trace
     from .traces.io import load_trace
     from .traces.sla import DEFAULT_SLA, assign_slas
@@ -270,7 +296,19 @@ def prepare_workload(spec, profile) -> Workload:
     ncls = int(trace.class_id.max()) + 1
     return Workload(trace.name, "trace", units, scored, spans, trace, None, lam, src, rl,
                     float(np.median(trace.ttft_slo_ns)) / 1e6, _default_predictor(),
-                    _class_names(DEFAULT_SLA, ncls), [trace.digest], notes)
+                    _class_names(DEFAULT_SLA, ncls), [trace.digest], notes, admitted_share(lam_units, profile))
+
+
+def admitted_share(traces, profile) -> float:
+    """Share of the requests of ``traces`` (a train part) that ``profile`` (resolved) admits: prompt
+    < max_model_len (the engine rejects the others at arrival, docs/design.md section 3, rule 8).
+    Exactly 1.0 when every request is admitted."""
+    p = np.concatenate([np.asarray(t.prompt_tokens, np.int64) for t in traces])
+    admitted = int((p < profile.max_model_len).sum())
+    if admitted == 0:
+        raise ConfigError(f"every request of the workload's train part is rejected: prompts >= the profile's "
+                          f"max_model_len {profile.max_model_len} (give --max-model-len or another profile)")
+    return 1.0 if admitted == p.size else admitted / p.size
 
 
 def _unit_notes(n_units: int) -> list:

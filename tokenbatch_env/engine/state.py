@@ -172,10 +172,9 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
     if len(traces) == 0:
         raise ConfigError("need at least one trace (one per copy)")
     bs = profile.block_size
-    for t in traces:
-        if t.block_size != bs:
-            raise ConfigError(f"trace {t.name!r} has prefix chains at block size {t.block_size}, the "
-                              f"profile {profile.name!r} uses {bs}")
+    if any(t.block_size != bs for t in traces):   # (vLLM's --block-size: chains at the engine's blocks)
+        from ..traces.blocks import at_block_size
+        traces = [at_block_size(t, bs) for t in traces]
     C = len(traces)
     R = max(1, max(len(t) for t in traces))
     S = profile.max_num_seqs

@@ -156,6 +156,13 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
     block = wl.block
     unit_good = {r.label: np.array([[unit_metrics(o)["goodput"] for o in per_row[r.label][li]]
                                     for li in range(L)]) for r in rows}
+    # admitted, uncapped scored requests (docs/design.md section 10): the denominator of the
+    # goodput no policy is denied by the engine's length limit
+    adm = wl.admission(profile.max_model_len)
+    ok_len = [(u.prompt_tokens[m].astype(np.int64) < profile.max_model_len)
+              & (u.prompt_tokens[m].astype(np.int64) + u.output_tokens[m] <= profile.max_model_len)
+              for u, m in zip(wl.units, wl.scored)]
+    n_ok = int(sum(int(k.sum()) for k in ok_len))
     loads_out = []
     curves = {"loads": loads, "goodput": {}, "ttft_cdf": {}}
     for li, rho in enumerate(loads):
@@ -184,6 +191,9 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                 "throughput_tok_s": float(np.mean([m["throughput_tok_s"] for m in um])),
                 "met_req_s": float(np.mean([m["met_req_s"] for m in um])),
             })
+            d["length_capped"] = tot("length_capped")
+            d["goodput_admitted_uncapped"] = (sum(int(o["met"][k].sum()) for o, k in zip(outs, ok_len)) / n_ok
+                                              if n_ok else None)
             d.update(pooled_metrics(outs, qedges, wl.class_names))
             d["goodput_per_unit"] = [float(x) for x in g]
             res_rows.append(d)
@@ -193,7 +203,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
         deploy = [d for d in res_rows if not d["reference"]]
         best = max(deploy or res_rows, key=lambda d: d["goodput"]["mean"])
         best_all = max(res_rows, key=lambda d: d["goodput"]["mean"])
-        ent = {"rho": rho, "rate_rps": rho * wl.lambda_sat, "rows": res_rows,
+        ent = {"rho": rho, "rate_rps": wl.rate(rho), "rows": res_rows,
                "fcfs_goodput": g_fcfs,
                "best_observed": {"label": best["label"], "goodput": best["goodput"]["mean"]}}
         if best_all is not best:
@@ -232,6 +242,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                      "notes": wl.notes},
         "profile": {"name": profile.name, "provenance": profile.provenance},
         "lambda_sat": {"rps": wl.lambda_sat, "source": wl.lambda_sat_source},
+        "admission": adm,
         "predictor": wl.predictor.to_dict(),
         "t_ref_ms": wl.t_ref_ms,
         "parameters": _params_note(cfg),

@@ -18,7 +18,7 @@ def request_outcomes(rec: dict, trace, scored: Optional[np.ndarray] = None) -> d
     event never happened: no first token for TTFT, not completed for TPOT and E2E). ``trace`` None:
     without the trace's columns (class, cache miss); then ``rec``'s columns may also be 2-D
     ([units, requests], ``scored`` None)."""
-    from ..engine.kernel import E_COMPLETED, E_REJECTED, E_SHED, E_TIMED_OUT, E_UNFINISHED
+    from ..engine.kernel import E_COMPLETED, E_LENGTH_CAPPED, E_REJECTED, E_SHED, E_TIMED_OUT, E_UNFINISHED
     n = len(rec["arrival_ns"])
     m = np.ones(n, bool) if scored is None else np.asarray(scored, bool)
     es = np.asarray(rec["end_state"])[m]
@@ -32,7 +32,7 @@ def request_outcomes(rec: dict, trace, scored: Optional[np.ndarray] = None) -> d
         "met": np.asarray(rec["met"], bool)[m],
         "completed": completed,
         "shed": es == E_SHED, "timed_out": es == E_TIMED_OUT, "rejected": es == E_REJECTED,
-        "unfinished": es == E_UNFINISHED,
+        "unfinished": es == E_UNFINISHED, "length_capped": es == E_LENGTH_CAPPED,
         "ttft_ms": np.where(has_tok, ttft / 1e6, np.inf),
         "tpot_ms": np.where(completed, np.asarray(rec["tpot_ns"], np.float64)[m] / 1e6, np.inf),
         "e2e_ms": np.where(completed, (fin - arr) / 1e6, np.inf),
@@ -60,6 +60,7 @@ def unit_metrics(o: dict) -> dict:
         "goodput": met / n if n else float("nan"),
         "shed": int(o["shed"].sum()), "timed_out": int(o["timed_out"].sum()),
         "rejected": int(o["rejected"].sum()), "unfinished": int(o["unfinished"].sum()),
+        "length_capped": int(o["length_capped"].sum()),
         "preemptions": int(o["preemptions"].sum()),
         "recomputed_tokens": int(o["recomputed_tokens"].sum()),
         "throughput_tok_s": float(o["output_tokens"][o["completed"]].sum()) / span_s if span_s > 0 else 0.0,
