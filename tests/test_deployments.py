@@ -4,6 +4,7 @@ and a coarser block size keeps exactly the prefix sharing it can see."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -147,3 +148,114 @@ def _common(t, i, j) -> int:
     while k < min(len(a), len(b)) and a[k] == b[k]:
         k += 1
     return k
+
+
+# ------------------------------------------------------------------ units travel with parameters
+def _params(tmp_path, meta):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"index": {}, "shed_margin": 0.0, "meta": meta}))
+    return str(path)
+
+
+def test_fixed_t_ref_is_used_and_a_different_profile_warns(tmp_path, capsys):
+    """A tuned file's T_ref (t_ref_mode fixed) prices the index wherever it is evaluated; tuned on
+    another profile or predictor: a warning line each."""
+    from tokenbatch_env.params import deployment_of
+    from tokenbatch_env.predictors import PredictorSpec
+    dep = deployment_of(load_profile("llama2-7b-a100"), PredictorSpec("oracle"), 777.0)
+    out = tmp_path / "o"
+    argv = ["bench", "--max-traces", "2", "--loads", "1.2", "--policies", "index", "--bootstrap-b", "100",
+            "--no-upper-bound", "--out", str(out)]
+    assert cli.main(argv + ["--params", _params(tmp_path, dep)]) == 0
+    text = capsys.readouterr().out
+    d = json.loads((out / "report.json").read_text())
+    assert d["t_ref_ms"] == 777.0
+    assert all(p["t_ref_ms"] == 777.0 for p in d["evidence_inputs"]["policies"] if p["policy"] == "index")
+    assert len(d["warnings"]) == 2 and "tuned on profile llama2-7b-a100; evaluated on stress-512" in text
+    assert "tuned with predictor" in text
+    # the same file in trace mode: the workload's own T_ref, no T_ref note
+    assert cli.main(argv + ["--params", _params(tmp_path, {**dep, "t_ref_mode": "trace"})]) == 0
+    capsys.readouterr()
+    d2 = json.loads((out / "report.json").read_text())
+    assert d2["t_ref_ms"] != 777.0 and d2["evidence_id"] != d["evidence_id"]
+
+
+def test_matching_deployment_gives_no_warning(tmp_path, capsys):
+    from tokenbatch_env.params import deployment_of
+    from tokenbatch_env.predictors import PredictorSpec
+    prof = load_profile("stress-512")
+    wl = ev.prepare_workload(ev.BenchConfig(max_traces=2), prof)
+    dep = deployment_of(prof, wl.predictor, wl.t_ref_ms)
+    assert dep["predictor"] == PredictorSpec.from_dict(dep["predictor"]).to_dict()
+    out = tmp_path / "o"
+    assert cli.main(["bench", "--max-traces", "2", "--loads", "1.2", "--policies", "index", "--bootstrap-b", "100",
+                     "--no-upper-bound", "--out", str(out), "--params", _params(tmp_path, dep)]) == 0
+    assert "WARNING" not in capsys.readouterr().out
+    # other engine settings on the same profile name: the digest tells
+    assert cli.main(["bench", "--max-traces", "2", "--loads", "1.2", "--policies", "index", "--bootstrap-b", "100",
+                     "--no-upper-bound", "--out", str(out), "--params", _params(tmp_path, dep),
+                     "--max-num-seqs", "32"]) == 0
+    assert "other engine settings" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("meta, needle", [
+    ({"t_ref_mode": "sometimes", "t_ref_ms": 5}, "meta.t_ref_mode"),
+    ({"t_ref_mode": "fixed", "t_ref_ms": -1}, "meta.t_ref_ms"),
+    ({"t_ref_mode": "fixed"}, "meta.t_ref_ms"),
+])
+def test_bad_deployment_is_one_line(tmp_path, capsys, meta, needle):
+    rc = cli.main(["bench", "--max-traces", "1", "--loads", "1.2", "--policies", "index", "--quiet",
+                   "--out", str(tmp_path / "o"), "--params", _params(tmp_path, meta)])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+# ------------------------------------------------------------------ a trace file's splits, no leakage
+def _trace_file(tmp_path, n=1000):
+    t = load_suite("seed-200").traces("train")[0]
+    reps = [t.replace(arrival_ns=t.arrival_ns + k * (int(t.arrival_ns[-1]) + 1)) for k in range(n // len(t) + 1)]
+    from tokenbatch_env.traces.trace import Trace
+    cat = Trace.build(arrival_ns=np.concatenate([r.arrival_ns for r in reps])[:n],
+                      prompt_tokens=np.concatenate([r.prompt_tokens for r in reps])[:n],
+                      output_tokens=np.concatenate([r.output_tokens for r in reps])[:n],
+                      ttft_slo_ns=np.concatenate([r.ttft_slo_ns for r in reps])[:n],
+                      tpot_slo_ns=np.concatenate([r.tpot_slo_ns for r in reps])[:n], name="long")
+    path = tmp_path / "trace.npz"
+    save_npz(cat, path)
+    return path, cat
+
+
+def test_trace_splits_are_time_ordered_and_fit_nothing_to_test(tmp_path):
+    path, trace = _trace_file(tmp_path)
+    base = ev.BenchConfig(trace_file=str(path), windows=30, warmup=10, cooldown=10, loads=(1.2,), policies=("fcfs",))
+    prof = load_profile("stress-512")
+    wls = {s: ev.prepare_workload(dataclasses.replace(base, trace_split=s), prof)
+           for s in ("train", "validation", "test")}
+    # parts: the first 60%, the next 20%, the last 20% of the requests, windows inside each
+    starts = {s: int(w.parent.arrival_ns[0]) for s, w in wls.items()}
+    assert starts["train"] == trace.arrival_ns[0] < starts["validation"] < starts["test"]
+    assert len(wls["train"].parent) == 600 and len(wls["validation"].parent) == 200
+    assert all(hi <= len(w.parent) for w in wls.values() for _, hi, _, _ in w.windows)
+    # fitted from the train part only: same on every split, and changing the test part changes nothing
+    for k in ("lambda_sat", "t_ref_ms", "admitted_share", "nominal_rps"):
+        assert getattr(wls["test"], k) == getattr(wls["train"], k)
+    np.testing.assert_array_equal(wls["test"].residual_life, wls["train"].residual_life)
+    out = trace.output_tokens.copy()
+    out[800:] = 7
+    t1 = trace.ttft_slo_ns.copy()
+    t1[800:] = 10 ** 9
+    path2 = tmp_path / "changed.npz"
+    save_npz(trace.replace(output_tokens=out, ttft_slo_ns=t1), path2)
+    changed = ev.prepare_workload(dataclasses.replace(base, trace_file=str(path2), trace_split="test"), prof)
+    assert changed.t_ref_ms == wls["test"].t_ref_ms and changed.lambda_sat == wls["test"].lambda_sat
+    np.testing.assert_array_equal(changed.residual_life, wls["test"].residual_life)
+    # one time factor: every split scaled by the train part's rate
+    assert wls["test"].scale_factor(1.2) == wls["train"].scale_factor(1.2)
+
+
+def test_too_few_windows_per_split_names_the_largest_w(tmp_path):
+    path, _ = _trace_file(tmp_path, n=600)
+    cfg = ev.BenchConfig(trace_file=str(path), windows=40, loads=(1.2,), policies=("fcfs",), trace_split="test")
+    with pytest.raises(ConfigError, match=r"windows per split \{'train': 9, 'validation': 3, 'test': 3\}.*"
+                                          r"use --windows 24 or less"):
+        ev.prepare_workload(cfg, load_profile("stress-512"))

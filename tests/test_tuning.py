@@ -125,7 +125,9 @@ def test_params_file_has_the_comparators(tiny_runs):
     assert doc["tuned"]["comparators"]["index-scheduled"]["trials_per_bucket_study"] == 2
     rep = json.loads((out / "report.json").read_text())
     # the vLLM plug-in's settings from the file: the tuning's T_ref and profile (docs/vllm_plugin.md)
-    assert set(doc["meta"]) == {"t_ref_ms", "profile"} and doc["meta"]["profile"] == "stress-512"
+    assert set(doc["meta"]) == {"t_ref_mode", "t_ref_ms", "profile", "profile_sha256", "predictor", "fitted"}
+    assert doc["meta"]["profile"] == "stress-512" and doc["meta"]["t_ref_mode"] == "fixed"
+    assert doc["meta"]["fitted"]["from"] == "train" and doc["meta"]["predictor"] == rep["test"]["predictor"]
     assert abs(doc["meta"]["t_ref_ms"] / rep["t_ref_ms"] - 1) < 1e-5 and rep["t_ref_ms"] != 1000.0   # (6 digits)
     labels = {r["label"] for r in rep["test"]["loads"][0]["rows"]}
     assert {"weights", "weights+shed"} <= labels

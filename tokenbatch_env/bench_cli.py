@@ -121,7 +121,7 @@ def parse_policies(text: str) -> tuple:
 def config_from_args(args):
     from .engine.profiles import load_profile
     from .evaluate import BenchConfig
-    from .params import load_params_file, load_weights
+    from .params import load_deployment, load_params_file, load_weights
 
     engine = engine_config_from_args(args)
     engine.resolve(load_profile(args.profile))  # unknown profile -> one line listing the valid ones; bad overrides
@@ -130,6 +130,11 @@ def config_from_args(args):
         params, margins = load_params_file(args.params)
         kw.update(index_params=params, shed_margins=margins, params_source=args.params,
                   weights=load_weights(args.params))
+        dep = load_deployment(args.params)
+        if dep is not None:
+            kw["params_deployment"] = dep
+            if dep["t_ref_mode"] == "fixed":
+                kw["t_ref_ms"] = float(dep["t_ref_ms"])
     if args.trace is not None and args.windows is None:
         raise ConfigError("--trace needs --windows W (scored requests per window)")
     if args.trace is None and args.windows is not None:

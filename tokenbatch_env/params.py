@@ -7,6 +7,10 @@ sections 6 and 7).
      "weights": {"w": {feature: weight}, "shed_margin": z},   # the weights policy
      "index-scheduled": IndexSchedule.to_dict(),              # the index-scheduled comparator
      "meta": {...}, "tuned": {...}, ...}                      # informational (PARAMS_INFO_KEYS)
+
+``meta`` carries the units the parameters were tuned in (docs/design.md section 10): ``t_ref_mode``
+(``fixed`` or ``trace``), ``t_ref_ms``, and the deployment: ``profile`` (name or path),
+``profile_sha256``, ``predictor``, and what was fitted to the tuning data (``fitted``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ from pathlib import Path
 
 from .errors import ConfigError, PolicyError
 
-__all__ = ["PARAMS_INFO_KEYS", "SCHEDULE_KEY", "load_params_file", "load_schedule", "load_weights"]
+__all__ = ["PARAMS_INFO_KEYS", "SCHEDULE_KEY", "T_REF_MODES", "deployment_of", "deployment_warnings",
+           "load_deployment", "load_params_file", "load_schedule", "load_weights", "profile_sha256"]
+
+#: how a parameters file's T_ref is set (docs/design.md section 10, "Units travel with parameters"):
+#: "fixed" = the T_ref of the deployment it was tuned on, in the file; "trace" = the median T1 of the
+#: evaluated workload's train part
+T_REF_MODES = ("fixed", "trace")
 
 #: informational keys tolerated in a --params file
 PARAMS_INFO_KEYS = ("meta", "provenance", "source", "tuned", "comment")
@@ -104,3 +114,60 @@ def load_weights(path: str, what: str = "--params"):
         return LinearWeights.from_dict(v["w"])
     except PolicyError as e:
         raise PolicyError(f"{what} {path}: weights.w: {e}") from None
+
+
+def profile_sha256(profile) -> str:
+    """SHA-256 of a profile's canonical JSON: two profiles that price work alike have the same."""
+    import hashlib
+
+    from .util import canonical_json
+    return hashlib.sha256(canonical_json(profile.to_dict()).encode()).hexdigest()
+
+
+def deployment_of(profile, predictor, t_ref_ms: float, t_ref_mode: str = "fixed", **fitted) -> dict:
+    """The ``meta`` block of a parameters file tuned on ``profile`` (resolved) with ``predictor`` (a
+    PredictorSpec) at ``t_ref_ms``; ``fitted``: what was fitted to the tuning data (recorded)."""
+    d = {"t_ref_mode": t_ref_mode, "t_ref_ms": float(t_ref_ms), "profile": profile.name,
+         "profile_sha256": profile_sha256(profile), "predictor": predictor.to_dict()}
+    if fitted:
+        d["fitted"] = fitted
+    return d
+
+
+def load_deployment(path: str, what: str = "--params"):
+    """The deployment a ``--params`` file was tuned on (its ``meta``, checked), or None without one.
+    A file whose ``meta`` has a ``t_ref_ms`` but no ``t_ref_mode`` (written before the mode existed)
+    is ``fixed``."""
+    d = json.loads(Path(path).read_text())
+    meta = d.get("meta")
+    if meta is None:
+        return None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{what} {path}: 'meta' must be an object")
+    mode = meta.get("t_ref_mode", "fixed" if "t_ref_ms" in meta else None)
+    if mode is None:
+        return None
+    if mode not in T_REF_MODES:
+        raise ConfigError(f"{what} {path}: meta.t_ref_mode: one of {', '.join(T_REF_MODES)}, got {mode!r}")
+    t = meta.get("t_ref_ms")
+    if mode == "fixed" and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)
+                            or t <= 0):
+        raise ConfigError(f"{what} {path}: meta.t_ref_ms: a positive number (t_ref_mode fixed), got {t!r}")
+    return {**meta, "t_ref_mode": mode}
+
+
+def deployment_warnings(dep, profile, predictor) -> list:
+    """One line per way the evaluated deployment (``profile`` resolved, ``predictor`` a PredictorSpec)
+    differs from the one the parameters were tuned on (``dep``, ``load_deployment``'s)."""
+    if not dep:
+        return []
+    out = []
+    name = dep.get("profile")
+    if name is not None and name != profile.name:
+        out.append(f"the parameters were tuned on profile {name}; evaluated on {profile.name}")
+    elif name is not None and dep.get("profile_sha256", profile_sha256(profile)) != profile_sha256(profile):
+        out.append(f"the parameters were tuned on {name} with other engine settings (profile digest differs)")
+    pred = dep.get("predictor")
+    if pred is not None and pred != predictor.to_dict():
+        out.append(f"the parameters were tuned with predictor {pred}; evaluated with {predictor.to_dict()}")
+    return out

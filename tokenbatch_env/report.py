@@ -166,6 +166,7 @@ def _header_lines(data) -> list:
             f"predictor  {data['predictor']}; T_ref {data['t_ref_ms']:.1f} ms",
             f"parameters {data['parameters']['note']}",
             *_admission_lines(data),
+            *[f"WARNING    {w}" for w in data.get("warnings", [])],
             f"evidence   {data['evidence_id']}"]
 
 

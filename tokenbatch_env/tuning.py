@@ -625,6 +625,17 @@ class TrainObjective:
     def n_units(self) -> int:
         return len(self.units)
 
+    def deployment(self) -> dict:
+        """The ``meta`` of the parameters tuned here (``params.deployment_of``): T_ref fixed at the
+        train workload's, the profile, the predictor and what was fitted to the train part."""
+        from .params import deployment_of
+        e = self.evidence_inputs
+        return deployment_of(self.profile, self.wl.predictor, self.wl.t_ref_ms,
+                             fitted={"from": e["workload"].get("split"), "lambda_sat_rps": self.wl.lambda_sat,
+                                     "lambda_sat_source": self.wl.lambda_sat_source,
+                                     "admitted_share": self.wl.admitted_share, "t_ref_ms": self.wl.t_ref_ms,
+                                     "residual_life_sha256": e["residual_life_sha256"]})
+
     def units_of(self, row: str) -> tuple:
         """(units, estimates) of a row's objective: the tuning units, or for a bucket study the
         train traces at its bucket's load (built once)."""
@@ -943,11 +954,13 @@ def study_summary(study, row: str) -> dict:
             "history": sorted(hist, key=lambda h: h["number"])}
 
 
-def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_ms: float) -> dict:
+def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_ms: float,
+                    deployment: Optional[dict] = None) -> dict:
     """The best parameters in the ``--params`` format that ``params.load_params_file`` reads
     (with comparators also ``"weights": {"w": {feature: w}, "shed_margin": m}``, read by
     ``params.load_weights``, and ``"index-scheduled": IndexSchedule.to_dict()``, read by
-    ``params.load_schedule``)."""
+    ``params.load_schedule``). ``deployment``: the ``meta`` of the deployment tuned on
+    (``params.deployment_of``; T_ref fixed)."""
     from .params import SCHEDULE_KEY
     from .policies import IndexParams, IndexSchedule, LinearWeights
     idx = summaries[INDEX_ROW]["best"]
@@ -997,7 +1010,8 @@ def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_
     profile = cfg.profile   # a profile file by its absolute path: the plug-in runs from anywhere
     if is_profile_file(profile):
         profile = str(Path(profile).resolve())
-    doc["meta"] = {"t_ref_ms": float(t_ref_ms), "profile": profile}
+    doc["meta"] = {**deployment, "profile": profile} if deployment else {"t_ref_ms": float(t_ref_ms),
+                                                                          "profile": profile}
     return doc
 
 
@@ -1109,7 +1123,7 @@ def run_tuning(cfg: TuneConfig) -> dict:
     studies = open_studies(cfg, write_attrs=False)
     summaries = {row: study_summary(st, row) for row, st in studies.items()}
 
-    doc = params_document(cfg, summaries, obj_eid, objective.wl.t_ref_ms)
+    doc = params_document(cfg, summaries, obj_eid, objective.wl.t_ref_ms, objective.deployment())
     params_path = out / "best_params.json"
     write_text_atomic(params_path, json.dumps(doc, indent=1) + "\n")
     params, margins = load_params_file(str(params_path))   # the evaluator's reader: must load
@@ -1129,6 +1143,7 @@ def run_tuning(cfg: TuneConfig) -> dict:
     bench = run_benchmark(BenchConfig(
         suite=cfg.suite, split=cfg.test_split, profile=cfg.profile, policies=pols, shed=True,
         loads=cfg.eval_loads, index_params=params, shed_margins=margins, params_source=str(params_path),
+        t_ref_ms=doc["meta"]["t_ref_ms"], params_deployment=doc["meta"],
         max_traces=cfg.max_test_traces, bootstrap_seed=cfg.seed, bootstrap_b=cfg.bootstrap_b,
         progress=cfg.progress, threads=cfg.engine_threads(), **extra))
     test_wall = time.time() - t1

@@ -45,8 +45,11 @@ class WorkloadSpec:
     warmup: int = 0
     cooldown: int = 0
     engine: object = None
+    trace_split: Optional[str] = None   # a trace file's time-ordered split (None: every window)
 
     def __post_init__(self):
+        if self.trace_split is not None and self.trace_split not in ("train", "validation", "test"):
+            raise ConfigError(f"trace_split: train, validation or test, got {self.trace_split!r}")
         if self.engine is None:
             from .engine.state import EngineConfig
             object.__setattr__(self, "engine", EngineConfig())
@@ -72,7 +75,7 @@ class Workload:
     scored: list                    # bool mask per unit
     windows: Optional[list]         # [(lo, hi, scored_start, scored_stop)] in the parent (trace kind)
     parent: object                  # parent Trace (trace kind) or None
-    nominal_rps: Optional[float]    # suite: the stored nominal rate
+    nominal_rps: Optional[float]    # suite: the stored nominal rate; a trace's split: its train part's rate
     lambda_sat: float
     lambda_sat_source: str
     residual_life: np.ndarray
@@ -115,15 +118,15 @@ class Workload:
         if self.kind == "suite":
             return scale_to_rate(self.units[i], rate, nominal_rps=self.nominal_rps)
         lo, hi, _, _ = self.windows[i]
-        return scale_to_rate(self.parent, rate).subset(slice(lo, hi))
+        return scale_to_rate(self.parent, rate, nominal_rps=self.nominal_rps).subset(slice(lo, hi))
 
     def scale_factor(self, rho: float):
         """The exact factor (a Fraction) by which ``unit_at(i, rho)`` scales every unit's times."""
         nominal = self.__dict__.get("_nominal")
         if nominal is None:   # the units' stored rate: a constant of the workload
             from .traces.windows import as_fraction, empirical_rate_rps
-            nominal = as_fraction(self.nominal_rps if self.kind == "suite" else empirical_rate_rps(self.parent),
-                                  "nominal_rps")
+            nominal = as_fraction(self.nominal_rps if self.nominal_rps is not None else
+                                  empirical_rate_rps(self.parent), "nominal_rps")
             self.__dict__["_nominal"] = nominal
         rate = self.rate(rho)
         if type(rate) is float and 0.0 < rate < math.inf:   # (the env draws one per episode: kept cheap)
@@ -183,7 +186,7 @@ class Workload:
         if self.kind == "suite":
             return [self.unit_at(i, rho) for i in range(len(self.units))]
         from .traces.windows import scale_to_rate
-        scaled = scale_to_rate(self.parent, self.rate(rho))
+        scaled = scale_to_rate(self.parent, self.rate(rho), nominal_rps=self.nominal_rps)
         return [scaled.subset(slice(lo, hi)) for lo, hi, _, _ in self.windows]
 
     def estimates(self, oracle: bool = False) -> list:
@@ -264,16 +267,17 @@ def prepare_workload(spec, profile) -> Workload:
     # a real trace family: windows cut from one trace
     from .traces.io import load_trace
     from .traces.sla import DEFAULT_SLA, assign_slas
-    from .traces.windows import cut_windows
     trace, _ = load_trace(cfg.trace_file, cfg.trace_format)
     notes = []
     if not trace.has_slos:
         trace = assign_slas(trace, seed=0)
         notes.append("SLOs assigned by the default 3-class rule (seed 0): the trace has none")
-    wins = cut_windows(trace, cfg.windows, cfg.warmup, cfg.cooldown)
-    # the load's reference rate from the trace's first windows, however many are evaluated (so that
-    # rho means the same with any --max-traces)
-    lam_units = [w.trace for w in wins if len(w.trace) >= 10][:LAMBDA_SAT_TRACES]
+    parts = trace_parts(trace, cfg)
+    train_wins = parts["train"][1]
+    part, wins = parts[cfg.trace_split or "all"]
+    # the load's reference rate from the train part's first windows, however many are evaluated (so
+    # that rho means the same with any --max-traces and on every split)
+    lam_units = [w.trace for w in train_wins if len(w.trace) >= 10][:LAMBDA_SAT_TRACES]
     if cfg.max_traces is not None:
         wins = wins[:cfg.max_traces]
     if not wins:
@@ -289,14 +293,57 @@ def prepare_workload(spec, profile) -> Workload:
     if not lam_units:
         raise ConfigError("windows too small to measure lambda_sat (need >= 10 requests)")
     lam = _measure_lambda(lam_units, profile, cfg.engine)
-    src = f"measured (measure_lambda_sat, FCFS backlogged) on the trace's first {len(lam_units)} windows"
-    rl = ResidualLife.from_lengths(trace.output_tokens).table
-    notes.append("residual-life table (prior predictor) from the trace's own output lengths")
+    src = f"measured (measure_lambda_sat, FCFS backlogged) on the {'train part' if cfg.trace_split else 'trace'}'s " \
+          f"first {len(lam_units)} windows"
+    # everything fitted comes from the train part (docs/design.md section 10, "No leakage")
+    train = parts["train"][0]
+    rl = ResidualLife.from_lengths(train.output_tokens).table
+    notes.append("residual-life table (prior predictor) and T_ref from the trace's "
+                 + ("train part (its first 60% of requests)" if cfg.trace_split else "own output lengths and SLOs"))
     notes += _unit_notes(len(units))
     ncls = int(trace.class_id.max()) + 1
-    return Workload(trace.name, "trace", units, scored, spans, trace, None, lam, src, rl,
-                    float(np.median(trace.ttft_slo_ns)) / 1e6, _default_predictor(),
-                    _class_names(DEFAULT_SLA, ncls), [trace.digest], notes, admitted_share(lam_units, profile))
+    nominal = None
+    if cfg.trace_split is not None:   # one time factor for every part: the train part's rate
+        from .traces.windows import empirical_rate_rps
+        nominal = empirical_rate_rps(train)
+    share = admitted_share(lam_units, profile)
+    wl = Workload(trace.name, "trace", units, scored, spans, part, nominal, lam, src, rl,
+                  float(np.median(train.ttft_slo_ns)) / 1e6, _default_predictor(),
+                  _class_names(DEFAULT_SLA, ncls), [trace.digest], notes, share)
+    return wl
+
+
+#: the time-ordered split of a trace file's requests (docs/design.md section 10): train, validation, test
+TRACE_SPLITS = (("train", 3, 5), ("validation", 4, 5), ("test", 5, 5))
+MIN_SPLIT_WINDOWS = 5
+
+
+def trace_parts(trace, spec) -> dict:
+    """{"all" | split name: (part Trace, its windows)}: the whole trace, and (with ``spec.trace_split``)
+    its requests split by time into the first 60% (train), the next 20% (validation) and the last
+    20% (test), each cut into windows on its own (warm-up and cool-down stay inside their part). A
+    split with fewer than 5 windows is an error giving the counts and the largest W that yields 5.
+    Without a split, "train" is the whole trace (bench on a trace file: everything is fitted to it)."""
+    from .traces.windows import cut_windows
+    whole = (trace, cut_windows(trace, spec.windows, spec.warmup, spec.cooldown))
+    if spec.trace_split is None:
+        return {"all": whole, "train": whole}
+    n, lo, out = len(trace), 0, {"all": whole}
+    for name, num, den in TRACE_SPLITS:
+        hi = n * num // den
+        part = trace.subset(slice(lo, hi))
+        out[name] = (part, cut_windows(part, spec.windows, spec.warmup, spec.cooldown, drop_partial=True)
+                     if len(part) > spec.warmup + spec.cooldown else [])
+        lo = hi
+    counts = {name: len(out[name][1]) for name, _, _ in TRACE_SPLITS}
+    if min(counts.values()) < MIN_SPLIT_WINDOWS:
+        smallest = min(len(out[name][0]) for name, _, _ in TRACE_SPLITS)
+        w_max = (smallest - spec.warmup - spec.cooldown) // MIN_SPLIT_WINDOWS
+        raise ConfigError(f"trace {trace.name!r}: windows per split {counts} with --windows {spec.windows} "
+                          f"(warm-up {spec.warmup}, cool-down {spec.cooldown}); every split needs at least "
+                          f"{MIN_SPLIT_WINDOWS}: " + (f"use --windows {w_max} or less" if w_max >= 1 else
+                                                      "the trace is too short for these warm-up and cool-down"))
+    return out
 
 
 def admitted_share(traces, profile) -> float:

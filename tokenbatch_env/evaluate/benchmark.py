@@ -97,6 +97,12 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
     cfg = config
     profile = cfg.engine.resolve(load_profile(cfg.profile))
     wl = prepare_workload(cfg, profile)
+    from ..params import deployment_warnings
+    warnings = deployment_warnings(cfg.params_deployment, profile, wl.predictor)
+    if cfg.t_ref_ms is not None and cfg.t_ref_ms != wl.t_ref_ms:   # units travel with parameters
+        wl.notes.append(f"T_ref {cfg.t_ref_ms:.1f} ms from the parameters (t_ref_mode fixed); the evaluated "
+                        f"workload's own would be {wl.t_ref_ms:.1f} ms")
+        wl.t_ref_ms = cfg.t_ref_ms
     rows = build_rows(cfg)
     inputs = evidence_inputs(cfg, wl, profile, rows)
     eid = evidence_id(inputs)
@@ -243,6 +249,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
         "profile": {"name": profile.name, "provenance": profile.provenance},
         "lambda_sat": {"rps": wl.lambda_sat, "source": wl.lambda_sat_source},
         "admission": adm,
+        **({"warnings": warnings} if warnings else {}),
         "predictor": wl.predictor.to_dict(),
         "t_ref_ms": wl.t_ref_ms,
         "parameters": _params_note(cfg),

@@ -71,6 +71,9 @@ class BenchConfig:
     threads: int = 1                            # rows simulated concurrently (results identical)
     schedule: object = None                     # IndexSchedule: adds the "index-scheduled" row
     controllers: tuple = ()                     # control.ControlSpec rows (trained agents)
+    trace_split: Optional[str] = None           # a trace file's time-ordered split (None: every window)
+    t_ref_ms: Optional[float] = None            # T_ref of a t_ref_mode "fixed" parameters file
+    params_deployment: Optional[dict] = None    # the deployment its parameters were tuned on (warnings)
 
     def __post_init__(self):
         from ..engine.state import EngineConfig
@@ -145,6 +148,11 @@ class BenchConfig:
                 raise ConfigError(f"windows: a real trace needs --windows W >= 1, got {self.windows!r}")
         elif self.windows is not None:
             raise ConfigError("windows: only with a real trace (--trace FILE)")
+        if self.trace_split is not None and (self.trace_file is None
+                                             or self.trace_split not in ("train", "validation", "test")):
+            raise ConfigError(f"trace_split: train, validation or test of a trace file, got {self.trace_split!r}")
+        if self.t_ref_ms is not None:
+            set_("t_ref_ms", _finite_pos(self.t_ref_ms, "t_ref_ms"))
 
     def shed_margin(self, policy: str) -> float:
         """The +shed row's margin for ``policy`` (default 0.0)."""
