@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Optional
 
 from .errors import ConfigError, PolicyError
 
@@ -124,7 +125,8 @@ def profile_sha256(profile) -> str:
     return hashlib.sha256(canonical_json(profile.to_dict()).encode()).hexdigest()
 
 
-def deployment_of(profile, predictor, t_ref_ms: float, t_ref_mode: str = "fixed", **fitted) -> dict:
+def deployment_of(profile, predictor, t_ref_ms: float, t_ref_mode: str = "fixed",
+                  fitted: Optional[dict] = None) -> dict:
     """The ``meta`` block of a parameters file tuned on ``profile`` (resolved) with ``predictor`` (a
     PredictorSpec) at ``t_ref_ms``; ``fitted``: what was fitted to the tuning data (recorded)."""
     d = {"t_ref_mode": t_ref_mode, "t_ref_ms": float(t_ref_ms), "profile": profile.name,

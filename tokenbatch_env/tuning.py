@@ -98,8 +98,17 @@ def _int_field(v, name: str, lo: int, allow_none: bool = False):
 
 
 def _parse_loads(text, flag: str) -> tuple:
-    """--loads / --eval-loads: the evaluator's own parser of rho values (one-line errors)."""
+    """--loads / --eval-loads: the evaluator's own parser of rho values (one-line errors); ``native``
+    (with --trace) is the trace's own timestamps (times --rate-scale)."""
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if NATIVE in items:
+        rest = ",".join(x for x in items if x != NATIVE)
+        return (NATIVE,) + (parse_loads(rest, flag[2:]) if rest else ())
     return parse_loads(text, flag[2:])
+
+
+#: the load of a trace's own timestamps (``--loads native``, docs/design.md section 10)
+NATIVE = "native"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +121,13 @@ class TuneConfig:
     train_split: str = option("train", "split the search sees (default train)")
     test_split: str = option("test", "held-out split evaluated once at the end (default test)")
     profile: str = option("stress-512", "engine profile (default stress-512)")
-    loads: tuple[float, ...] = option(
-        (1.2,), "tuning load(s) rho, comma-separated: the objective is the mean goodput over traces x loads "
-        "(default 1.2, the primary endpoint's load)", parse=_parse_loads)
-    eval_loads: tuple[float, ...] = option(
-        (1.0, 1.2, 1.5), "test-split loads for the leaderboard and goodput vs load (default 1.0,1.2,1.5)",
+    loads: Optional[tuple[float, ...]] = option(
+        None, "tuning load(s) rho, comma-separated: the objective is the mean goodput over traces x loads "
+        "(default 1.2, the primary endpoint's load; with --trace: native, the trace's own timestamps)",
         parse=_parse_loads)
+    eval_loads: Optional[tuple[float, ...]] = option(
+        None, "test-split loads for the leaderboard and goodput vs load (default 1.0,1.2,1.5; with --trace: "
+        "the tuning loads)", parse=_parse_loads)
     trials: int = option(
         48, "trials per study, a global cap across workers; the index, each baseline and weights+shed get "
         "this many, each index-scheduled bucket study ceil(trials / buckets) (default 48)",
@@ -161,6 +171,18 @@ class TuneConfig:
         (), "a trained agent (agents/train_ppo.py or tokenbatch train output directory, e.g. runs/ppo/best) "
         "judged in the test report beside the tuned rows; repeatable (needs the rl extra)",
         flags=("--agent",), append=True, metavar="PATH")
+    trace: Optional[str] = option(
+        None, "tune on a trace file instead of a suite (Azure CSV, Mooncake JSONL, BurstGPT, canonical): its "
+        "requests split by time, first 60%% train, next 20%% validation, last 20%% test; every tuned row is tuned "
+        "on train, its best kept on validation, judged once on test")
+    trace_format: Optional[str] = option(None, "the trace file's format (default: detected)", flags=("--format",))
+    windows: int = option(200, "with --trace: scored requests per window", min=1)
+    warmup: int = option(100, "with --trace: requests simulated before each window, not scored", min=0)
+    cooldown: int = option(100, "with --trace: requests simulated after each window, not scored", min=0)
+    rate_scale: float = option(1.0, "with --trace and --loads native: multiply the trace's arrival rate by this",
+                               what="a positive number")
+    val_top: int = option(5, "with --trace: the best trials (by train goodput) of each row replayed on the "
+                             "validation windows; the best there is kept", min=1)
 
     def __post_init__(self):
         from .policies import BASELINES
@@ -171,14 +193,37 @@ class TuneConfig:
         if self.train_split == self.test_split:
             raise ConfigError(f"test_split must differ from train_split (both {self.train_split!r}): "
                               "the test split must never be seen by the search")
+        if self.trace is not None:
+            if not isinstance(self.trace, str) or not Path(self.trace).is_file():
+                raise ConfigError(f"trace: file {self.trace!r} not found")
+            set_("comparators", False)   # (the comparators are the suite protocol's, docs/design.md section 7)
+            if self.agents:
+                raise ConfigError("agents: judged on a suite's test split, not with --trace")
+            for f, lo in (("windows", 1), ("warmup", 0), ("cooldown", 0), ("val_top", 1)):
+                set_(f, _int_field(getattr(self, f), f, lo))
+            r = self.rate_scale
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
+                raise ConfigError(f"rate_scale: must be a positive finite number, got {r!r}")
+            set_("rate_scale", float(r))
+        elif self.rate_scale != 1.0:
+            raise ConfigError("rate_scale: only with --trace (the native load of a trace file)")
+        if self.loads is None:
+            set_("loads", (NATIVE,) if self.trace is not None else (1.2,))
+        if self.eval_loads is None:
+            set_("eval_loads", self.loads if self.trace is not None else (1.0, 1.2, 1.5))
         for f in ("loads", "eval_loads"):
             vals = tuple(getattr(self, f))
             if not vals:
                 raise ConfigError(f"{f}: need at least one rho > 0")
+            native = NATIVE in vals
+            if native and self.trace is None:
+                raise ConfigError(f"{f}: native loads are a trace file's own timestamps: give --trace FILE")
             for x in vals:
+                if x == NATIVE:
+                    continue
                 if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
                     raise ConfigError(f"{f}: rho must be a finite number > 0, got {x!r}")
-            set_(f, tuple(sorted({float(x) for x in vals})))
+            set_(f, ((NATIVE,) if native else ()) + tuple(sorted({float(x) for x in vals if x != NATIVE})))
         set_("trials", _int_field(self.trials, "trials", 1))
         set_("k", _int_field(self.k, "k", 1))
         set_("max_train_traces", _int_field(self.max_train_traces, "max_train_traces", 1, True))
@@ -220,7 +265,7 @@ class TuneConfig:
         if not isinstance(self.comparators, (bool, np.bool_)):
             raise ConfigError(f"comparators: must be True or False, got {self.comparators!r}")
         set_("comparators", bool(self.comparators))
-        names = [f"{BUCKET_PREFIX}{x:g}" for x in self.eval_loads]
+        names = [f"{BUCKET_PREFIX}{x:g}" for x in self.eval_loads if x != NATIVE]
         if self.comparators and len(set(names)) != len(names):
             raise ConfigError(f"eval_loads: {list(self.eval_loads)} are too close to name one index study "
                               "per load bucket")
@@ -237,7 +282,8 @@ class TuneConfig:
     def name(self) -> str:
         if self.study_name:
             return self.study_name
-        return f"{self.suite}-{self.profile}-rho" + "-".join(f"{x:g}" for x in self.loads)
+        what = self.suite if self.trace is None else "trace-" + Path(self.trace).stem
+        return f"{what}-{self.profile}-rho" + "-".join(x if x == NATIVE else f"{x:g}" for x in self.loads)
 
     @property
     def rows(self) -> tuple:
@@ -292,8 +338,12 @@ class TuneConfig:
     def objective_dict(self, row: Optional[str] = None) -> dict:
         """What defines a study's objective (a resumed study must match it)."""
         loads = self.loads if row is None else self.loads_of(row)
-        return {"suite": self.suite, "train_split": self.train_split, "profile": self.profile,
-                "loads": list(loads), "max_train_traces": self.max_train_traces}
+        d = {"suite": self.suite, "train_split": self.train_split, "profile": self.profile,
+             "loads": list(loads), "max_train_traces": self.max_train_traces}
+        if self.trace is not None:
+            d.update(trace=str(Path(self.trace).resolve()), windows=self.windows, warmup=self.warmup,
+                     cooldown=self.cooldown, rate_scale=self.rate_scale)
+        return d
 
 
 # ------------------------------------------------------------------------------------ search space
@@ -592,27 +642,39 @@ class TrainObjective:
     evaluation of k configurations of one row. An index-scheduled bucket study's units are the same
     traces at its bucket's load (``units_of``)."""
 
-    def __init__(self, cfg: TuneConfig):
+    def __init__(self, cfg: TuneConfig, split: Optional[str] = None):
         from .engine.profiles import load_profile
         from .evaluate import BenchConfig, prepare_workload
 
         self.cfg = cfg
-        bc = BenchConfig(suite=cfg.suite, split=cfg.train_split, profile=cfg.profile, loads=cfg.loads,
-                         max_traces=cfg.max_train_traces, upper_bound=False)
+        split = split or cfg.train_split
+        numeric = tuple(x for x in cfg.loads if x != NATIVE) or (1.0,)
+        if cfg.trace is None:
+            bc = BenchConfig(suite=cfg.suite, split=split, profile=cfg.profile, loads=numeric,
+                             max_traces=cfg.max_train_traces, upper_bound=False)
+        else:   # a trace file's time-ordered part (docs/design.md section 10)
+            bc = BenchConfig(trace_file=cfg.trace, trace_format=cfg.trace_format, windows=cfg.windows,
+                             warmup=cfg.warmup, cooldown=cfg.cooldown, trace_split=split,
+                             rate_scale=cfg.rate_scale, profile=cfg.profile, loads=numeric,
+                             max_traces=cfg.max_train_traces, upper_bound=False)
         self.bench_config = bc
         self.profile = bc.engine.resolve(load_profile(cfg.profile))
         self.wl = prepare_workload(bc, self.profile)
+        #: the tuning loads as rho values (``native``: the trace's own rate, ``Workload.native_rho``)
+        self.loads = tuple(self.wl.native_rho if x == NATIVE else x for x in cfg.loads)
         est = self.wl.estimates()
         self.units, self.est = [], []
-        for rho in cfg.loads:
+        for rho in self.loads:
             self.units += self.wl.at(rho)
             self.est += est
         self._by_load = {}
         self.threads = cfg.engine_threads()
         self.evidence_inputs = {
             "purpose": "tuning objective: mean goodput over (trace, load) units",
-            "workload": {"name": self.wl.name, "split": cfg.train_split, "trace_digests": self.wl.digests},
-            "loads": list(cfg.loads), "lambda_sat_rps": self.wl.lambda_sat,
+            "workload": {"name": self.wl.name, "split": split, "trace_digests": self.wl.digests,
+                         **({} if cfg.trace is None else {"windows": [list(w) for w in self.wl.windows],
+                                                          "rate_scale": cfg.rate_scale})},
+            "loads": list(self.loads), "lambda_sat_rps": self.wl.lambda_sat,
             "engine_config": bc.engine.to_dict(), "profile": {"name": self.profile.name,
                                                               "profile": self.profile.to_dict()},
             "predictor": self.wl.predictor.to_dict(), "t_ref_ms": self.wl.t_ref_ms,
@@ -954,6 +1016,26 @@ def study_summary(study, row: str) -> dict:
             "history": sorted(hist, key=lambda h: h["number"])}
 
 
+def keep_best_on_validation(study, summary: dict, validation: "TrainObjective", top: int) -> dict:
+    """``summary`` with its best trial chosen on validation (docs/design.md section 10, tuning on a
+    trace): the ``top`` trials with the best train goodput, replayed on the validation windows; the
+    best validation goodput is kept (ties: the better train goodput, then the earlier trial)."""
+    from optuna.trial import TrialState
+    done = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE
+            and t.user_attrs.get("config") is not None]
+    if not done:
+        return summary
+    cands = sorted(done, key=lambda t: (-t.value, t.number))[:top]
+    val = validation.evaluate(summary["row"], [t.user_attrs["config"] for t in cands])
+    best = max(range(len(cands)), key=lambda j: (val[j], cands[j].value, -cands[j].number))
+    t = cands[best]
+    return {**summary, "best": {"number": t.number, "train_goodput": t.value, "config": t.user_attrs["config"],
+                                "evidence_id": t.user_attrs.get("evidence_id"),
+                                "validation_goodput": float(val[best])},
+            "validation": {"candidates": [{"number": c.number, "train_goodput": c.value,
+                                           "validation_goodput": float(v)} for c, v in zip(cands, val)]}}
+
+
 def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_ms: float,
                     deployment: Optional[dict] = None) -> dict:
     """The best parameters in the ``--params`` format that ``params.load_params_file`` reads
@@ -992,7 +1074,10 @@ def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_
             margins.append(_margin_value(best["config"]["shed_margin"]))
         doc[SCHEDULE_KEY] = IndexSchedule.from_loads(list(cfg.bucket_rows.values()), params, margins).to_dict()
     doc["tuned"] = {
-        "by": "tuning/optuna_search.py", "suite": cfg.suite, "split": cfg.train_split,
+        "by": "tuning/optuna_search.py", "suite": cfg.suite if cfg.trace is None else None,
+        **({} if cfg.trace is None else {"trace": str(Path(cfg.trace).resolve()), "windows": cfg.windows,
+                                         "selected_on": "validation", "val_top": cfg.val_top}),
+        "split": cfg.train_split,
         "profile": cfg.profile, "loads": list(cfg.loads), "max_train_traces": cfg.max_train_traces,
         "trials_per_study": cfg.trials, "k": cfg.k, "sampler": cfg.sampler, "seed": cfg.seed,
         **({"comparators": {"weights+shed": {"trials": cfg.trials},
@@ -1103,12 +1188,16 @@ def run_tuning(cfg: TuneConfig) -> dict:
     out = Path(cfg.out)
     check_writable(out, "out:", directory=True)
     # the train/test splits exist and differ: checked before any work (and before ``out`` is made)
-    from .traces.suites import load_suite
-    suite = load_suite(cfg.suite)
-    for s in (cfg.train_split, cfg.test_split):
-        if s not in suite.splits:
-            raise ConfigError(f"suite {cfg.suite!r} has no split {s!r}; splits: {', '.join(suite.splits)}")
-    objective = TrainObjective(cfg)   # also validates the profile and suite
+    if cfg.trace is None:
+        from .traces.suites import load_suite
+        suite = load_suite(cfg.suite)
+        for s in (cfg.train_split, cfg.test_split):
+            if s not in suite.splits:
+                raise ConfigError(f"suite {cfg.suite!r} has no split {s!r}; splits: {', '.join(suite.splits)}")
+    elif (cfg.train_split, cfg.test_split) != ("train", "test"):
+        raise ConfigError("train_split / test_split: a trace file's splits are train, validation and test by time")
+    objective = TrainObjective(cfg)   # also validates the profile and suite (or trace: its splits' windows)
+    validation = TrainObjective(cfg, "validation") if cfg.trace is not None else None
     if cfg.agents:   # each agent's env and model load now, not after the search (ConfigError if not)
         from .agents.load import agent_labels, agent_spec, agent_warnings
         for a, label in zip(cfg.agents, agent_labels(cfg.agents)):
@@ -1122,6 +1211,9 @@ def run_tuning(cfg: TuneConfig) -> dict:
     search = run_search(cfg, objective)
     studies = open_studies(cfg, write_attrs=False)
     summaries = {row: study_summary(st, row) for row, st in studies.items()}
+    if validation is not None:
+        summaries = {row: keep_best_on_validation(st, summaries[row], validation, cfg.val_top)
+                     for row, st in studies.items()}
 
     doc = params_document(cfg, summaries, obj_eid, objective.wl.t_ref_ms, objective.deployment())
     params_path = out / "best_params.json"
@@ -1140,9 +1232,16 @@ def run_tuning(cfg: TuneConfig) -> dict:
         from .agents.load import agent_labels, agent_spec
         extra["controllers"] = tuple(agent_spec(a, label=lab, option="agents:")
                                      for a, lab in zip(cfg.agents, agent_labels(cfg.agents)))
+    if cfg.trace is not None:
+        extra.update(trace_file=cfg.trace, trace_format=cfg.trace_format, windows=cfg.windows, warmup=cfg.warmup,
+                     cooldown=cfg.cooldown, trace_split=cfg.test_split, rate_scale=cfg.rate_scale)
+        eval_loads = tuple(sorted({objective.wl.native_rho if x == NATIVE else x for x in cfg.eval_loads}))
+    else:
+        extra.update(suite=cfg.suite, split=cfg.test_split)
+        eval_loads = cfg.eval_loads
     bench = run_benchmark(BenchConfig(
-        suite=cfg.suite, split=cfg.test_split, profile=cfg.profile, policies=pols, shed=True,
-        loads=cfg.eval_loads, index_params=params, shed_margins=margins, params_source=str(params_path),
+        profile=cfg.profile, policies=pols, shed=True,
+        loads=eval_loads, index_params=params, shed_margins=margins, params_source=str(params_path),
         t_ref_ms=doc["meta"]["t_ref_ms"], params_deployment=doc["meta"],
         max_traces=cfg.max_test_traces, bootstrap_seed=cfg.seed, bootstrap_b=cfg.bootstrap_b,
         progress=cfg.progress, threads=cfg.engine_threads(), **extra))

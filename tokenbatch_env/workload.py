@@ -46,6 +46,7 @@ class WorkloadSpec:
     cooldown: int = 0
     engine: object = None
     trace_split: Optional[str] = None   # a trace file's time-ordered split (None: every window)
+    rate_scale: float = 1.0             # the native load: the trace's own rate times this
 
     def __post_init__(self):
         if self.trace_split is not None and self.trace_split not in ("train", "validation", "test"):
@@ -62,7 +63,7 @@ class WorkloadSpec:
         an ``evaluate.BenchConfig``)."""
         if isinstance(config, cls):
             return config
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: getattr(config, f.name, f.default) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass
@@ -87,6 +88,10 @@ class Workload:
     # share of the train part's arrivals the engine admits (prompt < max_model_len): loads are
     # admitted loads (docs/design.md section 10), so all arrivals come at rho x lambda_sat / share
     admitted_share: float = 1.0
+    # a trace's own timestamps, their rate multiplied by ``rate_scale``, as a load: ``native_rho``
+    # (exactly that scale: ``scale_factor``)
+    rate_scale: float = 1.0
+    native_rho: Optional[float] = None
 
     def rate(self, rho: float) -> float:
         """All arrivals' rate (req/s) at load ``rho``: the admitted requests' is rho x lambda_sat."""
@@ -118,10 +123,17 @@ class Workload:
         if self.kind == "suite":
             return scale_to_rate(self.units[i], rate, nominal_rps=self.nominal_rps)
         lo, hi, _, _ = self.windows[i]
+        if self.native_rho is not None:
+            from .traces.windows import time_scale
+            return time_scale(self.parent, self.scale_factor(rho)).subset(slice(lo, hi))
         return scale_to_rate(self.parent, rate, nominal_rps=self.nominal_rps).subset(slice(lo, hi))
 
     def scale_factor(self, rho: float):
-        """The exact factor (a Fraction) by which ``unit_at(i, rho)`` scales every unit's times."""
+        """The exact factor (a Fraction) by which ``unit_at(i, rho)`` scales every unit's times (at
+        ``native_rho``: exactly 1 / ``rate_scale``)."""
+        if self.native_rho is not None and rho == self.native_rho:
+            from .traces.windows import as_fraction
+            return 1 / as_fraction(self.rate_scale, "rate_scale")
         nominal = self.__dict__.get("_nominal")
         if nominal is None:   # the units' stored rate: a constant of the workload
             from .traces.windows import as_fraction, empirical_rate_rps
@@ -186,7 +198,11 @@ class Workload:
         if self.kind == "suite":
             return [self.unit_at(i, rho) for i in range(len(self.units))]
         from .traces.windows import scale_to_rate
-        scaled = scale_to_rate(self.parent, self.rate(rho), nominal_rps=self.nominal_rps)
+        if self.native_rho is not None:
+            from .traces.windows import time_scale
+            scaled = time_scale(self.parent, self.scale_factor(rho))
+        else:
+            scaled = scale_to_rate(self.parent, self.rate(rho), nominal_rps=self.nominal_rps)
         return [scaled.subset(slice(lo, hi)) for lo, hi, _, _ in self.windows]
 
     def estimates(self, oracle: bool = False) -> list:
@@ -310,6 +326,10 @@ def prepare_workload(spec, profile) -> Workload:
     wl = Workload(trace.name, "trace", units, scored, spans, part, nominal, lam, src, rl,
                   float(np.median(train.ttft_slo_ns)) / 1e6, _default_predictor(),
                   _class_names(DEFAULT_SLA, ncls), [trace.digest], notes, share)
+    if cfg.trace_split is not None:
+        # the train part's own admitted rate, times rate_scale, relative to lambda_sat
+        wl.rate_scale = float(cfg.rate_scale)
+        wl.native_rho = float(cfg.rate_scale) * nominal * share / lam
     return wl
 
 

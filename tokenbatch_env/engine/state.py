@@ -71,6 +71,8 @@ class EngineConfig:
         ch = {}
         if self.max_num_batched_tokens is not None:
             ch["max_num_batched_tokens"] = self.max_num_batched_tokens
+            if getattr(profile, "b_max", None) is not None and profile.b_max < self.max_num_batched_tokens:
+                ch["b_max"] = self.max_num_batched_tokens   # (an explicit budget is within its own range)
         if self.max_num_seqs is not None:
             ch["max_num_seqs"] = self.max_num_seqs
         if self.block_size is not None:

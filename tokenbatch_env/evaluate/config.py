@@ -72,6 +72,7 @@ class BenchConfig:
     schedule: object = None                     # IndexSchedule: adds the "index-scheduled" row
     controllers: tuple = ()                     # control.ControlSpec rows (trained agents)
     trace_split: Optional[str] = None           # a trace file's time-ordered split (None: every window)
+    rate_scale: float = 1.0                     # with trace_split: the native load's rate multiplier
     t_ref_ms: Optional[float] = None            # T_ref of a t_ref_mode "fixed" parameters file
     params_deployment: Optional[dict] = None    # the deployment its parameters were tuned on (warnings)
 
@@ -153,6 +154,7 @@ class BenchConfig:
             raise ConfigError(f"trace_split: train, validation or test of a trace file, got {self.trace_split!r}")
         if self.t_ref_ms is not None:
             set_("t_ref_ms", _finite_pos(self.t_ref_ms, "t_ref_ms"))
+        set_("rate_scale", _finite_pos(self.rate_scale, "rate_scale"))
 
     def shed_margin(self, policy: str) -> float:
         """The +shed row's margin for ``policy`` (default 0.0)."""

@@ -48,7 +48,8 @@ def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
                      "split": cfg.split if wl.kind == "suite" else None,
                      "trace_digests": wl.digests,
                      "windows": None if wl.windows is None else [list(w) for w in wl.windows],
-                     **({"trace_split": cfg.trace_split} if cfg.trace_split is not None else {})},
+                     **({"trace_split": cfg.trace_split, "rate_scale": cfg.rate_scale}
+                        if cfg.trace_split is not None else {})},
         "loads": list(cfg.loads),
         "lambda_sat_rps": wl.lambda_sat,
         "engine_config": cfg.engine.to_dict(),

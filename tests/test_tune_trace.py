@@ -1,0 +1,112 @@
+"""Tuning on a trace file (docs/design.md section 10): time-ordered 60/20/20 windows, every row tuned
+on train, its best kept on validation, judged once on test at the trace's native load; the
+parameters file records what was fitted to the train part; readers of every format."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+optuna = pytest.importorskip("optuna")
+
+from tokenbatch_env import tuning as T  # noqa: E402
+from tokenbatch_env.errors import ConfigError  # noqa: E402
+from tokenbatch_env.traces.io import save_npz  # noqa: E402
+from tokenbatch_env.traces.suites import load_suite  # noqa: E402
+from tokenbatch_env.traces.trace import Trace  # noqa: E402
+
+
+def _trace(tmp_path, n=1500):
+    """seed-200 train traces end to end: one long trace with SLOs (canonical NPZ)."""
+    parts, t0 = [], 0
+    for t in load_suite("seed-200").traces("train"):
+        parts.append(t.arrival_ns + t0)
+        t0 += int(t.arrival_ns[-1]) + 1
+        if sum(len(p) for p in parts) >= n:
+            break
+    src = load_suite("seed-200").traces("train")[:len(parts)]
+    cat = lambda k: np.concatenate([getattr(t, k) for t in src])[:n]  # noqa: E731
+    tr = Trace.build(arrival_ns=np.concatenate(parts)[:n], prompt_tokens=cat("prompt_tokens"),
+                     output_tokens=cat("output_tokens"), ttft_slo_ns=cat("ttft_slo_ns"),
+                     tpot_slo_ns=cat("tpot_slo_ns"), priority=cat("priority"), name="mine")
+    path = tmp_path / "mine.npz"
+    save_npz(tr, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tune-trace")
+    path = _trace(tmp)
+    out = tmp / "out"
+    cfg = T.TuneConfig(trace=str(path), windows=40, warmup=10, cooldown=10, trials=3, k=3, baselines=("edf",),
+                       val_top=2, bootstrap_b=200, out=str(out), progress=False)
+    T.run_tuning(cfg)
+    return cfg, out
+
+
+def test_rows_are_tuned_on_train_kept_on_validation_judged_on_test(tuned):
+    cfg, out = tuned
+    rep = json.loads((out / "report.json").read_text())
+    doc = json.loads((out / "best_params.json").read_text())
+    assert cfg.loads == ("native",) and not cfg.comparators
+    for row in ("index+shed", "edf+shed"):
+        s = rep["studies"][row]
+        cands = s["validation"]["candidates"]
+        assert len(cands) == 2 and s["best"]["validation_goodput"] == max(c["validation_goodput"] for c in cands)
+        assert [c["train_goodput"] for c in cands] == sorted((c["train_goodput"] for c in cands), reverse=True)
+    test = rep["test"]
+    assert test["evidence_inputs"]["workload"]["trace_split"] == "test"
+    # the native load: the train part's own rate (rho = its admitted rate / lambda_sat)
+    fitted = doc["meta"]["fitted"]
+    assert fitted["from"] == "train" and fitted["lambda_sat_rps"] == pytest.approx(test["lambda_sat"]["rps"], rel=1e-5)
+    assert doc["meta"]["t_ref_mode"] == "fixed" and test["t_ref_ms"] == pytest.approx(doc["meta"]["t_ref_ms"], rel=1e-5)
+    assert doc["tuned"]["trace"].endswith("mine.npz") and doc["tuned"]["selected_on"] == "validation"
+    # index+shed against every tuned baseline's +shed row, keyed by label
+    ix = next(r for r in test["loads"][0]["rows"] if r["label"] == "index+shed")
+    assert {"edf+shed", "fcfs+shed", "sjf+shed", "llf+shed"} <= set(ix["vs"])
+    assert {"diff", "ci95", "win_rate"} <= set(ix["vs"]["edf+shed"])
+
+
+def test_native_load_keeps_the_trace_timestamps_exactly(tuned):
+    cfg, _ = tuned
+    obj = T.TrainObjective(cfg)
+    (rho,) = obj.loads
+    assert rho == obj.wl.native_rho
+    unit = obj.wl.unit_at(0, rho)
+    lo, hi, _, _ = obj.wl.windows[0]
+    np.testing.assert_array_equal(unit.arrival_ns, obj.wl.parent.arrival_ns[lo:hi])
+    fast = T.TuneConfig(trace=cfg.trace, windows=40, warmup=10, cooldown=10, rate_scale=2.0, out=cfg.out)
+    u2 = T.TrainObjective(fast).wl.unit_at(0, T.TrainObjective(fast).loads[0])
+    np.testing.assert_array_equal(u2.arrival_ns * 2, unit.arrival_ns)   # (times even: exact halves here)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"loads": ("native",)}, "native loads are a trace file's own timestamps"),
+    ({"rate_scale": 2.0}, "rate_scale: only with --trace"),
+    ({"trace": "nope.csv"}, "trace: file 'nope.csv' not found"),
+])
+def test_bad_trace_options(kw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        T.TuneConfig(**kw)
+
+
+def test_too_few_windows_names_the_largest_w(tmp_path):
+    path = _trace(tmp_path, n=600)
+    with pytest.raises(ConfigError, match="use --windows"):
+        T.TrainObjective(T.TuneConfig(trace=str(path), windows=40, warmup=10, cooldown=10, out=str(tmp_path)))
+
+
+def test_the_script_takes_the_trace_options(tmp_path):
+    """The command line: --trace, --format, --windows, --loads native,RHO, --rate-scale parse and
+    round-trip (config_cli)."""
+    from tokenbatch_env.config_cli import config_to_argv
+    from tokenbatch_env.tune_cli import build_parser, config_from_args
+    path = _trace(tmp_path, n=1500)
+    args = build_parser().parse_args(["--trace", str(path), "--format", "npz", "--windows", "40", "--warmup", "10",
+                                      "--cooldown", "10", "--loads", "native,1.5", "--rate-scale", "0.5"])
+    cfg = config_from_args(args)
+    assert cfg.loads == ("native", 1.5) and cfg.eval_loads == ("native", 1.5) and cfg.rate_scale == 0.5
+    assert config_from_args(build_parser().parse_args(config_to_argv(cfg))) == cfg
