@@ -126,7 +126,7 @@ def test_nnls_agrees_with_scipy_when_available():
 def test_fit_regenerates_shipped_profiles_byte_identically(tmp_path):
     csv = samples_csv()
     profiles = fit.build_profiles(csv)
-    assert [p.name for p in profiles] == [fit.FITTED_NAME, fit.DERIVED_NAME]
+    assert [p.name for p in profiles] == [fit.FITTED_NAME, fit.DERIVED_NAME, fit.LONG_NAME]
     for p in profiles:
         shipped = (DATA / f"{p.name}.json").read_text(encoding="utf-8")
         assert fit.profile_json(p) == shipped, f"{p.name}.json is stale: rerun {fit.FIT_COMMAND}"
@@ -272,7 +272,7 @@ def test_derivation_numbers_match_calibration_readme():
 # ------------------------------------------------------------------------------------------
 
 def test_expected_profiles_shipped():
-    assert {"stress-512", "linear", "llama2-7b-a100", "llama3-8b-h100"} <= set(list_profiles())
+    assert {"stress-512", "linear", "llama2-7b-a100", "llama3-8b-h100", "llama31-8b-h100"} <= set(list_profiles())
 
 
 @pytest.mark.parametrize("name", list_profiles())

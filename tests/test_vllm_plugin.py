@@ -276,3 +276,108 @@ def test_priority_is_the_exact_rank(params_file):
         assert [p for p, *_ in snap] == list(range(len(snap)))
         keys = [(-ts[0], -ts[1], a, r) for _, ts, a, r in snap]
         assert keys == sorted(keys)
+
+
+# ----------------------------------------------------------------------------- log_steps
+def _costed_profile():
+    """stress-512's costs (every term non-zero), without the watermark the harness does not model."""
+    import dataclasses
+    from tokenbatch_env.engine.profiles import load_profile
+    return dataclasses.replace(load_profile("stress-512"), watermark_blocks=0)
+
+
+def _logged_replay(path, kind, seed, async_scheduling=False):
+    """A replay whose iteration times are ``_costed_profile``'s (the harness's clock), logged to ``path``."""
+    cls = f"{PLUGIN}.{'TokenBatchAsyncScheduler' if async_scheduling else 'TokenBatchScheduler'}"
+    holder = {}
+    import importlib
+    base = getattr(importlib.import_module(PLUGIN), cls.rsplit(".", 1)[1])
+
+    class Spy(base):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            holder["s"] = self
+    v = H.replay(gen(seed, kind), _costed_profile(), "priority", scheduler_cls=Spy, async_scheduling=async_scheduling,
+                 scheduler_kwargs={"tokenbatch_config": {"policy": "edf", "profile": "linear",
+                                                         "log_steps": str(path)}}, **budgets(seed))
+    return v, holder["s"]
+
+
+def test_log_steps_rows_are_the_engine_cost_features_and_fit_back(tmp_path, capsys):
+    """Sync replays (the harness clock advances by the profile's iteration time): one row per
+    iteration, P and D as the harness counted them, and every t_ms exactly the cost model applied
+    to the row's features -- so K, sum_c2 and sum_kv_c are the ones the engine prices. Two replays
+    append to one file (one header). ``profiles fit --samples`` then recovers the profile."""
+    from tokenbatch_env.cli import main
+    from tokenbatch_env.engine import fit
+    from tokenbatch_env.engine.profiles import load_profile
+    path = tmp_path / "steps.csv"
+    iters = []
+    for kind, seed in (("long", 0), ("prefix", 1)):
+        v, s = _logged_replay(path, kind, seed)
+        iters.append(v.iterations)
+        assert s.tokenbatch_stats["logged_steps"] == len(v.iterations["iteration"])
+    text = path.read_text()
+    assert text.count("kind,") == 1 and text.splitlines()[0] == ",".join(fit.SAMPLES_COLUMNS)
+    rows = fit.read_samples(path)
+    it = {k: np.concatenate([i[k] for i in iters]) for k in ("prefill_tokens", "decodes", "start_ns", "end_ns")}
+    assert len(rows["t_ms"]) == len(it["decodes"]) > 100
+    assert (rows["P"] == it["prefill_tokens"]).all() and (rows["D"] == it["decodes"]).all()
+    assert (rows["sum_kv_c"] > 0).any() and (rows["K"] > 0).any()     # prefix hits, chunks, decodes
+    cost = _costed_profile().cost
+    pred = cost.iteration_ns(rows["P"], rows["sum_c2"], rows["sum_kv_c"], rows["D"], rows["K"])
+    assert (pred == it["end_ns"] - it["start_ns"]).all()
+    assert (np.round(rows["t_ms"] * 1e6).astype(np.int64) == pred).all()
+    assert (rows["kind"] == np.where(rows["D"] == 0, 0, np.where(rows["P"] == 0, 1, 2))).all()
+    # the round trip: the plug-in's file is what `profiles fit --samples` reads
+    out = tmp_path / "mine.json"
+    assert main(["profiles", "fit", "--samples", str(path), "--name", "my-cpu", "--num-blocks", "48",
+                 "--max-model-len", "4096", "--no-async-scheduling", "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    p = load_profile(str(out))
+    assert p.provenance == "fitted (user)" and max(p.mape_pct.values()) < 0.01
+    for t in ("c0", "c_prefill", "c_c2", "c_attn", "c_decode", "c_kv"):
+        assert getattr(p.cost, t) == pytest.approx(getattr(cost, t), rel=1e-3)
+
+
+def test_log_steps_async_features_match_the_replay(tmp_path):
+    """Async: the same features per step. (The harness's clock moves when a step is scheduled, so
+    its t_ms is the next step's period there; on a server it is the step's own.)"""
+    from tokenbatch_env.engine import fit
+    path = tmp_path / "steps.csv"
+    v, s = _logged_replay(path, "mix", 0, async_scheduling=True)
+    rows = fit.read_samples(path)
+    n = len(rows["t_ms"])
+    assert s.tokenbatch_stats["logged_steps"] == n >= len(v.iterations["iteration"]) - 1 > 20
+    assert (rows["P"] == v.iterations["prefill_tokens"][:n]).all()
+    assert (rows["D"] == v.iterations["decodes"][:n]).all()
+    assert (rows["t_ms"] > 0).all()
+
+
+def test_log_steps_bad_paths_fail_at_startup(tmp_path):
+    from tokenbatch_env.integrations.vllm import TokenBatchPluginError
+    with pytest.raises(TokenBatchPluginError, match="log_steps.*cannot write"):
+        _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear", "log_steps": str(tmp_path)})
+    other = tmp_path / "other.csv"
+    other.write_text("a,b\n1,2\n")
+    with pytest.raises(TokenBatchPluginError, match=r"log_steps: .*other\.csv exists and is not a samples file"):
+        _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear", "log_steps": str(other)})
+    assert other.read_text() == "a,b\n1,2\n"
+    off = _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear"})
+    assert off.tokenbatch.log_steps is None and "logged_steps" not in off.tokenbatch_stats
+
+
+def test_log_steps_startup_writes_the_header_and_logs_the_fit_command(tmp_path, caplog, monkeypatch):
+    import logging
+    from tokenbatch_env.engine import fit
+    path = tmp_path / "steps.csv"
+    monkeypatch.setenv("TOKENBATCH_LOG_STEPS", str(path))    # as every setting: also from the environment
+    with caplog.at_level(logging.INFO, logger=PLUGIN):
+        s = _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear"})
+    assert s.tokenbatch.log_steps == str(path) and s.tokenbatch_stats["logged_steps"] == 0
+    assert path.read_text() == ",".join(fit.SAMPLES_COLUMNS) + "\n"
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert (f"fit with: tokenbatch profiles fit --samples {path} --name NAME --num-blocks 20 "
+            "--max-model-len") in msg and "--max-num-batched-tokens 64 --max-num-seqs 4 --no-async-scheduling" in msg
+    _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear"})   # appends: still one header
+    assert path.read_text().count("kind,") == 1

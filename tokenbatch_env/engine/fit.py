@@ -1,8 +1,10 @@
-"""Fit the iteration-time model to calibration data, and derive the H100 profile from the fit.
+"""Fit the iteration-time model to calibration data, and derive the H100 profiles from the fit.
 
 ``python -m tokenbatch_env.engine.fit --out tokenbatch_env/data/profiles/`` (or
-``tokenbatch profiles fit --out ...``) regenerates ``llama2-7b-a100.json`` (fitted) and
-``llama3-8b-h100.json`` (derived) byte-identically from ``../shared/calibration/``.
+``tokenbatch profiles fit --out ...``) regenerates ``llama2-7b-a100.json`` (fitted),
+``llama3-8b-h100.json`` and ``llama31-8b-h100.json`` (derived) byte-identically from
+``../shared/calibration/``. ``tokenbatch profiles fit --samples FILE.csv --name N --num-blocks ...
+--max-model-len ...`` fits a profile of the user's own deployment instead (``user_profile``).
 
 Fit: non-negative least squares (Lawson-Hanson, below; numpy only) of the six-term model of
 ``cost_model.py`` over the 6,000 batches of ``llama2_7b_a100_tp1_fit_samples.csv``, rows
@@ -22,9 +24,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import os
+import re
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -44,6 +49,7 @@ SIG_DIGITS = 6
 
 FITTED_NAME = "llama2-7b-a100"
 DERIVED_NAME = "llama3-8b-h100"
+LONG_NAME = "llama31-8b-h100"
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,6 +422,257 @@ def derived_profile(fitted: Profile, calibration_dir) -> Profile:
 
 
 # --------------------------------------------------------------------------------------------
+# The long-context H100 profile
+# --------------------------------------------------------------------------------------------
+
+LLAMA31_CONTEXT = 131_072   # Llama-3.1-8B's context (Llama-3-8B's architecture and weights' size)
+FIT_CONTEXT = 4096          # the fitted profile's context limit: the contexts its attention terms saw
+
+
+def fit_contexts(samples: dict) -> dict:
+    """How long the contexts were in the batches that c_attn and c_kv were fitted on."""
+    pre, dec = samples["P"] > 0, samples["D"] > 0
+    mean_cb = samples["sum_kv_c"][pre] / samples["P"][pre]    # token-weighted, per batch
+    mean_ctx = samples["K"][dec] / samples["D"][dec]
+    return {"prefill_mean_computed_before_max": int(round(float(mean_cb.max()))),
+            "decode_mean_context_max": int(round(float(mean_ctx.max()))),
+            "decode_batches": int(dec.sum()),
+            f"decode_batches_mean_context_above_{FIT_CONTEXT}": int((mean_ctx > FIT_CONTEXT).sum())}
+
+
+def _idle_prefill_ns(cost: CostModel, prompt: int, budget: int) -> int:
+    """TTFT_idle by the chunk-by-chunk sum (the engine's integer times; no compiled code needed)."""
+    total = done = 0
+    while done < prompt:
+        c = min(prompt - done, budget)
+        total += int(cost.iteration_ns(c, c * c, c * done, 0, 0))
+        done += c
+    return total
+
+
+def long_context_profile(derived: Profile, samples: dict) -> Profile:
+    """``llama31-8b-h100``: ``derived``'s costs and limits with Llama-3.1-8B's 131,072-token context."""
+    p = dataclasses.replace(derived, max_model_len_limit=LLAMA31_CONTEXT)
+    L, c, bs = p.max_model_len, p.cost, p.block_size
+    blocks = -(-L // bs)
+    share = 100.0 * blocks / p.usable_blocks
+    ttft_ms = _idle_prefill_ns(c, L - 1, p.max_num_batched_tokens) / 1e6
+    decode_ms = int(c.iteration_ns(0, 0, 0, 1, L - 1)) / 1e6
+    fc = fit_contexts(samples)
+    above = fc[f"decode_batches_mean_context_above_{FIT_CONTEXT}"]
+    factor = LLAMA31_CONTEXT / FIT_CONTEXT
+    return dataclasses.replace(
+        p,
+        name=LONG_NAME,
+        provenance="derived",
+        description=(
+            f"DERIVED, not measured: Llama-3.1-8B on one H100-80GB SXM, TP1, bf16: {derived.name}'s "
+            f"costs and engine limits unchanged (same architecture, parameter count and KV bytes per "
+            f"token), with Llama-3.1's {LLAMA31_CONTEXT:,}-token context. c_attn and c_kv were fitted on "
+            f"contexts <= {FIT_CONTEXT // 1024}k (in the calibration batches the mean computed-before of "
+            f"prefill tokens was at most {fc['prefill_mean_computed_before_max']:,}, and {above} of "
+            f"{fc['decode_batches']:,} decode batches had a mean context above {FIT_CONTEXT:,}, at most "
+            f"{fc['decode_mean_context_max']:,}) and are extrapolated ~{factor:g}x here: results on long "
+            f"prompts carry a sensitivity row (c_attn, c_kv x 0.5 and x 2; "
+            f"tokenbatch_env.engine.profiles.sensitivity_profiles). The pool does not bind the context: "
+            f"{p.num_blocks:,} blocks ({p.usable_blocks:,} usable x {bs} = {p.usable_blocks * bs:,} "
+            f"tokens), so max_model_len = min({LLAMA31_CONTEXT:,}, {p.usable_blocks * bs:,}) = {L:,}; "
+            f"one full-context request holds {blocks:,} blocks ({share:.1f}% of the pool). At full "
+            f"context the model gives an idle TTFT of {ttft_ms / 1000:.2f} s for a {L - 1:,}-token "
+            f"prompt (chunks of {p.max_num_batched_tokens}) and {decode_ms:.2f} ms for an iteration "
+            f"decoding one sequence at a {L - 1:,}-token context."),
+        source={
+            "base_profile": derived.name,
+            "changed": {"max_model_len_limit": LLAMA31_CONTEXT},
+            "model": "Llama-3.1-8B: Llama-3-8B's architecture (32 layers, 8 KV heads x 128, "
+                     f"{LLAMA3_8B_PARAMS} parameters), context {LLAMA31_CONTEXT}",
+            "fit_contexts": fc,
+            "extrapolation": f"{LLAMA31_CONTEXT} / {FIT_CONTEXT} = {factor:g}",
+            "full_context": {"max_model_len": L, "blocks_per_request": blocks,
+                             "pool_share_pct": round(share, 2),
+                             f"idle_ttft_ms_prompt_{L - 1}": round(ttft_ms, 3),
+                             f"decode_iteration_ms_one_sequence_context_{L - 1}": round(decode_ms, 3)},
+            "sensitivity": "tokenbatch_env.engine.profiles.sensitivity_profiles: c_attn, c_kv x {0.5, 2}",
+            "command": FIT_COMMAND,
+        },
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# A profile of the user's own deployment
+# --------------------------------------------------------------------------------------------
+
+#: What each column of a samples file means (the calibration file's format; one row per iteration).
+SAMPLES_COLUMN_HELP = {
+    "kind": "0 prefill only, 1 decode only, 2 mixed (groups the fit error; not a feature)",
+    "P": "prefill tokens: the iteration's prefill chunks summed",
+    "D": "decodes: sequences given one token past their prompt",
+    "K": "the decodes' contexts summed (tokens computed before each decode token)",
+    "sum_c2": "chunk^2 summed over the prefill chunks",
+    "sum_kv_c": "chunk x computed-before summed over the prefill chunks (prefix-cache hits count)",
+    "t_ms": "the iteration's measured time, ms (> 0)",
+}
+USER_PROVENANCE = "fitted (user)"
+#: Six coefficients: at least four rows each, or the fit is no evidence of anything.
+MIN_USER_ROWS = 24
+#: Engine limits a user fit defaults (the ``linear`` and ``stress-512`` profiles' values, vLLM 0.33's
+#: for GPUs under 70 GiB); ``num_blocks`` and ``max_model_len`` are the deployment's own: required.
+USER_DEFAULTS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 256}
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+def samples_columns_text() -> str:
+    return "; ".join(f"{c}: {h}" for c, h in SAMPLES_COLUMN_HELP.items())
+
+
+def read_samples(path, *, min_rows: int = MIN_USER_ROWS) -> dict:
+    """A samples CSV, strictly: ``SAMPLES_COLUMNS`` in any order (other columns ignored), numbers
+    in any decimal notation. Any bad cell is one ``ProfileError`` naming the file, the row (the
+    1-based line, header = row 1) and the column; nothing half-read is returned."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"samples file {str(path)!r} not found")
+    cols: dict = {c: [] for c in SAMPLES_COLUMNS}
+    line = 1
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:   # (-sig: a spreadsheet's BOM)
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None:
+                raise ProfileError(f"{path}: empty file (expected the header {','.join(SAMPLES_COLUMNS)})")
+            names = [h.strip() for h in header]
+            missing = [c for c in SAMPLES_COLUMNS if c not in names]
+            if missing:
+                raise ProfileError(f"{path}: row 1: missing column(s) {', '.join(missing)} (header has "
+                                   f"{', '.join(names)}; expected {','.join(SAMPLES_COLUMNS)})")
+            dup = sorted({c for c in SAMPLES_COLUMNS if names.count(c) > 1})
+            if dup:
+                raise ProfileError(f"{path}: row 1: column(s) {', '.join(dup)} given twice")
+            idx = {c: names.index(c) for c in SAMPLES_COLUMNS}
+            for row in reader:
+                line = reader.line_num
+                if not any(cell.strip() for cell in row):
+                    continue   # a blank line (e.g. the file's last)
+                if len(row) != len(names):
+                    raise ProfileError(f"{path}: row {line}: {len(row)} fields, header has {len(names)}")
+                vals = {}
+                for c, i in idx.items():
+                    cell = row[i]
+                    try:
+                        v = float(cell)
+                    except ValueError:
+                        raise ProfileError(f"{path}: row {line}, column {c!r}: not a number: {cell!r}") from None
+                    if not math.isfinite(v):
+                        raise ProfileError(f"{path}: row {line}, column {c!r}: not a finite number: {cell!r}")
+                    if c == "t_ms":
+                        if v <= 0:
+                            raise ProfileError(f"{path}: row {line}, column 't_ms': must be > 0, got {cell!r}")
+                    elif v < 0 or not v.is_integer():
+                        raise ProfileError(f"{path}: row {line}, column {c!r}: must be a non-negative "
+                                           f"integer, got {cell!r}")
+                    elif c == "kind" and v not in (0, 1, 2):
+                        raise ProfileError(f"{path}: row {line}, column 'kind': must be 0 (prefill), "
+                                           f"1 (decode) or 2 (mixed), got {cell!r}")
+                    vals[c] = v
+                if vals["P"] == 0 and vals["D"] == 0:
+                    raise ProfileError(f"{path}: row {line}, columns 'P' and 'D': both 0 (an iteration "
+                                       "that scheduled nothing has no time to fit)")
+                for c, v in vals.items():
+                    cols[c].append(v)
+    except csv.Error as e:
+        raise ProfileError(f"{path}: row {line + 1}: malformed CSV: {e}") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"{path}: row {line + 1}: not UTF-8 text") from None
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read: {e.strerror or e}") from None
+    n = len(cols["t_ms"])
+    if n < min_rows:
+        raise ProfileError(f"{path}: {n} data row(s); a fit needs at least {min_rows} (four per coefficient)")
+    out = {c: np.asarray(cols[c], np.float64).astype(np.int64) for c in SAMPLES_COLUMNS[:6]}
+    out["t_ms"] = np.asarray(cols["t_ms"], np.float64)
+    return out
+
+
+def terms_without_data(samples: dict) -> list[str]:
+    """Terms whose feature is 0 in every row: the fit cannot see them and sets them to 0."""
+    A = design_matrix(samples)
+    return [t for t, col in zip(TERMS, A.T) if not col.any()]
+
+
+def check_user_name(name: str) -> None:
+    from .profiles import list_profiles
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name.endswith(".json"):
+        raise ProfileError(f"--name {name!r}: use letters, digits and . _ + - (a file name, "
+                           "not a path, without .json)")
+    if name in list_profiles():
+        raise ProfileError(f"--name {name!r} is a shipped profile's name; choose another")
+
+
+def user_profile(samples_path, name: str, *, num_blocks: int, max_model_len: int,
+                 block_size: int = USER_DEFAULTS["block_size"],
+                 max_num_batched_tokens: int = USER_DEFAULTS["max_num_batched_tokens"],
+                 max_num_seqs: int = USER_DEFAULTS["max_num_seqs"], watermark_blocks: int | None = None,
+                 async_scheduling: bool = True, b_max: int | None = None,
+                 kv_bytes_per_token: int = 524288, description: str | None = None,
+                 command: str | None = None) -> Profile:
+    """A ``fitted (user)`` profile: the shipped fit (unweighted NNLS, the same gate) of the samples
+    at ``samples_path``, with the given engine limits (``watermark_blocks`` default: vLLM's 1%)."""
+    check_user_name(name)
+    path = Path(samples_path)
+    samples = read_samples(path)
+    for col, term in (("P", "c_prefill"), ("D", "c_decode")):
+        if not (samples[col] > 0).any():
+            raise ProfileError(f"{path}: column {col!r}: 0 in every row, so {term} cannot be fitted "
+                               f"(log iterations with {'prefills' if col == 'P' else 'decodes'})")
+    try:
+        cost = fit_cost_model(samples)
+    except ProfileError as e:
+        raise ProfileError(f"{path}: {e}") from None
+    mape = mape_by_kind(cost, samples)
+    check_gate(mape, f"fit of {path}")
+    rows = int(len(samples["t_ms"]))
+    source = {
+        "samples": path.name,
+        "samples_sha256": sha256_file(path),
+        "rows": rows,
+        "rows_by_kind": {k: int((samples["kind"] == i).sum()) for i, k in enumerate(KINDS)},
+        "method": (f"Lawson-Hanson NNLS over {', '.join(TERMS)}; rows unweighted; coefficients "
+                   f"rounded to {SIG_DIGITS} significant digits; mape_pct from the rounded coefficients "
+                   "in integer ns"),
+    }
+    missing = terms_without_data(samples)
+    if missing:
+        source["terms_without_data"] = missing
+    if command:
+        source["command"] = command
+    return Profile(
+        name=name,
+        provenance=USER_PROVENANCE,
+        description=description or (f"Fitted (user) to {rows} measured iterations of {path.name} by "
+                                    "tokenbatch profiles fit; engine limits as given to it."),
+        cost=cost,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len_limit=max_model_len,
+        watermark_blocks=int(0.01 * num_blocks) if watermark_blocks is None else watermark_blocks,
+        async_scheduling=async_scheduling,
+        kv_bytes_per_token=kv_bytes_per_token,
+        mape_pct=mape,
+        source=source,
+        b_max=b_max,
+    )
+
+
+def user_profile_path(out, name: str) -> Path:
+    """``--out``: a ``.json`` file, else a directory for ``<name>.json``; none: ``./<name>.json``."""
+    if out is None:
+        return Path(f"{name}.json")
+    return Path(out) if str(out).endswith(".json") else Path(out) / f"{name}.json"
+
+
+# --------------------------------------------------------------------------------------------
 # Writing, and the command line
 # --------------------------------------------------------------------------------------------
 
@@ -425,18 +682,22 @@ def profile_json(profile: Profile) -> str:
 
 
 def build_profiles(samples_path=None, profiling_dir=None) -> list[Profile]:
-    """The fitted profile, plus the derived one when the Vidur profiles are present."""
+    """The fitted profile, plus the derived ones when the Vidur profiles are present."""
     samples_path = Path(samples_path) if samples_path else default_calibration_dir() / SAMPLES_NAME
     fitted = fitted_profile(samples_path)
     cal = Path(profiling_dir) if profiling_dir else samples_path.parent
     if all((cal / v).is_file() for v in MLP_FILES.values()):
-        return [fitted, derived_profile(fitted, cal)]
+        derived = derived_profile(fitted, cal)
+        return [fitted, derived, long_context_profile(derived, load_samples(samples_path))]
     return [fitted]
 
 
 def fit_report(samples_path) -> str:
     """Both weightings side by side (the justification for the shipped choice)."""
-    samples = load_samples(samples_path)
+    return _weighting_report(load_samples(samples_path))
+
+
+def _weighting_report(samples: dict) -> str:
     lines = []
     for w, e in WEIGHTINGS.items():
         cost = fit_cost_model(samples, weighting=w)
@@ -447,20 +708,111 @@ def fit_report(samples_path) -> str:
     return "\n".join(lines)
 
 
+#: the options of a user fit, with their defaults (None: required, or the documented default)
+_USER_OPTIONS = ("name", "num_blocks", "max_model_len", "block_size", "max_num_batched_tokens",
+                 "max_num_seqs", "watermark_blocks", "async_scheduling", "b_max", "kv_bytes_per_token",
+                 "description")
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--samples", help=f"calibration CSV (default: ../shared/calibration/{SAMPLES_NAME})")
+    parser.add_argument("--samples", metavar="FILE.csv",
+                        help="samples CSV, one row per iteration. With --name: your own measured "
+                             "iterations (e.g. written by the vLLM plug-in's log_steps); without: the "
+                             f"calibration samples (default: ../shared/calibration/{SAMPLES_NAME}). "
+                             f"Columns {','.join(SAMPLES_COLUMNS)}, in any order: {samples_columns_text()}")
     parser.add_argument("--profiling", help="directory holding vidur_profiling/ (default: the "
-                                            "samples' directory); the derived H100 profile needs it")
-    parser.add_argument("--out", help="directory to write <name>.json into (atomically); "
-                                      "without it nothing is written")
+                                            "samples' directory); the derived H100 profiles need it")
+    parser.add_argument("--out", metavar="DIR|FILE",
+                        help="without --name: directory to write <name>.json into (atomically), nothing "
+                             "written without it; with --name: a .json file or a directory "
+                             "(default: ./NAME.json)")
     parser.add_argument("--check", action="store_true",
                         help="compare with the files in --out (default: the shipped profiles); "
                              "exit 1 if any differs")
     parser.add_argument("--compare-weighting", action="store_true",
                         help="also print the per-kind errors under each row weighting")
+    u = parser.add_argument_group(
+        "a profile of your own deployment (--samples FILE.csv --name N)",
+        f"provenance '{USER_PROVENANCE}'; rejected when the mean absolute error on any batch kind "
+        f"exceeds {MAX_MAPE_PCT:g}% or the file has fewer than {MIN_USER_ROWS} rows. --num-blocks and "
+        "--max-model-len are required (your pool and your model); the other limits default to "
+        "vLLM 0.33's for GPUs under 70 GiB (the linear and stress-512 profiles').")
+    u.add_argument("--name", help="the profile's name (also its file's: NAME.json)")
+    u.add_argument("--num-blocks", type=int,
+                   help="KV blocks of the pool, block 0 included (vLLM's num_gpu_blocks: the vLLM "
+                        "plug-in with log_steps logs this command, with every limit, at start-up); required")
+    u.add_argument("--max-model-len", type=int, help="the model's context limit (vLLM's "
+                                                     "--max-model-len); required")
+    u.add_argument("--block-size", type=int, help=f"default {USER_DEFAULTS['block_size']}")
+    u.add_argument("--max-num-batched-tokens", type=int,
+                   help=f"the token budget B; default {USER_DEFAULTS['max_num_batched_tokens']}")
+    u.add_argument("--max-num-seqs", type=int, help=f"default {USER_DEFAULTS['max_num_seqs']}")
+    u.add_argument("--watermark-blocks", type=int, help="default: 1%% of --num-blocks (vLLM's watermark)")
+    u.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether the server ran vLLM's async scheduling (default: on, vLLM's GPU default)")
+    u.add_argument("--b-max", type=int, help="the largest token budget a lever may choose "
+                                             "(default: --max-num-batched-tokens)")
+    u.add_argument("--kv-bytes-per-token", type=int,
+                   help="KV bytes per token, for swap preemption only (default 524288)")
+    u.add_argument("--description", help="free text stored in the profile")
 
 
 def run(args) -> int:
+    if getattr(args, "name", None) is not None:
+        return run_user(args)
+    given = [o for o in _USER_OPTIONS if getattr(args, o, None) is not None]
+    if given:
+        raise ProfileError(f"--{given[0].replace('_', '-')} is for a fit of your own samples: "
+                           "give --samples FILE.csv --name N")
+    return run_shipped(args)
+
+
+def run_user(args) -> int:
+    """``tokenbatch profiles fit --samples FILE.csv --name N ...``: fit, print, write atomically."""
+    from .._io import atomic_path
+
+    if not args.samples:
+        raise ProfileError("--name needs --samples FILE.csv (your measured iterations)")
+    for opt in ("check", "profiling"):
+        if getattr(args, opt):
+            raise ProfileError(f"--{opt} is for the shipped profiles' fit (without --name)")
+    for opt in ("num_blocks", "max_model_len"):
+        if getattr(args, opt) is None:
+            raise ProfileError(f"--{opt.replace('_', '-')} is required with --name (your deployment's own)")
+    limits = {k: (USER_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k)) for k in USER_DEFAULTS}
+    limits.update(num_blocks=args.num_blocks, max_model_len=args.max_model_len)
+    async_on = True if args.async_scheduling is None else args.async_scheduling
+    cmd = ["tokenbatch", "profiles", "fit", "--samples", str(args.samples), "--name", args.name]
+    for k in ("num_blocks", "max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+        cmd += [f"--{k.replace('_', '-')}", str(limits[k])]
+    for k in ("watermark_blocks", "b_max", "kv_bytes_per_token"):
+        if getattr(args, k) is not None:
+            cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    cmd.append("--async-scheduling" if async_on else "--no-async-scheduling")
+    extra = {k: getattr(args, k) for k in ("watermark_blocks", "b_max", "kv_bytes_per_token", "description")
+             if getattr(args, k) is not None}
+    p = user_profile(args.samples, args.name, async_scheduling=async_on, command=shlex.join(cmd),
+                     **limits, **extra)
+    c = p.cost
+    print(f"{p.name} ({p.provenance}): " + ", ".join(f"{n}={getattr(c, n):.6g}" for n in TERMS))
+    print(f"  mean abs % error: {_fmt_mape(p.mape_pct)} (gate {MAX_MAPE_PCT:g}%); "
+          f"{p.source['rows']} iterations of {args.samples}")
+    print(f"  engine: block_size {p.block_size}, num_blocks {p.num_blocks}, max_num_batched_tokens "
+          f"{p.max_num_batched_tokens} (b_max {p.budget_max}), max_num_seqs {p.max_num_seqs}, "
+          f"max_model_len {p.max_model_len}, watermark_blocks {p.watermark_blocks}, async_scheduling "
+          f"{'on' if p.async_scheduling else 'off'}")
+    for t in p.source.get("terms_without_data", ()):
+        print(f"note: no row exercises {t} (its feature is 0 everywhere): fitted as 0")
+    if args.compare_weighting:
+        print(_weighting_report(read_samples(args.samples)))
+    path = user_profile_path(args.out, p.name)
+    with atomic_path(path) as tmp:
+        tmp.write_text(profile_json(p), encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
+
+
+def run_shipped(args) -> int:
     from .._io import atomic_path
 
     samples = Path(args.samples) if args.samples else default_calibration_dir() / SAMPLES_NAME
@@ -471,7 +823,7 @@ def run(args) -> int:
         if p.mape_pct:
             print(f"  mean abs % error: {_fmt_mape(p.mape_pct)} (gate {MAX_MAPE_PCT:g}%)")
     if len(profiles) == 1:
-        print("note: Vidur mlp.csv profiles not found; derived profile skipped", file=sys.stderr)
+        print("note: Vidur mlp.csv profiles not found; derived profiles skipped", file=sys.stderr)
     if args.compare_weighting:
         print(fit_report(samples))
     if args.check:

@@ -1,7 +1,8 @@
 """Engine profiles: a cost model plus the engine configuration it was measured for.
 
 Profiles are package data (``tokenbatch_env/data/profiles/<name>.json``) carrying their provenance
-("fitted", "derived", "synthetic"), so every report can say where its iteration times came from.
+("fitted", "derived", "synthetic"; "fitted (user)" for ``tokenbatch profiles fit --samples``), so every
+report can say where its iteration times came from.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .cost_model import CostModel
 
 #: A fitted profile whose mean absolute % error on any batch kind exceeds this is rejected.
 MAX_MAPE_PCT = 10.0
-PROVENANCES = ("fitted", "derived", "synthetic")
+PROVENANCES = ("fitted", "derived", "synthetic", "fitted (user)")
 #: the fields a profile file must give (the others have documented defaults)
 REQUIRED_FIELDS = ("name", "provenance", "cost", "block_size", "num_blocks", "max_num_batched_tokens",
                    "max_num_seqs", "max_model_len_limit")
@@ -42,6 +43,10 @@ class Profile:
     mape_pct: Optional[dict] = None    # {"prefill": .., "decode": .., "mixed": ..} for fitted profiles
     description: str = ""
     source: dict = dataclasses.field(default_factory=dict)
+    #: the largest token budget a lever may choose (docs/design.md section 3, "A profile for your
+    #: deployment"); None: the profile's max_num_batched_tokens. Last, and left out of ``to_dict``
+    #: when None, so the dicts (and evidence ids) of profiles without it are unchanged.
+    b_max: Optional[int] = None
 
     def __post_init__(self):
         if self.provenance not in PROVENANCES:
@@ -56,6 +61,10 @@ class Profile:
             raise ProfileError(f"profile {self.name!r}: num_blocks must be >= 2 (block 0 is reserved)")
         if not isinstance(self.watermark_blocks, int) or not 0 <= self.watermark_blocks < self.usable_blocks:
             raise ProfileError(f"profile {self.name!r}: watermark_blocks must be in [0, usable blocks)")
+        if self.b_max is not None and (not isinstance(self.b_max, int) or isinstance(self.b_max, bool)
+                                       or self.b_max < self.max_num_batched_tokens):
+            raise ProfileError(f"profile {self.name!r}: b_max must be an integer >= max_num_batched_tokens "
+                               f"({self.max_num_batched_tokens}), got {self.b_max!r}")
         if self.mape_pct is not None:
             if (not isinstance(self.mape_pct, dict) or not self.mape_pct
                     or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -75,10 +84,23 @@ class Profile:
     def max_model_len(self) -> int:
         return min(self.max_model_len_limit, self.usable_blocks * self.block_size)
 
+    @property
+    def budget_max(self) -> int:
+        """The largest token budget a lever may choose: ``b_max``, else ``max_num_batched_tokens``."""
+        return self.max_num_batched_tokens if self.b_max is None else self.b_max
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["cost"] = self.cost.to_dict()
-        return d
+        b_max = d.pop("b_max")
+        if b_max is None:
+            return d
+        out = {}
+        for k, v in d.items():   # placed beside the budget it bounds
+            out[k] = v
+            if k == "max_num_batched_tokens":
+                out["b_max"] = b_max
+        return out
 
     @classmethod
     def from_dict(cls, d: dict, *, where: str = "profile") -> "Profile":
@@ -137,3 +159,29 @@ def load_profile(name_or_path: str) -> Profile:
     except json.JSONDecodeError as e:
         raise ProfileError(f"{where}: invalid JSON: {e}") from None
     return Profile.from_dict(data, where=where)
+
+
+#: The terms and factors of the sensitivity row: the attention terms are the ones a long-context
+#: profile extrapolates furthest past its fitting data (docs/design.md section 3).
+SENSITIVITY_TERMS = ("c_attn", "c_kv")
+SENSITIVITY_FACTORS = (0.5, 2.0)
+
+
+def sensitivity_profiles(profile: Profile) -> list[tuple[str, Profile]]:
+    """``[(label, profile)]``: ``profile`` with one of ``SENSITIVITY_TERMS`` scaled by one of
+    ``SENSITIVITY_FACTORS`` (label "c_attn x0.5", name "<profile> c_attn x0.5"), 4 in all.
+
+    A variant is no longer what was fitted or derived: provenance "derived", no fit error, and its
+    ``source`` names the base profile and the change. Factors 0.5 and 2 are exact in binary, so
+    the scaled coefficients are exact too."""
+    out = []
+    for term in SENSITIVITY_TERMS:
+        for factor in SENSITIVITY_FACTORS:
+            label = f"{term} x{factor:g}"
+            value = getattr(profile.cost, term) * factor
+            out.append((label, dataclasses.replace(
+                profile, name=f"{profile.name} {label}", provenance="derived", mape_pct=None,
+                cost=dataclasses.replace(profile.cost, **{term: value}),
+                description=f"{profile.name} with {term} x{factor:g} (sensitivity variant).",
+                source={"base_profile": profile.name, "scale": {term: factor}})))
+    return out

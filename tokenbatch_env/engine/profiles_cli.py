@@ -3,6 +3,7 @@
     tokenbatch profiles list
     tokenbatch profiles show llama2-7b-a100        # or a path to a profile JSON
     tokenbatch profiles fit --out tokenbatch_env/data/profiles/
+    tokenbatch profiles fit --samples steps.csv --name my-gpu --num-blocks 29000 --max-model-len 8192
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("show", help="every field of a profile, with example iteration times")
     p.add_argument("name", help="a shipped profile name or a path to a profile JSON")
     p.add_argument("--json", action="store_true", help="print the profile as JSON only")
-    f = sub.add_parser("fit", help="fit llama2-7b-a100 (and derive llama3-8b-h100) from "
-                                   "../shared/calibration",
+    f = sub.add_parser("fit", help="fit llama2-7b-a100 (and derive the H100 profiles) from "
+                                   "../shared/calibration; or, with --samples FILE.csv --name N, a "
+                                   "profile of your own deployment",
                        description=fit.__doc__.split("\n\n")[0])
     fit.configure(f)
 
@@ -83,6 +85,8 @@ def _show(p: Profile, *, as_json: bool = False) -> int:
         print(f"{f}: {getattr(p, f)}")
     print(f"usable_blocks: {p.usable_blocks} ({p.usable_blocks * p.block_size} tokens)")
     print(f"max_model_len: {p.max_model_len}")
+    print(f"b_max: {p.budget_max} (the largest token budget a lever may choose"
+          + ("; default: max_num_batched_tokens)" if p.b_max is None else ")"))
     if p.mape_pct:
         print("fit error (mean abs %): " + ", ".join(f"{k} {v:.2f}%" for k, v in p.mape_pct.items())
               + f" (gate {MAX_MAPE_PCT:g}%)")

@@ -31,12 +31,26 @@ Settings (each from the constructor's ``tokenbatch_config``, else ``--additional
 ``default_ttft_slo_ms`` TTFT SLO of a request without ``tokenbatch_ttft_slo_ms`` (default 1000)
 ``default_est_output_tokens`` output estimate of a request without one (default: none; the
                        remaining decode is then 1 token, the engine's rule without a table)
+``log_steps``          a CSV file: append one row per engine step that ran tokens, in the
+                       samples format of ``tokenbatch profiles fit --samples`` (default: off)
 ====================== ====================================================================
 
 Per request (``SamplingParams.extra_args``; the OpenAI server's ``vllm_xargs``):
 ``tokenbatch_ttft_slo_ms``, ``tokenbatch_tpot_slo_ms`` (recorded, not used by the scores), and
 ``tokenbatch_est_output_tokens``. Every setting is read and validated when the scheduler is built:
 a bad file or value fails vLLM's start-up with a ``TokenBatchPluginError`` naming it.
+
+``log_steps`` (docs/design.md section 3, "A profile for your deployment") turns a real server into
+calibration data for its own profile. A row's features come from the step's ``SchedulerOutput``,
+classified as the engine's cost model does (a one-token step of a request past its prefill is a
+decode at its context, anything else a prefill chunk at its computed-before); its ``t_ms`` is the
+wall time (``time.perf_counter_ns``) from the later of the previous ``update_from_output`` and this
+step's ``schedule()`` to the end of this step's ``update_from_output``: the time the engine took per
+step, overlap with the next step's scheduling included, idle time excluded. vLLM gives the
+scheduler no GPU timestamps; this is the honest measure the scheduler sees (with async scheduling
+it is the step-to-step period, which is what the engine's iteration time models). One file per
+engine process; the start-up log gives the ``tokenbatch profiles fit`` command with this engine's
+limits. Speculative decoding is not modelled: its multi-token decode steps count as chunks.
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -75,7 +90,7 @@ PLUGIN_POLICIES = policy_names(in_plugin=True)   # the registry's
 _PIDS = {"index": _s.P_INDEX, "edf": _s.P_EDF, "sjf": _s.P_SJF, "llf": _s.P_LLF,
          "srpt-oracle": _s.P_SJF}
 _KEYS = ("policy", "policy_file", "shed", "profile", "t_ref_ms", "default_ttft_slo_ms",
-         "default_est_output_tokens")
+         "default_est_output_tokens", "log_steps")
 
 
 class TokenBatchPluginError(ConfigError):
@@ -95,6 +110,7 @@ class PluginConfig:
     default_ttft_slo_ms: float = 1000.0
     default_est_output_tokens: Optional[float] = None
     policy_file: Optional[str] = None
+    log_steps: Optional[str] = None       # samples CSV appended per step (None: off)
 
     @classmethod
     def resolve(cls, explicit: Optional[dict] = None, additional_config: Optional[dict] = None,
@@ -193,7 +209,7 @@ class PluginConfig:
                   shed_margin=margin, profile=str(profile), t_ref_ms=t_ref,
                   default_ttft_slo_ms=num("default_ttft_slo_ms", 1000.0),
                   default_est_output_tokens=num("default_est_output_tokens", None, allow_none=True),
-                  policy_file=path)
+                  policy_file=path, log_steps=_log_steps_path(*get("log_steps")))
         if policy == "index":
             try:
                 params.theta_vector(t_ref)
@@ -204,6 +220,31 @@ class PluginConfig:
     @property
     def label(self) -> str:
         return self.policy if self.shed_margin is None else f"{self.policy}+shed({self.shed_margin:g})"
+
+
+def _log_steps_path(v, where) -> Optional[str]:
+    """``log_steps``: a file that can be appended to and, if not empty, holds samples already."""
+    from .._io import check_writable
+    from ..engine.fit import SAMPLES_COLUMNS
+    from ..errors import OutputError
+
+    if v is None or (isinstance(v, str) and v.strip().lower() in ("", "off", "none")):
+        return None
+    path = Path(str(v))
+    header = ",".join(SAMPLES_COLUMNS)
+    try:
+        if path.is_file() and path.stat().st_size > 0:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                first = f.readline().strip()
+            if first != header:
+                raise TokenBatchPluginError(f"{where}: {path} exists and is not a samples file (first line "
+                                            f"{first[:80]!r}, expected {header!r}): give a new path")
+        check_writable(path, where)
+    except OutputError as e:
+        raise TokenBatchPluginError(str(e)) from None
+    except OSError as e:
+        raise TokenBatchPluginError(f"{where}: {path}: {e.strerror or e}") from None
+    return str(path)
 
 
 # --------------------------------------------------------------------------------------- mixin
@@ -255,6 +296,12 @@ class _TokenBatchMixin:
         self.tokenbatch_shed: dict[str, int] = {}
         #: the last ranking: request id -> (tier, score)
         self.tokenbatch_last: dict[str, tuple] = {}
+        self._tb_step_ns: Callable[[], int] = time.perf_counter_ns   # log_steps' step timer
+        self._tb_pending: dict[int, tuple] = {}     # id(SchedulerOutput) -> (schedule() start, features)
+        self._tb_last_update_ns: Optional[int] = None
+        self._tb_log = None
+        if self.tokenbatch.log_steps is not None:
+            self._tb_open_log()
         logger.info("TokenBatch plug-in: policy %s, profile %s, T_ref %g ms, file %s",
                     self.tokenbatch.label, self.tokenbatch.profile, self.tokenbatch.t_ref_ms,
                     self.tokenbatch.policy_file)
@@ -264,7 +311,72 @@ class _TokenBatchMixin:
         """Replace the wall clock: ``now_ns()`` gives the current time in ns and
         ``Request.arrival_time * arrival_unit_ns`` a request's arrival in ns (a simulated clock)."""
         self._tb_now_ns = now_ns
+        self._tb_step_ns = now_ns
         self._tb_arrival_scale = float(arrival_unit_ns)
+
+    # ------------------------------------------------------------------ log_steps
+    def _tb_open_log(self) -> None:
+        from ..engine.fit import SAMPLES_COLUMNS
+        path = self.tokenbatch.log_steps
+        try:
+            f = open(path, "a", encoding="utf-8", newline="")
+            if f.tell() == 0:
+                f.write(",".join(SAMPLES_COLUMNS) + "\n")
+                f.flush()
+        except OSError as e:
+            raise TokenBatchPluginError(f"log_steps: {path}: cannot write: {e.strerror or e}") from None
+        self._tb_log = f
+        self.tokenbatch_stats["logged_steps"] = 0
+        sc, cc = self.scheduler_config, self.cache_config
+        cmd = (f"tokenbatch profiles fit --samples {shlex.quote(path)} --name NAME --num-blocks "
+               f"{self.kv_cache_manager.block_pool.num_gpu_blocks} --max-model-len {self.max_model_len} "
+               f"--block-size {self.block_size} --max-num-batched-tokens {self._tb_budget} "
+               f"--max-num-seqs {sc.max_num_seqs} "
+               f"--{'' if isinstance(self, AsyncScheduler) else 'no-'}async-scheduling")
+        logger.info("TokenBatch plug-in: logging steps to %s (prefix caching %s); fit with: %s", path,
+                    "on" if cc.enable_prefix_caching else "off", cmd)
+
+    def _tb_step_features(self, so) -> tuple:
+        """(kind, P, D, K, sum_c2, sum_kv_c) of a scheduled step, by the engine's cost model rule
+        (docs/design.md section 3): read after ``schedule()`` advanced num_computed_tokens."""
+        placeholder = 1 if isinstance(self, AsyncScheduler) else 0   # already added for this step
+        pre = dec = kv = c2 = attn = 0
+        for rid, new in so.num_scheduled_tokens.items():
+            req = self.requests[rid]
+            mid_prefill = req.is_prefill_chunk
+            gen_before = len(req.output_token_ids) + req.num_output_placeholders
+            if not mid_prefill:
+                gen_before -= placeholder
+            cb = req.num_computed_tokens - new
+            if new == 1 and not mid_prefill and gen_before > 0:
+                dec += 1
+                kv += cb
+            else:
+                pre += new
+                c2 += new * new
+                attn += new * cb
+        kind = 0 if dec == 0 else (1 if pre == 0 else 2)
+        return kind, pre, dec, kv, c2, attn
+
+    def _tb_log_step(self, so) -> None:
+        t = int(self._tb_step_ns())
+        item = self._tb_pending.pop(id(so), None)
+        last, self._tb_last_update_ns = self._tb_last_update_ns, t
+        if item is None or self._tb_log is None:
+            return
+        t0, feats = item
+        ns = t - (t0 if last is None or last < t0 else last)
+        if ns <= 0:
+            return   # (a clock that did not move: no time to fit)
+        try:
+            self._tb_log.write(",".join(map(str, feats)) + f",{ns // 1_000_000}.{ns % 1_000_000:06d}\n")
+            self._tb_log.flush()
+        except OSError as e:   # a full disk must not stop the server: stop logging, say so once
+            logger.warning("TokenBatch plug-in: log_steps %s: %s; step logging stopped",
+                           self.tokenbatch.log_steps, e.strerror or e)
+            self._tb_log = None
+            return
+        self.tokenbatch_stats["logged_steps"] += 1
 
     # ------------------------------------------------------------------ per request
     def _tb_request_info(self, req) -> _ReqInfo:
@@ -386,8 +498,20 @@ class _TokenBatchMixin:
 
     # ------------------------------------------------------------------ vLLM hooks
     def schedule(self, *args, **kwargs):
+        t0 = int(self._tb_step_ns()) if self._tb_log is not None else 0
         self._tb_rank()
-        return super().schedule(*args, **kwargs)
+        out = super().schedule(*args, **kwargs)
+        if self._tb_log is not None and out.total_num_scheduled_tokens > 0:
+            try:
+                self._tb_pending[id(out)] = (t0, self._tb_step_features(out))
+            except (KeyError, AttributeError) as e:   # (a vLLM whose requests look otherwise)
+                logger.warning("TokenBatch plug-in: log_steps: cannot read a step (%r); step logging "
+                               "stopped", e)
+                self._tb_log = None
+                return out
+            if len(self._tb_pending) > 64:   # outputs never updated (cannot happen in vLLM's loops)
+                self._tb_pending.pop(next(iter(self._tb_pending)))
+        return out
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outs = super().update_from_output(scheduler_output, model_runner_output)
@@ -404,6 +528,8 @@ class _TokenBatchMixin:
         # forget requests that have left the scheduler
         if len(self._tb_info) > 2 * len(self.requests) + 64:
             self._tb_info = {k: v for k, v in self._tb_info.items() if k in self.requests}
+        if self._tb_log is not None:
+            self._tb_log_step(scheduler_output)
         return outs
 
 
