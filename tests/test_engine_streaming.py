@@ -164,7 +164,8 @@ def test_cli_records_csv_equals_records(tmp_path):
     trace, _ = load_trace(str(path))
     want = simulate(trace, "stress-512", "fcfs", EngineConfig(max_wait_ms=3000)).records(0)
     got = _read_records_csv(out)
-    assert list(got) == list(want)
+    assert list(got) == [*want, "priority"]   # (the CLI adds the priority each request ran with)
+    assert [int(s) for s in got["priority"]] == trace.priority.tolist()
     assert "timed_out" in got["end_state"]
     assert got["end_state"] == [K.END_STATE_NAMES[i] for i in want["end_state"]]
     for k, v in want.items():

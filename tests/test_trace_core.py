@@ -25,7 +25,8 @@ SETTINGS = settings(max_examples=60, deadline=None,
 @st.composite
 def traces(draw, min_size: int = 0, max_size: int = 8) -> Trace:
     """Random valid traces: equal arrivals, extreme token counts and SLOs, empty and full prefix
-    chains, any int64 hash, negative priorities, traces with and without SLOs, odd metadata."""
+    chains, any int64 hash, negative priorities, traces with and without SLOs and priorities, odd
+    metadata."""
     n = draw(st.integers(min_size, max_size))
     bs = draw(st.sampled_from([1, 16, 32]))
     gaps = draw(st.lists(st.sampled_from([0, 0, 1, 999_999, 10**9]) | st.integers(0, 10**12),
@@ -46,7 +47,7 @@ def traces(draw, min_size: int = 0, max_size: int = 8) -> Trace:
     text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12)
     return Trace.build(
         arrival_ns=arrival, prompt_tokens=prompt, output_tokens=output, ttft_slo_ns=t1, tpot_slo_ns=t2,
-        priority=draw(st.lists(st.integers(-5, 5) | INT64, min_size=n, max_size=n)),
+        priority=draw(st.none() | st.lists(st.integers(-5, 5) | INT64, min_size=n, max_size=n)),
         class_id=draw(st.lists(st.integers(0, 1_000_000), min_size=n, max_size=n)),
         prefix_offsets=offsets, prefix_hashes=np.array(hashes, np.int64), block_size=bs,
         name=draw(text) or "t", source=draw(text))
@@ -185,7 +186,7 @@ def test_npz_and_csv_round_trips_are_exact(trace, tmp_path_factory):
         assert back.digest == trace.digest, path.suffix
         assert (back.name, back.source, back.block_size) == (trace.name, trace.source,
                                                              trace.block_size)
-        assert back.has_slos == trace.has_slos
+        assert back.has_slos == trace.has_slos and back.has_priority == trace.has_priority
         for col, v in columns(trace).items():
             w = getattr(back, col)
             if isinstance(v, np.ndarray):

@@ -13,7 +13,7 @@ import numpy as np
 
 from .._io import atomic_path
 from ..config_cli import LazyChoices
-from ..errors import ConfigError, TraceError
+from ..errors import ConfigError, ProfileError, TraceError
 
 
 def _vllm_modes() -> tuple:
@@ -28,20 +28,67 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="fcfs", choices=LazyChoices(_vllm_modes), help="scheduling policy")
     p.add_argument("--rho", type=float, default=None,
                    help="rescale arrivals to rho x lambda_sat (FCFS saturation rate, measured)")
+    p.add_argument("--slo-rule", default=None, metavar="FILE|NAME",
+                   help="SLO rule (a preset: tokenbatch_env/data/slo_rules, or a JSON file); given, it sets "
+                        "every request's SLOs and priority, the trace's own replaced (default: default-3class, "
+                        "only for the columns the trace lacks)")
     p.add_argument("--sla-seed", type=int, default=0,
-                   help="seed of the SLA-class rule for traces without SLOs")
-    p.add_argument("--no-prefix-caching", action="store_true")
+                   help="seed of the SLO rule's class draw")
     p.add_argument("--max-wait-ms", type=float, default=None, help="client time-out for a first token")
-    p.add_argument("--records", default=None, help="write per-request records (CSV)")
+    p.add_argument("--records", default=None,
+                   help="write per-request records (CSV; with the priority each request ran with)")
     p.add_argument("--iterations", default=None, help="write per-iteration records (CSV)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
+    g = p.add_argument_group("engine settings (default: the profile's)")
+    for flag, _, _ in ENGINE_FLAGS:
+        g.add_argument(flag, default=None, metavar="N", help=ENGINE_HELP[flag])
+    g.add_argument("--no-prefix-caching", action="store_true", help="vLLM's --no-enable-prefix-caching")
+    a = g.add_mutually_exclusive_group()
+    a.add_argument("--async", dest="async_scheduling", action="store_true", default=None,
+                   help="vLLM's --async-scheduling (default: the profile's)")
+    a.add_argument("--sync", dest="async_scheduling", action="store_false", help="synchronous scheduling")
+
+
+#: vLLM's engine flags (docs/design.md section 10): (flag, ``EngineConfig`` field, least value)
+ENGINE_FLAGS = (("--num-blocks", "num_blocks", 2), ("--block-size", "block_size", 1),
+                ("--max-num-seqs", "max_num_seqs", 1), ("--max-num-batched-tokens", "max_num_batched_tokens", 1),
+                ("--max-model-len", "max_model_len", 1))
+ENGINE_HELP = {
+    "--num-blocks": "KV-cache blocks, block 0 included (vLLM's --num-gpu-blocks-override)",
+    "--block-size": "tokens per KV-cache block (vLLM's --block-size); without --num-blocks the pool keeps "
+                    "the profile's token capacity",
+    "--max-num-seqs": "running requests at most (vLLM's --max-num-seqs)",
+    "--max-num-batched-tokens": "token budget B per iteration (vLLM's --max-num-batched-tokens)",
+    "--max-model-len": "context limit (vLLM's --max-model-len)",
+}
+
+
+def _engine_overrides(args) -> dict:
+    """The ``EngineConfig`` fields the engine flags set; a bad value is one line naming its flag."""
+    kw = {}
+    for flag, field, lo in ENGINE_FLAGS:
+        text = getattr(args, field)
+        if text is None:
+            continue
+        try:
+            v = int(str(text).strip())
+        except ValueError:
+            raise ConfigError(f"{flag}: must be an integer, got {text!r}") from None
+        if v < lo:
+            raise ConfigError(f"{flag}: must be an integer >= {lo}, got {v}")
+        kw[field] = v
+    if args.no_prefix_caching:
+        kw["prefix_caching"] = False
+    if args.async_scheduling is not None:
+        kw["async_scheduling"] = bool(args.async_scheduling)
+    return kw
 
 
 def _csv_sink(stack: contextlib.ExitStack, path: str, names=None, convert=None):
     """A sink writing chunks of columns to ``path`` through a temp file renamed when ``stack``
     closes without an exception (a failed run leaves no partial file). Without ``names`` the
-    header is the first chunk's keys; ``sink.header(names)`` writes it if no chunk came."""
+    header is the first (converted) chunk's keys; ``sink.header(names)`` writes it if no chunk came."""
     tmp = stack.enter_context(atomic_path(path))
     w = csv.writer(stack.enter_context(open(tmp, "w", newline="")))
     state = {"names": None}
@@ -52,9 +99,9 @@ def _csv_sink(stack: contextlib.ExitStack, path: str, names=None, convert=None):
             w.writerow(state["names"])
 
     def sink(copy, cols):
-        header(names if names is not None else cols)
         if convert is not None:
             cols = convert(cols)
+        header(names if names is not None else cols)
         w.writerows(zip(*(np.asarray(cols[k]).tolist() for k in state["names"])))
 
     sink.header = header
@@ -63,10 +110,17 @@ def _csv_sink(stack: contextlib.ExitStack, path: str, names=None, convert=None):
     return sink
 
 
+def _engine_summary(engine, config) -> dict:
+    """The engine settings a run used (the profile's, overridden by the flags)."""
+    return {"max_num_batched_tokens": engine.max_num_batched_tokens, "max_num_seqs": engine.max_num_seqs,
+            "num_blocks": engine.num_blocks, "block_size": engine.block_size, "max_model_len": engine.max_model_len,
+            "prefix_caching": config.prefix_caching, "async_scheduling": engine.async_scheduling}
+
+
 def run(args) -> int:
     from ..metrics import summarize
     from ..traces.io import load_trace
-    from ..traces.sla import assign_slas
+    from ..traces.slo_rules import DEFAULT_RULE, apply_slo_rule, load_slo_rule
     from ..traces.windows import scale_to_rate
     from .kernel import END_STATE_NAMES, ITER_COLUMNS
     from . import compile_notice
@@ -91,15 +145,29 @@ def run(args) -> int:
         raise ConfigError(f"--sla-seed must be an integer >= 0, got {args.sla_seed}")
     if args.max_wait_ms is not None and not (np.isfinite(args.max_wait_ms) and args.max_wait_ms > 0):
         raise ConfigError(f"--max-wait-ms must be a positive number of ms, got {args.max_wait_ms}")
-    compile_notice()   # (before the SLA rule's and the engine's first compiled calls)
-    slo_note = ""
-    file_digest = trace.digest
-    if not trace.has_slos:
-        trace = assign_slas(trace, seed=args.sla_seed)
-        slo_note = f" (SLOs assigned by the default 3-class rule, seed {args.sla_seed})"
+    overrides = _engine_overrides(args)
     # per-iteration records stream to disk through a bounded buffer (any trace length)
-    config = EngineConfig(prefix_caching=not args.no_prefix_caching, max_wait_ms=args.max_wait_ms,
-                          record_iterations=65_536 if args.iterations else 0)
+    config = EngineConfig(max_wait_ms=args.max_wait_ms, record_iterations=65_536 if args.iterations else 0,
+                          **overrides)
+    try:
+        engine = config.resolve(profile)
+    except (ConfigError, ProfileError) as e:   # (a combination, e.g. a block size beyond the KV pool)
+        given = " ".join(f"{f} {getattr(args, fld)}" for f, fld, _ in ENGINE_FLAGS if getattr(args, fld) is not None)
+        raise ConfigError(f"{given}: {e}" if given else str(e)) from None
+    rule = load_slo_rule(args.slo_rule if args.slo_rule is not None else DEFAULT_RULE)
+    file_digest = trace.digest
+    bs = overrides.get("block_size")
+    if bs is not None and bs != trace.block_size:
+        if trace.prefix_hashes.size == 0:   # (no chains: the block size is only the trace's label)
+            trace = trace.replace(block_size=bs)
+        elif bs % trace.block_size:
+            raise ConfigError(f"--block-size {bs}: trace {trace.name!r} stores its prefix chains at block size "
+                              f"{trace.block_size}; an engine block size must be a multiple of it")
+    compile_notice()   # (before the SLO rule's and the engine's first compiled calls)
+    # the trace's own SLOs and priority are kept unless the rule is named (docs/design.md section 2);
+    # SLOs relative to a profile use its own configuration, not the overrides
+    trace, slo_note = apply_slo_rule(trace, rule, seed=args.sla_seed, profile=profile,
+                                     explicit=args.slo_rule is not None)
     lam = None
     if args.rho is not None:
         from .saturation import measure_lambda_sat
@@ -109,7 +177,8 @@ def run(args) -> int:
         except (ConfigError, TraceError) as e:   # (its times stretched beyond the engine's int64 ns)
             raise ConfigError(f"--rho {args.rho:g}: a load too low for this trace ({e})") from None
     def end_state_names(cols):
-        return dict(cols, end_state=np.array([END_STATE_NAMES[i] for i in cols["end_state"]]))
+        return dict(cols, end_state=np.array([END_STATE_NAMES[i] for i in cols["end_state"]]),
+                    priority=trace.priority[np.asarray(cols["request"], np.int64)])
 
     # records stream to temp files through bounded buffers, renamed into place only on success
     with contextlib.ExitStack() as stack:
@@ -119,23 +188,31 @@ def run(args) -> int:
                        iteration_sink=it_sink, record_sink=rec_sink)
         rec = res.records(0)
         if rec_sink is not None:
-            rec_sink.header(rec)  # an empty trace: the header alone
+            rec_sink.header([*rec, "priority"])  # an empty trace: the header alone
     s = summarize(rec, trace)
     from ..util import canonical_json
     s.update({"trace": trace.name, "trace_digest": trace.digest, "file_digest": file_digest, "profile": profile.name,
               "profile_provenance": profile.provenance,
               # (the profile's content: a file may reuse a shipped profile's name)
               "profile_digest": hashlib.sha256(canonical_json(profile.to_dict()).encode()).hexdigest(),
-              "policy": args.policy, "lambda_sat_rps": lam, "rho": args.rho})
+              "policy": args.policy, "lambda_sat_rps": lam, "rho": args.rho,
+              "slo_rule": rule.name, "slo_rule_digest": rule.digest, "slo_note": slo_note,
+              "engine": _engine_summary(engine, config)})
     if args.json:   # standard JSON: +-inf as "inf"/"-inf", NaN as null (as in report.json), values exact
         from ..report import rounded
         print(json.dumps(rounded(s, 17), indent=1, allow_nan=False))
         return 0
     as_run = (f"digest as run {trace.digest[:16]}, file {file_digest[:16]}" if trace.digest != file_digest
               else f"digest {trace.digest[:16]}")
-    print(f"trace     {trace.name}  ({len(trace)} requests, {as_run}){slo_note}")
+    print(f"trace     {trace.name}  ({len(trace)} requests, {as_run})")
+    print(f"slo rule  {slo_note}")
     print(f"profile   {profile.name} [{profile.provenance}]  policy {args.policy}"
           + (f"  rho {args.rho} (lambda_sat {lam:.3f} req/s)" if lam else ""))
+    e = _engine_summary(engine, config)
+    print(f"engine    B {e['max_num_batched_tokens']}  max_num_seqs {e['max_num_seqs']}  {e['num_blocks']} blocks "
+          f"x {e['block_size']} tokens  max_model_len {e['max_model_len']}  prefix caching "
+          f"{'on' if e['prefix_caching'] else 'off'}  {'async' if e['async_scheduling'] else 'sync'}"
+          + (f"  (given: {', '.join(sorted(overrides))})" if overrides else ""))
     print(f"goodput   {s['goodput']:.4f}   completed {s['completed']}/{s['requests']}   "
           f"end states {s['end_states']}")
     print(f"TTFT ms   p50 {s['ttft_p50_ms']:.1f}  p99 {s['ttft_p99_ms']:.1f}  (all arrived; "

@@ -4,8 +4,9 @@ Formats (``fmt`` names):
 
 ``npz``
     The canonical binary format: one int64 array per column (``ttft_slo_ns``/``tpot_slo_ns`` absent
-    when the trace has no SLOs) plus a JSON ``meta`` string (format version, block size, name,
-    source, digest). Round-trips exactly; the digest is checked on load.
+    when the trace has no SLOs, ``priority`` when it has no priority of its own) plus a JSON ``meta``
+    string (format version, block size, name, source, digest). Round-trips exactly; the digest is
+    checked on load.
 ``csv``
     The canonical text format, for reading and writing by hand. Line 1 is a comment
     ``# tokenbatch-trace v1 {"block_size": 16, "name": ..., "source": ...}`` (optional on input:
@@ -13,9 +14,10 @@ Formats (``fmt`` names):
     ``arrival_ns,prompt_tokens,output_tokens,ttft_slo_ms,tpot_slo_ms,priority,class_id,prefix_hashes``.
     SLOs are decimal milliseconds written exactly from the integer nanoseconds and parsed back by
     integer arithmetic (no float on the way; more than 6 decimals are rounded to the nearest ns).
-    SLO cells are empty for traces without SLOs (all rows or none). ``prefix_hashes`` is the
-    request's block-hash chain, space-separated (may be empty). On input only ``arrival_ns``,
-    ``prompt_tokens`` and ``output_tokens`` are required, in any column order.
+    SLO cells are empty for traces without SLOs (all rows or none); the ``priority`` column is left
+    out for a trace without a priority of its own. ``prefix_hashes`` is the request's block-hash
+    chain, space-separated (may be empty). On input only ``arrival_ns``, ``prompt_tokens`` and
+    ``output_tokens`` are required, in any column order.
 ``azure``
     Azure LLM inference trace 2023 (``TIMESTAMP,ContextTokens,GeneratedTokens``), timestamps
     ``YYYY-MM-DD HH:MM:SS.fffffff`` parsed by our own integer parser (1 to 9 fractional digits).
@@ -30,6 +32,12 @@ Formats (``fmt`` names):
 
 Arrival times of the external formats (azure, mooncake, burstgpt) are made relative to the first
 loaded request, so every such trace starts at 0; equal timestamps are legal and keep file order.
+
+**Which columns a file had.** ``Trace.has_slos`` and ``Trace.has_priority`` say whether the file
+really had SLO and priority columns (a canonical file: the column is present; the external formats
+have neither), so that an SLO rule fills only what is missing (docs/design.md section 2). The
+writers leave out what the trace lacks, so the flags survive a round trip; files and digests of
+traces that have both are unchanged.
 
 **Errors.** Bad input raises one ``TraceError`` naming the file, the row and the column (the file's
 own column name, e.g. ``'ContextTokens'``). For text formats ``row`` is the **1-based line number
@@ -310,7 +318,7 @@ _NPZ_COLUMNS = ("arrival_ns", "prompt_tokens", "output_tokens", "ttft_slo_ns", "
 def save_npz(trace: Trace, path) -> None:
     """Write ``trace`` to ``path`` in the canonical NPZ format, atomically."""
     arrays = {c: np.ascontiguousarray(getattr(trace, c), dtype="<i8") for c in _NPZ_COLUMNS
-              if getattr(trace, c) is not None}
+              if getattr(trace, c) is not None and (c != "priority" or trace.has_priority)}
     meta = {"format": NPZ_FORMAT, "version": NPZ_VERSION, "block_size": trace.block_size,
             "name": trace.name, "source": trace.source, "digest": trace.digest,
             "requests": len(trace)}
@@ -346,7 +354,7 @@ def load_npz(path) -> Trace:
             for c in _NPZ_COLUMNS:
                 if c in names:
                     cols[c] = z[c]
-                elif c not in ("ttft_slo_ns", "tpot_slo_ns"):
+                elif c not in ("ttft_slo_ns", "tpot_slo_ns", "priority"):
                     raise TraceError("missing column", file=f, column=c)
     except TraceError:
         raise
@@ -375,11 +383,12 @@ def save_csv(trace: Trace, path) -> None:
     """Write ``trace`` to ``path`` in the canonical CSV format, atomically."""
     meta = {"block_size": trace.block_size, "name": trace.name, "source": trace.source,
             "slos": trace.has_slos}
-    out = [f"{CSV_MAGIC} {json.dumps(meta, ensure_ascii=True)}", ",".join(CANONICAL_COLUMNS)]
+    header = [c for c in CANONICAL_COLUMNS if c != "priority" or trace.has_priority]
+    out = [f"{CSV_MAGIC} {json.dumps(meta, ensure_ascii=True)}", ",".join(header)]
     arr = trace.arrival_ns.tolist()
     pr = trace.prompt_tokens.tolist()
     ou = trace.output_tokens.tolist()
-    prio = trace.priority.tolist()
+    prio = [f"{v}," for v in trace.priority.tolist()] if trace.has_priority else [""] * len(arr)
     cls = trace.class_id.tolist()
     n = len(arr)
     if trace.has_slos:
@@ -391,7 +400,7 @@ def save_csv(trace: Trace, path) -> None:
     hashes = trace.prefix_hashes.tolist()
     for i in range(n):
         chain = " ".join(map(str, hashes[off[i]:off[i + 1]]))
-        out.append(f"{arr[i]},{pr[i]},{ou[i]},{t1[i]},{t2[i]},{prio[i]},{cls[i]},{chain}")
+        out.append(f"{arr[i]},{pr[i]},{ou[i]},{t1[i]},{t2[i]},{prio[i]}{cls[i]},{chain}")
     text = "\n".join(out) + "\n"
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8", newline="\n")
@@ -503,7 +512,8 @@ def _load_csv(path) -> LoadResult:
     colmap = {"ttft_slo_ns": "ttft_slo_ms", "tpot_slo_ns": "tpot_slo_ms",
               "prefix_offsets": "prefix_hashes"}
     trace = _build(f, lines, colmap, arrival_ns=arrival_a, prompt_tokens=prompt_a,
-                   output_tokens=output_a, ttft_slo_ns=t1, tpot_slo_ns=t2, priority=prio,
+                   output_tokens=output_a, ttft_slo_ns=t1, tpot_slo_ns=t2,
+                   priority=prio if ipr is not None else None,
                    class_id=cls, prefix_offsets=offsets, prefix_hashes=np.array(hashes, np.int64),
                    block_size=meta.get("block_size", 16), name=meta.get("name", _name(p)),
                    source=meta.get("source", ""))

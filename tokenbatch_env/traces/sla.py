@@ -1,4 +1,6 @@
-"""SLA assignment for traces that carry no SLOs (docs/design.md section 2).
+"""SLA assignment for traces that carry no SLOs (docs/design.md section 2): the generators' ``sla``
+section and the Python API kept from before SLO rules were data; the arithmetic is ``slo_rules``'s
+(``SlaSpec.to_rule``), so both give the same columns bit for bit.
 
 The rule, for a trace of n requests, an ``SlaSpec`` (an engine profile name and K classes) and a seed:
 
@@ -29,21 +31,17 @@ its spec; running the same trace on another profile keeps those SLOs (as a real 
 from __future__ import annotations
 
 import dataclasses
-from fractions import Fraction
 from typing import Any, Optional
 
 import numpy as np
 
-from ..errors import ConfigError, TraceError
+from ..errors import ConfigError
 from .checks import check_keys, num
-from .trace import MAX_SLO_NS, Trace
+from .slo_rules import STREAM_CLASSES, SloClass, SloRule, apply_slo_rule, class_slos, draw_shares, ttft_idle_ns
+from .trace import Trace
 
 __all__ = ["SlaClass", "SlaSpec", "DEFAULT_SLA", "ttft_idle_ns", "slo_arrays", "draw_classes",
            "assign_arrays", "assign_slas", "STREAM_CLASSES"]
-
-#: The random stream used for class draws (shared with ``generators``; never renumber).
-STREAM_CLASSES = 4
-
 
 @dataclasses.dataclass(frozen=True)
 class SlaClass:
@@ -96,6 +94,13 @@ class SlaSpec:
                 "classes": [{"name": c.name, "weight": c.weight, "ttft_scale": c.ttft_scale,
                              "tpot_ms": c.tpot_ms, "priority": c.priority} for c in self.classes]}
 
+    def to_rule(self) -> SloRule:
+        """The spec as an ``SloRule`` (``slo_rules``): its weights are the shares, normalized by the
+        draw, so the classes and columns are the spec's own bit for bit (for ``assign_slas``, not
+        for saving: a rule file's shares sum to 1)."""
+        return SloRule("sla-spec", tuple(SloClass(c.name, 0.0, c.ttft_scale, c.tpot_ms, c.priority, c.weight)
+                                         for c in self.classes), self.profile)
+
     def load_profile(self, path: str = "sla"):
         from ..engine.profiles import load_profile
         from ..errors import ProfileError
@@ -113,58 +118,21 @@ DEFAULT_SLA = SlaSpec("stress-512", (
 ))
 
 
-def ttft_idle_ns(prompt_tokens, profile) -> np.ndarray:
-    """Idle-engine TTFT (int64 ns) of each prompt on ``profile`` (a Profile or a profile name)."""
-    if isinstance(profile, str):
-        from ..engine.profiles import load_profile
-
-        profile = load_profile(profile)
-    return profile.cost.idle_prefill_ns(np.asarray(prompt_tokens, np.int64),
-                                        profile.max_num_batched_tokens)
-
-
-def _scale_exact(values: np.ndarray, s: float) -> np.ndarray:
-    """round_half_up(values * s) with s taken at its decimal value, in exact integer arithmetic."""
-    from .windows import scale_ints
-
-    return scale_ints(values, Fraction(repr(float(s))))
-
-
 def slo_arrays(prompt_tokens, class_id, spec: SlaSpec = DEFAULT_SLA, profile=None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ttft_slo_ns, tpot_slo_ns, priority) for given prompts and classes under ``spec``."""
-    prompt = np.asarray(prompt_tokens, np.int64)
+    """(ttft_slo_ns, tpot_slo_ns, priority) for given prompts and classes under ``spec`` (on
+    ``profile`` instead of the spec's, if given)."""
     cid = np.asarray(class_id, np.int64)
     k = len(spec.classes)
     if cid.size and (cid.min() < 0 or cid.max() >= k):
         raise ConfigError(f"class_id: must be in 0..{k - 1} for this SLA spec")
-    idle = ttft_idle_ns(prompt, profile if profile is not None else spec.load_profile())
-    t1 = np.zeros(prompt.size, np.int64)
-    for j, c in enumerate(spec.classes):
-        m = cid == j
-        if m.any():
-            t1[m] = _scale_exact(idle[m], c.ttft_scale)
-    t1 = np.maximum(t1, 1)
-    over = np.flatnonzero(t1 > MAX_SLO_NS)
-    if over.size:   # (a prompt no engine serves in a day: say so, not a range error on a derived column)
-        i = int(over[0])
-        c = spec.classes[int(cid.reshape(-1)[i])]
-        raise TraceError(f"request {i} (0-based) has a {int(prompt.reshape(-1)[i]):,}-token prompt: the SLA rule's "
-                         f"TTFT SLO for it (class {c.name!r}: {c.ttft_scale:g} x its idle prefill time, "
-                         f"{idle.reshape(-1)[i] / 1e9:.6g} s) exceeds a day ({over.size} such request(s)); "
-                         f"drop or cap such prompts, lower the class's ttft_scale, or give the trace its own "
-                         f"SLOs")
-    t2 = np.array([c.tpot_ns for c in spec.classes], np.int64)[cid]
-    prio = np.array([c.priority for c in spec.classes], np.int64)[cid]
-    return t1, t2, prio
+    return class_slos(prompt_tokens, cid, spec.to_rule(),
+                      profile if profile is not None else spec.load_profile())
 
 
 def draw_classes(rng: np.random.Generator, n: int, spec: SlaSpec = DEFAULT_SLA) -> np.ndarray:
     """n class ids drawn with the spec's weights (one uniform per request)."""
-    w = np.array([c.weight for c in spec.classes], float)
-    cdf = np.cumsum(w)
-    return np.minimum(np.searchsorted(cdf, rng.random(n) * cdf[-1], side="right"),
-                      len(w) - 1).astype(np.int64)
+    return draw_shares(rng, n, [c.weight for c in spec.classes])
 
 
 def assign_arrays(prompt_tokens, spec: SlaSpec, rng: np.random.Generator, trace_name: Optional[str] = None):
@@ -172,18 +140,14 @@ def assign_arrays(prompt_tokens, spec: SlaSpec, rng: np.random.Generator, trace_
     rule's errors name the trace ``trace_name``, if given."""
     prompt = np.asarray(prompt_tokens, np.int64)
     cid = draw_classes(rng, prompt.size, spec)
-    try:
-        t1, t2, prio = slo_arrays(prompt, cid, spec)
-    except TraceError as e:
-        if trace_name is None:
-            raise
-        raise TraceError(f"trace {trace_name!r}: {e}") from None
+    t1, t2, prio = class_slos(prompt, cid, spec.to_rule(), spec.load_profile(), trace_name=trace_name)
     return cid, t1, t2, prio
 
 
 def assign_slas(trace: Trace, spec: Optional[SlaSpec | dict] = None, seed: int = 0, *,
                 overwrite: bool = False) -> Trace:
-    """A copy of ``trace`` with classes, SLOs and priorities assigned by the rule above.
+    """A copy of ``trace`` with classes, SLOs and priorities (all of them) assigned by the rule above:
+    ``apply_slo_rule`` with the spec as an explicit rule (the classes of ``draw_classes``, bit for bit).
 
     Raises ``ConfigError`` if the trace already has SLOs, unless ``overwrite=True``.
     """
@@ -193,8 +157,4 @@ def assign_slas(trace: Trace, spec: Optional[SlaSpec | dict] = None, seed: int =
         spec = SlaSpec.from_dict(spec)
     if trace.has_slos and not overwrite:
         raise ConfigError(f"trace {trace.name!r} already has SLOs; pass overwrite=True to replace them")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ConfigError(f"seed: must be an integer >= 0, got {seed!r}")
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), STREAM_CLASSES])))
-    cid, t1, t2, prio = assign_arrays(trace.prompt_tokens, spec, rng, trace.name)
-    return trace.replace(ttft_slo_ns=t1, tpot_slo_ns=t2, priority=prio, class_id=cid)
+    return apply_slo_rule(trace, spec.to_rule(), seed=seed, explicit=True)[0]

@@ -157,6 +157,9 @@ class Trace:
         block_size: tokens per KV-cache block, the chains' granularity.
         name: a label (not part of the digest).
         source: where the trace came from (not part of the digest).
+        has_priority: whether ``priority`` is the trace's own (a file's column, or set by a rule or
+            a caller) rather than the all-zero default; not part of the digest, so that recording it
+            changed no digest. SLO rules fill only what a trace lacks (docs/design.md section 2).
     """
 
     arrival_ns: np.ndarray
@@ -171,14 +174,16 @@ class Trace:
     block_size: int = 16
     name: str = "trace"
     source: str = ""
+    has_priority: bool = True
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def build(cls, *, arrival_ns, prompt_tokens, output_tokens, ttft_slo_ns=None, tpot_slo_ns=None,
               priority=None, class_id=None, prefix_offsets=None, prefix_hashes=None,
               block_size: int = 16, name: str = "trace", source: str = "",
-              file: Optional[str] = None) -> "Trace":
-        """Validate and freeze. Errors name ``file`` (if given), the row and the column."""
+              file: Optional[str] = None, has_priority: Optional[bool] = None) -> "Trace":
+        """Validate and freeze. Errors name ``file`` (if given), the row and the column.
+        ``has_priority`` defaults to whether ``priority`` was given."""
         try:
             arrival = _as_int64("arrival_ns", arrival_ns)
             n = arrival.shape[0]
@@ -221,12 +226,16 @@ class Trace:
                                      row=int(np.argmax(over)), column="prefix_hashes")
             if not isinstance(block_size, (int, np.integer)) or int(block_size) < 1:
                 raise TraceError(f"block_size must be a positive integer, got {block_size!r}")
+            if has_priority is None:
+                has_priority = priority is not None
+            elif not isinstance(has_priority, (bool, np.bool_)):
+                raise TraceError(f"has_priority must be a bool, got {has_priority!r}")
         except TraceError as e:
             if file is not None and e.file is None:
                 raise TraceError(e.reason, file=file, row=e.row, column=e.column) from None
             raise
         return cls(arrival, prompt, output, t1, t2, prio, cls_, offsets, hashes, int(block_size),
-                   str(name), str(source))
+                   str(name), str(source), bool(has_priority))
 
     @classmethod
     def _derived(cls, parent: "Trace", **columns) -> "Trace":
@@ -315,6 +324,8 @@ class Trace:
         """
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields.update(changes)
+        if "priority" in changes and "has_priority" not in changes:   # (a new priority column is the trace's own)
+            fields["has_priority"] = changes["priority"] is not None
         return Trace.build(**fields)
 
     def subset(self, index) -> "Trace":
@@ -339,7 +350,8 @@ class Trace:
                            output_tokens=self.output_tokens[idx], ttft_slo_ns=take(self.ttft_slo_ns),
                            tpot_slo_ns=take(self.tpot_slo_ns), priority=self.priority[idx],
                            class_id=self.class_id[idx], prefix_offsets=offsets, prefix_hashes=hashes,
-                           block_size=self.block_size, name=self.name, source=self.source)
+                           block_size=self.block_size, name=self.name, source=self.source,
+                           has_priority=self.has_priority)
 
     def _rows(self, lo: int, hi: int) -> "Trace":
         """``subset(slice(lo, hi))`` for 0 <= lo <= hi <= len: rows of a validated trace in order
@@ -365,8 +377,8 @@ class Trace:
     def digest(self) -> str:
         """The trace's identity, cited by every result: same requests, same digest.
 
-        A SHA-256 hex string over the integer columns and ``block_size``; ``name`` and ``source``
-        are excluded, so a renamed copy keeps it. Computed once, then cached.
+        A SHA-256 hex string over the integer columns and ``block_size``; ``name``, ``source`` and
+        ``has_priority`` are excluded, so a renamed copy keeps it. Computed once, then cached.
         """
         cached = self.__dict__.get("_digest")
         if cached is None:
