@@ -106,9 +106,9 @@ def test_engine_flags_reach_the_engine_and_the_evidence_id(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--num-blocks", "1"], "--num-blocks: must be >= 2"),
+    (["--num-blocks", "1"], "--num-blocks: must be an integer >= 2"),
     (["--block-size", "x"], "--block-size: must be an integer"),
-    (["--max-model-len", "0"], "--max-model-len: must be >= 1"),
+    (["--max-model-len", "0"], "--max-model-len: must be an integer >= 1"),
     (["--block-size", "24"], "an engine block size must be a multiple of it"),
 ])
 def test_bad_engine_flags_are_one_line(tmp_path, capsys, argv, needle):
@@ -259,3 +259,60 @@ def test_too_few_windows_per_split_names_the_largest_w(tmp_path):
     with pytest.raises(ConfigError, match=r"windows per split \{'train': 9, 'validation': 3, 'test': 3\}.*"
                                           r"use --windows 24 or less"):
         ev.prepare_workload(cfg, load_profile("stress-512"))
+
+
+# ------------------------------------------------------------------ SLO rules in the evaluator and tuning
+def test_bench_keeps_a_trace_own_priority_unless_a_rule_is_named(tmp_path):
+    t = load_suite("seed-200").traces("train")[0].subset(np.arange(300))
+    prio = (np.arange(300) % 5).astype(np.int64)
+    t = t.replace(priority=prio)
+    # a file with its own priority but no SLOs
+    from tokenbatch_env.traces.trace import Trace
+    bare = Trace.build(arrival_ns=t.arrival_ns, prompt_tokens=t.prompt_tokens, output_tokens=t.output_tokens,
+                       priority=prio, name="bare")
+    path = tmp_path / "bare.npz"
+    save_npz(bare, path)
+    prof = load_profile("stress-512")
+    cfg = ev.BenchConfig(trace_file=str(path), windows=100, loads=(1.0,), policies=("priority",))
+    wl = ev.prepare_workload(cfg, prof)
+    np.testing.assert_array_equal(wl.parent.priority, prio)
+    assert wl.parent.has_slos and "kept the trace's own priority" in wl.notes[0]
+    named = ev.prepare_workload(dataclasses.replace(cfg, slo_rule="default-3class"), prof)
+    assert not np.array_equal(named.parent.priority, prio) and "replaced" in named.notes[0]
+
+
+def test_a_named_rule_enters_the_evidence_and_mlperf_gets_its_verdict(tmp_path, capsys):
+    out = tmp_path / "o"
+    base = ["bench", "--max-traces", "2", "--loads", "1.2", "--policies", "fcfs,sjf", "--bootstrap-b", "100",
+            "--no-upper-bound", "--out", str(out)]
+    assert cli.main(base) == 0
+    capsys.readouterr()
+    plain = json.loads((out / "report.json").read_text())
+    assert "slo_rule" not in plain["evidence_inputs"]["workload"]
+    assert cli.main(base + ["--slo-rule", "mlperf-llama3_1-8b"]) == 0
+    text = capsys.readouterr().out
+    d = json.loads((out / "report.json").read_text())
+    ev_rule = d["evidence_inputs"]["workload"]["slo_rule"]
+    assert ev_rule["name"] == "mlperf-llama3_1-8b" and len(ev_rule["digest"]) == 64
+    assert d["evidence_id"] != plain["evidence_id"] and "MLPerf verdict" in text
+    for row in d["loads"][0]["rows"]:
+        m = row["mlperf"]
+        assert m["limits"] == {"ttft_ms": 2000.0, "tpot_ms": 100.0}
+        p99 = [float(m[k]) for k in ("p99_ttft_ms", "p99_tpot_ms")]   # ("inf": JSON has no infinity)
+        assert m["valid"] == (p99[0] <= 2000 and p99[1] <= 100)
+    # every request's TTFT SLO is the preset's 2 s: T_ref is its median
+    assert d["t_ref_ms"] == 2000.0
+
+
+@pytest.mark.parametrize("rule, needle", [
+    ('{"name": "x", "classes": [{"name": "a", "ttft": {"a_ms": -1, "b": 0}, "tpot_ms": 50, "share": 1}]}',
+     "a_ms"),
+    ('{"name": "x", "bogus": 1, "classes": []}', "bogus"),
+])
+def test_a_bad_rule_file_is_one_line_before_any_run(tmp_path, capsys, rule, needle):
+    path = tmp_path / "rule.json"
+    path.write_text(rule)
+    rc = cli.main(["bench", "--max-traces", "1", "--loads", "1.2", "--policies", "fcfs", "--quiet",
+                   "--out", str(tmp_path / "o"), "--slo-rule", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "rule.json" in err and len(err.strip().splitlines()) == 1, err

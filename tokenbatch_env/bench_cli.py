@@ -43,40 +43,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", default="0", help="requests simulated before each window, not scored")
     p.add_argument("--cooldown", default="0", help="requests simulated after each window, not scored")
     p.add_argument("--no-upper-bound", action="store_true", help="skip the upper bound")
+    p.add_argument("--slo-rule", default=None, metavar="FILE|NAME",
+                   help="SLO rule (a preset: tokenbatch_env/data/slo_rules, or a JSON file); given, it sets every "
+                        "request's SLOs and priority (default: a trace's own; default-3class for the columns a "
+                        "trace file lacks)")
+    p.add_argument("--slo-seed", default="0", help="seed of the SLO rule's class draw (default 0)")
+    from .engine.flags import add_engine_flags
     add_engine_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
-
-
-#: vLLM's engine flags on the command line: (flag, EngineConfig field, lower bound)
-ENGINE_FLAGS = (("--num-blocks", "num_blocks", 2), ("--block-size", "block_size", 1),
-                ("--max-num-seqs", "max_num_seqs", 1), ("--max-num-batched-tokens", "max_num_batched_tokens", 1),
-                ("--max-model-len", "max_model_len", 1))
-
-
-def add_engine_flags(p) -> None:
-    """vLLM's engine settings (docs/design.md section 10): each overrides the profile's and enters the
-    evidence id."""
-    g = p.add_argument_group("engine settings (override the profile's; vLLM's flags)")
-    for flag, _, _ in ENGINE_FLAGS:
-        g.add_argument(flag, default=None, help=f"vLLM's {flag} (default: the profile's)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="vLLM's --no-enable-prefix-caching")
-    g.add_argument("--async", dest="async_scheduling", action="store_true", default=None,
-                   help="vLLM's async scheduling (default: the profile's)")
-    g.add_argument("--sync", dest="async_scheduling", action="store_false", help="synchronous scheduling")
-
-
-def engine_config_from_args(args, base=None):
-    """The ``EngineConfig`` of the engine flags in ``args`` (over ``base``, default ``EngineConfig()``)."""
-    import dataclasses
-
-    from .engine.state import EngineConfig
-    kw = {field: _int(getattr(args, field), flag[2:], lo) for flag, field, lo in ENGINE_FLAGS
-          if getattr(args, field, None) is not None}
-    if getattr(args, "no_prefix_caching", False):
-        kw["prefix_caching"] = False
-    if getattr(args, "async_scheduling", None) is not None:
-        kw["async_scheduling"] = bool(args.async_scheduling)
-    return dataclasses.replace(base or EngineConfig(), **kw)
 
 
 def _int(text, name, lo=None):
@@ -123,8 +97,9 @@ def config_from_args(args):
     from .evaluate import BenchConfig
     from .params import load_deployment, load_params_file, load_weights
 
-    engine = engine_config_from_args(args)
-    engine.resolve(load_profile(args.profile))  # unknown profile -> one line listing the valid ones; bad overrides
+    from .engine.flags import engine_config, resolve_with_flags
+    engine = engine_config(args)
+    resolve_with_flags(engine, load_profile(args.profile), args)  # unknown profile: one line listing the valid ones
     kw = {}
     if args.params:
         params, margins = load_params_file(args.params)
@@ -154,7 +129,8 @@ def config_from_args(args):
         gpus=_int(args.gpus, "gpus", 1), trace_file=args.trace, trace_format=args.format,
         windows=_int(args.windows, "windows", 1), warmup=_int(args.warmup, "warmup", 0),
         cooldown=_int(args.cooldown, "cooldown", 0), upper_bound=not args.no_upper_bound,
-        progress=not args.quiet, engine=engine, **kw)
+        progress=not args.quiet, engine=engine, slo_rule=args.slo_rule,
+        slo_seed=_int(args.slo_seed, "slo-seed", 0), **kw)
 
 
 def run(args) -> int:

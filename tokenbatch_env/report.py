@@ -185,6 +185,19 @@ def _admission_lines(data) -> list:
     return out
 
 
+def mlperf_lines(entry: dict) -> list:
+    """MLPerf's own verdict at one load (an MLPerf SLO preset): p99 TTFT and p99 TPOT over the run
+    within its limits, per row."""
+    rows = [d for d in entry["rows"] if "mlperf" in d]
+    if not rows:
+        return []
+    lim = rows[0]["mlperf"]["limits"]
+    ok = [d["label"] for d in rows if d["mlperf"]["valid"]]
+    return [f"MLPerf verdict (p99 TTFT <= {lim['ttft_ms']:g} ms and p99 TPOT <= {lim['tpot_ms']:g} ms over the "
+            f"run): valid: {', '.join(ok) if ok else 'none'}; the per-request goodput above applies the limits to "
+            f"each request"]
+
+
 def console_summary(data: dict) -> str:
     lines = primary_lines(data)
     if lines:
@@ -198,6 +211,7 @@ def console_summary(data: dict) -> str:
     ub = _ub_line(e)
     if ub:
         lines.append(ub)
+    lines += mlperf_lines(e)
     lines += ["", "goodput by load:"]
     labels = [d["label"] for d in data["loads"][0]["rows"]]
     hdr = ["rho"] + labels + (["UB"] if "upper_bound" in data["loads"][0] else [])

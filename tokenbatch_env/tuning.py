@@ -183,6 +183,10 @@ class TuneConfig:
                                what="a positive number")
     val_top: int = option(5, "with --trace: the best trials (by train goodput) of each row replayed on the "
                              "validation windows; the best there is kept", min=1)
+    slo_rule: Optional[str] = option(
+        None, "SLO rule (a preset: tokenbatch_env/data/slo_rules, or a JSON file) setting every request's SLOs "
+        "and priority (default: the suite's or the trace's own; default-3class for columns a trace lacks)",
+        metavar="FILE|NAME")
 
     def __post_init__(self):
         from .policies import BASELINES
@@ -207,6 +211,9 @@ class TuneConfig:
             set_("rate_scale", float(r))
         elif self.rate_scale != 1.0:
             raise ConfigError("rate_scale: only with --trace (the native load of a trace file)")
+        if self.slo_rule is not None:
+            from .traces.slo_rules import load_slo_rule
+            load_slo_rule(self.slo_rule)
         if self.loads is None:
             set_("loads", (NATIVE,) if self.trace is not None else (1.2,))
         if self.eval_loads is None:
@@ -343,6 +350,10 @@ class TuneConfig:
         if self.trace is not None:
             d.update(trace=str(Path(self.trace).resolve()), windows=self.windows, warmup=self.warmup,
                      cooldown=self.cooldown, rate_scale=self.rate_scale)
+        if self.slo_rule is not None:
+            from .traces.slo_rules import load_slo_rule
+            rule = load_slo_rule(self.slo_rule)
+            d["slo_rule"] = {"name": rule.name, "digest": rule.digest}
         return d
 
 
@@ -651,12 +662,12 @@ class TrainObjective:
         numeric = tuple(x for x in cfg.loads if x != NATIVE) or (1.0,)
         if cfg.trace is None:
             bc = BenchConfig(suite=cfg.suite, split=split, profile=cfg.profile, loads=numeric,
-                             max_traces=cfg.max_train_traces, upper_bound=False)
+                             max_traces=cfg.max_train_traces, upper_bound=False, slo_rule=cfg.slo_rule)
         else:   # a trace file's time-ordered part (docs/design.md section 10)
             bc = BenchConfig(trace_file=cfg.trace, trace_format=cfg.trace_format, windows=cfg.windows,
                              warmup=cfg.warmup, cooldown=cfg.cooldown, trace_split=split,
                              rate_scale=cfg.rate_scale, profile=cfg.profile, loads=numeric,
-                             max_traces=cfg.max_train_traces, upper_bound=False)
+                             max_traces=cfg.max_train_traces, upper_bound=False, slo_rule=cfg.slo_rule)
         self.bench_config = bc
         self.profile = bc.engine.resolve(load_profile(cfg.profile))
         self.wl = prepare_workload(bc, self.profile)
@@ -1239,6 +1250,7 @@ def run_tuning(cfg: TuneConfig) -> dict:
     else:
         extra.update(suite=cfg.suite, split=cfg.test_split)
         eval_loads = cfg.eval_loads
+    extra["slo_rule"] = cfg.slo_rule
     bench = run_benchmark(BenchConfig(
         profile=cfg.profile, policies=pols, shed=True,
         loads=eval_loads, index_params=params, shed_margins=margins, params_source=str(params_path),

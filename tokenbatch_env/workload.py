@@ -47,6 +47,8 @@ class WorkloadSpec:
     engine: object = None
     trace_split: Optional[str] = None   # a trace file's time-ordered split (None: every window)
     rate_scale: float = 1.0             # the native load: the trace's own rate times this
+    slo_rule: Optional[str] = None      # an SLO rule named by the user: it sets every request's SLOs
+    slo_seed: int = 0                   # its class draw's seed (unit i of a suite split: seed + i)
 
     def __post_init__(self):
         if self.trace_split is not None and self.trace_split not in ("train", "validation", "test"):
@@ -252,11 +254,20 @@ def prepare_workload(spec, profile) -> Workload:
             traces = traces[:cfg.max_traces]
         if not traces:
             raise ConfigError(f"suite {cfg.suite!r} split {cfg.split!r} has no traces")
-        if not all(t.has_slos for t in traces):
-            raise ConfigError(f"suite {cfg.suite!r}: traces without SLOs cannot be scored")
         train_split = "train" if "train" in suite.splits else suite.splits[0]
         train = suite.traces(train_split)
         notes = []
+        if cfg.slo_rule is not None:   # the user's rule replaces the suite's SLOs (docs/design.md section 10)
+            rule = _rule(cfg.slo_rule)
+            traces = [apply_rule(t, rule, seed=cfg.slo_seed + i, profile=profile, explicit=True)[0]
+                      for i, t in enumerate(traces)]
+            train = [apply_rule(t, rule, seed=cfg.slo_seed + i, profile=profile, explicit=True)[0]
+                     for i, t in enumerate(train)]
+            notes.append(f"SLOs and priorities from rule {rule.name} (given"
+                         + (f"; unit i drawn with seed {cfg.slo_seed} + i" if rule.by_shares else "")
+                         + "), the suite's own replaced")
+        if not all(t.has_slos for t in traces):
+            raise ConfigError(f"suite {cfg.suite!r}: traces without SLOs cannot be scored")
         lam = suite.lambda_sat.get(profile.name)
         shipped = lam is None or is_shipped(profile)
         if lam is not None and shipped:
@@ -269,11 +280,12 @@ def prepare_workload(spec, profile) -> Workload:
                                                  f"and this one differs from it"))
         rl = ResidualLife.from_lengths(np.concatenate([t.output_tokens for t in train])).table
         share = admitted_share(train, profile)
-        t_ref = suite.t_ref_ns
+        t_ref = suite.t_ref_ns if cfg.slo_rule is None else float(np.median(np.concatenate(
+            [t.ttft_slo_ns for t in train])))
         if t_ref is None:
             t_ref = float(np.median(np.concatenate([t.ttft_slo_ns for t in traces])))
             notes.append("T_ref = median T1 of the evaluated traces (the manifest records none)")
-        sla = getattr(suite.spec.generator, "sla", None)
+        sla = getattr(suite.spec.generator, "sla", None) if cfg.slo_rule is None else _rule(cfg.slo_rule)
         ncls = int(max(int(t.class_id.max()) for t in traces)) + 1
         notes += _unit_notes(len(traces))
         return Workload(suite.name, "suite", traces, [np.ones(len(t), bool) for t in traces], None, None,
@@ -282,12 +294,12 @@ def prepare_workload(spec, profile) -> Workload:
                         [t.digest for t in traces], notes, share)
     # a real trace family: windows cut from one trace
     from .traces.io import load_trace
-    from .traces.sla import DEFAULT_SLA, assign_slas
+    from .traces.slo_rules import DEFAULT_RULE
     trace, _ = load_trace(cfg.trace_file, cfg.trace_format)
-    notes = []
-    if not trace.has_slos:
-        trace = assign_slas(trace, seed=0)
-        notes.append("SLOs assigned by the default 3-class rule (seed 0): the trace has none")
+    # the trace's own SLOs and priority are kept unless the user names a rule (docs/design.md section 10)
+    rule = _rule(cfg.slo_rule if cfg.slo_rule is not None else DEFAULT_RULE)
+    trace, note = apply_rule(trace, rule, seed=cfg.slo_seed, profile=profile, explicit=cfg.slo_rule is not None)
+    notes = [note]
     parts = trace_parts(trace, cfg)
     train_wins = parts["train"][1]
     part, wins = parts[cfg.trace_split or "all"]
@@ -325,7 +337,7 @@ def prepare_workload(spec, profile) -> Workload:
     share = admitted_share(lam_units, profile)
     wl = Workload(trace.name, "trace", units, scored, spans, part, nominal, lam, src, rl,
                   float(np.median(train.ttft_slo_ns)) / 1e6, _default_predictor(),
-                  _class_names(DEFAULT_SLA, ncls), [trace.digest], notes, share)
+                  _class_names(rule, ncls), [trace.digest], notes, share)
     if cfg.trace_split is not None:
         # the train part's own admitted rate, times rate_scale, relative to lambda_sat
         wl.rate_scale = float(cfg.rate_scale)
@@ -376,6 +388,18 @@ def admitted_share(traces, profile) -> float:
         raise ConfigError(f"every request of the workload's train part is rejected: prompts >= the profile's "
                           f"max_model_len {profile.max_model_len} (give --max-model-len or another profile)")
     return 1.0 if admitted == p.size else admitted / p.size
+
+
+def _rule(name_or_path):
+    from .traces.slo_rules import load_slo_rule
+    return load_slo_rule(name_or_path)
+
+
+def apply_rule(trace, rule, *, seed, profile, explicit):
+    """``traces.slo_rules.apply_slo_rule`` with the evaluated (resolved) profile as the reference
+    when the rule names none: SLOs at the deployment's reference configuration."""
+    from .traces.slo_rules import apply_slo_rule
+    return apply_slo_rule(trace, rule, seed=seed, profile=profile, explicit=explicit)
 
 
 def _unit_notes(n_units: int) -> list:

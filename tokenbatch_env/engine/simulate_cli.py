@@ -13,7 +13,8 @@ import numpy as np
 
 from .._io import atomic_path
 from ..config_cli import LazyChoices
-from ..errors import ConfigError, ProfileError, TraceError
+from .flags import add_engine_flags, engine_overrides, resolve_with_flags
+from ..errors import ConfigError, TraceError
 
 
 def _vllm_modes() -> tuple:
@@ -40,49 +41,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", default=None, help="write per-iteration records (CSV)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
-    g = p.add_argument_group("engine settings (default: the profile's)")
-    for flag, _, _ in ENGINE_FLAGS:
-        g.add_argument(flag, default=None, metavar="N", help=ENGINE_HELP[flag])
-    g.add_argument("--no-prefix-caching", action="store_true", help="vLLM's --no-enable-prefix-caching")
-    a = g.add_mutually_exclusive_group()
-    a.add_argument("--async", dest="async_scheduling", action="store_true", default=None,
-                   help="vLLM's --async-scheduling (default: the profile's)")
-    a.add_argument("--sync", dest="async_scheduling", action="store_false", help="synchronous scheduling")
-
-
-#: vLLM's engine flags (docs/design.md section 10): (flag, ``EngineConfig`` field, least value)
-ENGINE_FLAGS = (("--num-blocks", "num_blocks", 2), ("--block-size", "block_size", 1),
-                ("--max-num-seqs", "max_num_seqs", 1), ("--max-num-batched-tokens", "max_num_batched_tokens", 1),
-                ("--max-model-len", "max_model_len", 1))
-ENGINE_HELP = {
-    "--num-blocks": "KV-cache blocks, block 0 included (vLLM's --num-gpu-blocks-override)",
-    "--block-size": "tokens per KV-cache block (vLLM's --block-size); without --num-blocks the pool keeps "
-                    "the profile's token capacity",
-    "--max-num-seqs": "running requests at most (vLLM's --max-num-seqs)",
-    "--max-num-batched-tokens": "token budget B per iteration (vLLM's --max-num-batched-tokens)",
-    "--max-model-len": "context limit (vLLM's --max-model-len)",
-}
-
-
-def _engine_overrides(args) -> dict:
-    """The ``EngineConfig`` fields the engine flags set; a bad value is one line naming its flag."""
-    kw = {}
-    for flag, field, lo in ENGINE_FLAGS:
-        text = getattr(args, field)
-        if text is None:
-            continue
-        try:
-            v = int(str(text).strip())
-        except ValueError:
-            raise ConfigError(f"{flag}: must be an integer, got {text!r}") from None
-        if v < lo:
-            raise ConfigError(f"{flag}: must be an integer >= {lo}, got {v}")
-        kw[field] = v
-    if args.no_prefix_caching:
-        kw["prefix_caching"] = False
-    if args.async_scheduling is not None:
-        kw["async_scheduling"] = bool(args.async_scheduling)
-    return kw
+    add_engine_flags(p)
 
 
 def _csv_sink(stack: contextlib.ExitStack, path: str, names=None, convert=None):
@@ -145,15 +104,11 @@ def run(args) -> int:
         raise ConfigError(f"--sla-seed must be an integer >= 0, got {args.sla_seed}")
     if args.max_wait_ms is not None and not (np.isfinite(args.max_wait_ms) and args.max_wait_ms > 0):
         raise ConfigError(f"--max-wait-ms must be a positive number of ms, got {args.max_wait_ms}")
-    overrides = _engine_overrides(args)
+    overrides = engine_overrides(args)
     # per-iteration records stream to disk through a bounded buffer (any trace length)
     config = EngineConfig(max_wait_ms=args.max_wait_ms, record_iterations=65_536 if args.iterations else 0,
                           **overrides)
-    try:
-        engine = config.resolve(profile)
-    except (ConfigError, ProfileError) as e:   # (a combination, e.g. a block size beyond the KV pool)
-        given = " ".join(f"{f} {getattr(args, fld)}" for f, fld, _ in ENGINE_FLAGS if getattr(args, fld) is not None)
-        raise ConfigError(f"{given}: {e}" if given else str(e)) from None
+    engine = resolve_with_flags(config, profile, args)
     rule = load_slo_rule(args.slo_rule if args.slo_rule is not None else DEFAULT_RULE)
     file_digest = trace.digest
     bs = overrides.get("block_size")
@@ -165,8 +120,9 @@ def run(args) -> int:
                               f"{trace.block_size}; an engine block size must be a multiple of it")
     compile_notice()   # (before the SLO rule's and the engine's first compiled calls)
     # the trace's own SLOs and priority are kept unless the rule is named (docs/design.md section 2);
-    # SLOs relative to a profile use its own configuration, not the overrides
-    trace, slo_note = apply_slo_rule(trace, rule, seed=args.sla_seed, profile=profile,
+    # SLOs relative to a profile use the deployment's configuration (the profile with the engine flags,
+    # docs/design.md section 10)
+    trace, slo_note = apply_slo_rule(trace, rule, seed=args.sla_seed, profile=engine,
                                      explicit=args.slo_rule is not None)
     lam = None
     if args.rho is not None:

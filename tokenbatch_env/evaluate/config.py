@@ -73,6 +73,8 @@ class BenchConfig:
     controllers: tuple = ()                     # control.ControlSpec rows (trained agents)
     trace_split: Optional[str] = None           # a trace file's time-ordered split (None: every window)
     rate_scale: float = 1.0                     # with trace_split: the native load's rate multiplier
+    slo_rule: Optional[str] = None              # an SLO rule (preset or file) replacing the workload's SLOs
+    slo_seed: int = 0                           # its class draw's seed
     t_ref_ms: Optional[float] = None            # T_ref of a t_ref_mode "fixed" parameters file
     params_deployment: Optional[dict] = None    # the deployment its parameters were tuned on (warnings)
 
@@ -155,6 +157,11 @@ class BenchConfig:
         if self.t_ref_ms is not None:
             set_("t_ref_ms", _finite_pos(self.t_ref_ms, "t_ref_ms"))
         set_("rate_scale", _finite_pos(self.rate_scale, "rate_scale"))
+        if isinstance(self.slo_seed, bool) or not isinstance(self.slo_seed, (int, np.integer)) or self.slo_seed < 0:
+            raise ConfigError(f"slo_seed: must be an integer >= 0, got {self.slo_seed!r}")
+        if self.slo_rule is not None:
+            from ..traces.slo_rules import load_slo_rule
+            load_slo_rule(self.slo_rule)   # (a bad rule: one line naming file and field, before any run)
 
     def shed_margin(self, policy: str) -> float:
         """The +shed row's margin for ``policy`` (default 0.0)."""

@@ -49,7 +49,8 @@ def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
                      "trace_digests": wl.digests,
                      "windows": None if wl.windows is None else [list(w) for w in wl.windows],
                      **({"trace_split": cfg.trace_split, "rate_scale": cfg.rate_scale}
-                        if cfg.trace_split is not None else {})},
+                        if cfg.trace_split is not None else {}),
+                     **({"slo_rule": slo_rule_evidence(cfg)} if cfg.slo_rule is not None else {})},
         "loads": list(cfg.loads),
         "lambda_sat_rps": wl.lambda_sat,
         "engine_config": cfg.engine.to_dict(),
@@ -64,6 +65,13 @@ def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
         "upper_bound": cfg.upper_bound,
         "package_version": __version__,
     }
+
+
+def slo_rule_evidence(cfg: BenchConfig) -> dict:
+    """The SLO rule the user named: its name, content digest and seed."""
+    from ..traces.slo_rules import load_slo_rule
+    rule = load_slo_rule(cfg.slo_rule)
+    return {"name": rule.name, "digest": rule.digest, "seed": cfg.slo_seed}
 
 
 def evidence_id(inputs: dict) -> str:

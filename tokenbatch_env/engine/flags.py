@@ -1,0 +1,73 @@
+"""vLLM's engine flags on the command line (docs/design.md section 10), shared by `tokenbatch simulate`
+and `tokenbatch bench`: each overrides the profile's setting (``EngineConfig``) and enters the
+evidence id. Parsed here, so that a bad value is one line naming its flag."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import ConfigError
+
+#: vLLM's engine flags (docs/design.md section 10): (flag, ``EngineConfig`` field, least value)
+ENGINE_FLAGS = (("--num-blocks", "num_blocks", 2), ("--block-size", "block_size", 1),
+                ("--max-num-seqs", "max_num_seqs", 1), ("--max-num-batched-tokens", "max_num_batched_tokens", 1),
+                ("--max-model-len", "max_model_len", 1))
+ENGINE_HELP = {
+    "--num-blocks": "KV-cache blocks, block 0 included (vLLM's --num-gpu-blocks-override)",
+    "--block-size": "tokens per KV-cache block (vLLM's --block-size); without --num-blocks the pool keeps "
+                    "the profile's token capacity",
+    "--max-num-seqs": "running requests at most (vLLM's --max-num-seqs)",
+    "--max-num-batched-tokens": "token budget B per iteration (vLLM's --max-num-batched-tokens)",
+    "--max-model-len": "context limit (vLLM's --max-model-len)",
+}
+
+
+def engine_overrides(args) -> dict:
+    """The ``EngineConfig`` fields the engine flags set; a bad value is one line naming its flag."""
+    kw = {}
+    for flag, field, lo in ENGINE_FLAGS:
+        text = getattr(args, field)
+        if text is None:
+            continue
+        try:
+            v = int(str(text).strip())
+        except ValueError:
+            raise ConfigError(f"{flag}: must be an integer, got {text!r}") from None
+        if v < lo:
+            raise ConfigError(f"{flag}: must be an integer >= {lo}, got {v}")
+        kw[field] = v
+    if args.no_prefix_caching:
+        kw["prefix_caching"] = False
+    if args.async_scheduling is not None:
+        kw["async_scheduling"] = bool(args.async_scheduling)
+    return kw
+
+
+def add_engine_flags(p) -> None:
+    """The flags, in an argument group of the parser ``p``."""
+    g = p.add_argument_group("engine settings (default: the profile's)")
+    for flag, _, _ in ENGINE_FLAGS:
+        g.add_argument(flag, default=None, metavar="N", help=ENGINE_HELP[flag])
+    g.add_argument("--no-prefix-caching", action="store_true", help="vLLM's --no-enable-prefix-caching")
+    a = g.add_mutually_exclusive_group()
+    a.add_argument("--async", dest="async_scheduling", action="store_true", default=None,
+                   help="vLLM's --async-scheduling (default: the profile's)")
+    a.add_argument("--sync", dest="async_scheduling", action="store_false", help="synchronous scheduling")
+
+
+def engine_config(args, base=None):
+    """``base`` (default ``EngineConfig()``) with the flags given in ``args``."""
+    from .state import EngineConfig
+    return dataclasses.replace(base or EngineConfig(), **engine_overrides(args))
+
+
+def resolve_with_flags(config, profile, args):
+    """``config.resolve(profile)``; an error (a combination, e.g. a block size beyond the KV pool)
+    names the flags given."""
+    from ..errors import ProfileError
+    try:
+        return config.resolve(profile)
+    except (ConfigError, ProfileError) as e:
+        given = " ".join(f"{f} {getattr(args, fld)}" for f, fld, _ in ENGINE_FLAGS
+                         if getattr(args, fld, None) is not None)
+        raise ConfigError(f"{given}: {e}" if given else str(e)) from None
