@@ -316,3 +316,29 @@ def test_a_bad_rule_file_is_one_line_before_any_run(tmp_path, capsys, rule, need
                    "--out", str(tmp_path / "o"), "--slo-rule", str(path)])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and "rule.json" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_long_contexts_on_an_extrapolated_profile_get_a_sensitivity_block(tmp_path):
+    t = load_suite("seed-200").traces("train")[0].subset(np.arange(200))
+    long = t.replace(prompt_tokens=t.prompt_tokens.astype(np.int64) + 6000,
+                     prefix_offsets=np.zeros(201, np.int64), prefix_hashes=np.zeros(0, np.uint64))
+    path = tmp_path / "long.npz"
+    save_npz(long, path)
+    cfg = ev.BenchConfig(trace_file=str(path), windows=50, profile="llama31-8b-h100", loads=(1.2,),
+                         policies=("fcfs", "sjf"), bootstrap_b=100, upper_bound=False,
+                         slo_rule="mlperf-llama3_1-8b-interactive")
+    d = ev.run_benchmark(cfg).data
+    s = d["sensitivity"]
+    assert s["rho"] == 1.2 and s["longest_context"] > 4096
+    assert set(s["variants"]) == {"c_attn x0.5", "c_attn x2", "c_kv x0.5", "c_kv x2"}
+    labels = {r["label"] for r in d["loads"][0]["rows"]}
+    assert all(set(v) == labels for v in s["variants"].values())
+    # a slower attention term cannot help FCFS here; the variants differ from each other
+    assert s["variants"]["c_attn x2"]["fcfs"] <= s["variants"]["c_attn x0.5"]["fcfs"]
+    assert len({v["fcfs"] for v in s["variants"].values()}) > 1
+    # short contexts, or a profile that asks for none: no block
+    short = ev.run_benchmark(dataclasses.replace(cfg, trace_file=None, windows=None, max_traces=2)).data
+    assert "sensitivity" not in short
+    other = ev.run_benchmark(dataclasses.replace(cfg, profile="llama3-8b-h100", engine=EngineConfig(
+        max_model_len=8192))).data
+    assert "sensitivity" not in other
