@@ -342,3 +342,23 @@ def test_long_contexts_on_an_extrapolated_profile_get_a_sensitivity_block(tmp_pa
     other = ev.run_benchmark(dataclasses.replace(cfg, profile="llama3-8b-h100", engine=EngineConfig(
         max_model_len=8192))).data
     assert "sensitivity" not in other
+
+
+def test_the_upper_bound_uses_b_max():
+    """The bound holds for every budget a lever may choose up to B_max: a prompt that needs fewer,
+    larger chunks than B allows to make its TTFT counts as attainable only with B_max; B_max = B is
+    the old bound."""
+    from tokenbatch_env.bounds import upper_bound
+    from tokenbatch_env.traces.trace import Trace
+    p = dataclasses.replace(load_profile("llama2-7b-a100"), max_num_batched_tokens=64)
+    P = 4000
+    t1 = int(p.cost.idle_prefill_ns(P, 2048))   # (in 2 chunks; at B = 64 it takes 63)
+    assert t1 < p.cost.idle_prefill_ns(P, 64)
+    t = Trace.build(arrival_ns=np.array([0]), prompt_tokens=np.array([P]), output_tokens=np.array([2]),
+                    ttft_slo_ns=np.array([t1]), tpot_slo_ns=np.array([10 ** 9]))
+    assert upper_bound(t, p).ub == 0
+    assert upper_bound(t, dataclasses.replace(p, b_max=64)).ub == 0
+    assert upper_bound(t, dataclasses.replace(p, b_max=2048)).ub == 1
+    seed = load_suite("seed-200").traces("test")[0]
+    q = load_profile("stress-512")
+    assert upper_bound(seed, dataclasses.replace(q, b_max=q.max_num_batched_tokens)).ub == upper_bound(seed, q).ub

@@ -6,7 +6,8 @@ time-outs), because every step below only relaxes the engine. All coefficients o
 are >= 0, which is what makes each step a relaxation.
 
 Notation (request i): a = arrival (ns), N = prompt tokens, O = output tokens, T1/T2 = TTFT/TPOT SLO
-(ns), bs = block size, B = max_num_batched_tokens, c_* = cost coefficients in integer ps.
+(ns), bs = block size, B = the profile's B_max (``budget_max``: its max_num_batched_tokens unless it
+gives a larger ``b_max``), c_* = cost coefficients in integer ps.
 
 Best-case cached prefix
 -----------------------
@@ -258,7 +259,9 @@ def request_parts(trace: Trace, prof: Profile, prefix_caching: bool = True) -> _
     """Per-request attainability, works (ns, rounded down) and deadlines (ns)."""
     if not trace.has_slos:
         raise ValueError("upper_bound needs a trace with SLOs (ttft_slo_ns / tpot_slo_ns)")
-    bs, B, mml = prof.block_size, prof.max_num_batched_tokens, prof.max_model_len
+    # B_max: a lever may choose any budget up to it (docs/design.md section 10); a larger B only
+    # relaxes the chunking below, so the bound holds for every such choice
+    bs, B, mml = prof.block_size, prof.budget_max, prof.max_model_len
     ps = [int(x) for x in prof.cost.ps]
     c0, cp, cc2, cat, cd, ckv = ps
     a = trace.arrival_ns.astype(np.int64)
