@@ -323,6 +323,10 @@ def config_to_argv(cfg, *, exclude=()) -> list:
     None where the field has no ``none`` word, a bool a ``sets`` flag cannot set, a nested field's
     sub-field that is no option and differs from its default)."""
     cls = type(cfg)
+    try:   # a field whose default a config resolves (None: "the suite's") compares with the resolved value
+        plain = cls()
+    except (TypeError, ValueError, ConfigError):   # (a required field)
+        plain = None
     for f in _fields(cls, exclude):
         if _nested(cls, f) is not None:
             v, d = getattr(cfg, f.name), _default(f)
@@ -333,6 +337,8 @@ def config_to_argv(cfg, *, exclude=()) -> list:
     for e in _entries(cls, exclude):
         v = getattr(cfg, e.name) if len(e.path) == 1 else getattr(getattr(cfg, e.path[0]), e.name)
         d, m = e.default, e.metadata
+        if len(e.path) == 1 and plain is not None:
+            d = getattr(plain, e.name)
         if d is not dataclasses.MISSING and v == d and not m.get("required"):
             continue
         kind, flag = e.kind, field_flags(e)[0]
