@@ -133,8 +133,8 @@ def test_trace_lambda_sat_does_not_depend_on_max_traces(tmp_path):
     (["--max-traces", "0"], "--max-traces"),
     (["--gpu-price", "2"], "--gpu-price and --gpus"),
     (["--windows", "10"], "--windows needs --trace"),
-    (["--trace", "t.csv", "--windows", "10", "--suite", "azure-conv-like"], "--suite and --split go without --trace"),
-    (["--trace", "t.csv", "--windows", "10", "--split", "train"], "--suite and --split go without --trace"),
+    (["--trace", "t.csv", "--windows", "10", "--suite", "azure-conv-like"], "--suite goes without --trace"),
+    (["--trace", "t.csv", "--windows", "10", "--split", "dev"], "--split with --trace: train, validation or test"),
     (["--bootstrap-b", "50"], "bootstrap"),
     (["--target", "2", "--capacity"], "--target: the capacity goodput target must be in (0, 1], got '2'"),
 ])

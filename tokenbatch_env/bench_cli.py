@@ -18,7 +18,9 @@ from .util import parse_loads
 def configure(p: argparse.ArgumentParser) -> None:
     # values are parsed here (not by argparse types) so bad input gives one line and exit 2
     p.add_argument("--suite", default=None, help="suite name or spec .json (default seed-200)")
-    p.add_argument("--split", default=None, help="suite split (default test)")
+    p.add_argument("--split", default=None, help="suite split (default test); with --trace: train, validation "
+                                                 "or test, the trace's time-ordered 60/20/20 parts (default: "
+                                                 "every window)")
     p.add_argument("--profile", default="stress-512", help="engine profile (tokenbatch profiles list)")
     p.add_argument("--policies", default="fcfs,sjf,edf,llf,index",
                    help="comma-separated: fcfs,priority,sjf,srpt-oracle,edf,llf,empirical-gittins,index,weights "
@@ -117,10 +119,14 @@ def config_from_args(args):
     target = _float(args.target, "target")
     if not 0 < target <= 1:
         raise ConfigError(f"--target: the capacity goodput target must be in (0, 1], got {args.target!r}")
-    if args.trace is not None and (args.suite is not None or args.split is not None):
-        raise ConfigError("--suite and --split go without --trace (a trace file replaces the suite)")
+    if args.trace is not None and args.suite is not None:
+        raise ConfigError("--suite goes without --trace (a trace file replaces the suite)")
+    if args.trace is not None and args.split is not None and args.split not in ("train", "validation", "test"):
+        raise ConfigError(f"--split with --trace: train, validation or test (the trace's parts by time), "
+                          f"got {args.split!r}")
     return BenchConfig(
-        suite=args.suite or "seed-200", split=args.split or "test", profile=args.profile,
+        suite=args.suite or "seed-200", split=(args.split if args.trace is None else None) or "test",
+        trace_split=args.split if args.trace is not None else None, profile=args.profile,
         policies=parse_policies(args.policies),
         shed=args.shed, loads=parse_loads(args.loads), max_traces=_int(args.max_traces, "max-traces", 1),
         bootstrap_seed=_int(args.bootstrap_seed, "bootstrap-seed", 0),

@@ -98,7 +98,10 @@ def run(args, prog: str = "tokenbatch") -> int:
         print(f"\nwrote {', '.join(str(p) for p in res['paths'][:5])} and {cfg.out}/test/  "
               f"(search {m['search_wall_s']:.1f} s, test evaluation {m['test_eval_wall_s']:.1f} s, "
               f"total {m['wall_time_s']:.1f} s)")
-        print(f"evaluate again: tokenbatch bench --params {res['paths'][0]} --shed")
+        where = "" if cfg.trace is None else (
+            f" --trace {cfg.trace} --split test --windows {cfg.windows} --warmup {cfg.warmup} --cooldown "
+            f"{cfg.cooldown} --profile {cfg.profile}" + (f" --slo-rule {cfg.slo_rule}" if cfg.slo_rule else ""))
+        print(f"evaluate again: tokenbatch bench{where} --params {res['paths'][0]} --shed")
     return 0
 
 

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: command prefix -> flags appended to make its budget tiny (the first matching prefix applies)
 TINY = {
+    "python tuning/optuna_search.py --trace": "--trials 2 --k 2 --bootstrap-b 100",
     "python tuning/optuna_search.py": "--trials 2 --k 2 --max-train-traces 2 --max-test-traces 2 "
                                       "--eval-loads 1.2 --bootstrap-b 100 --no-comparators",
     "tokenbatch tune": "--trials 2 --k 2 --max-train-traces 2 --max-test-traces 2 --eval-loads 1.2 "

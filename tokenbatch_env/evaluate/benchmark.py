@@ -325,7 +325,8 @@ def _params_note(cfg: BenchConfig) -> dict:
     src = cfg.params_source
     t = _tuned_info(src)
     if t is not None:
-        note = (f"TUNED: from {Path(src).name} (tuning/optuna_search.py on {t.get('suite')}/{t.get('split')} "
+        what = t.get("suite") or Path(str(t.get("trace"))).name
+        note = (f"TUNED: from {Path(src).name} (tuning/optuna_search.py on {what}/{t.get('split')} "
                 f"at rho {t.get('loads')}, {t.get('trials_per_study')} trials per study)")
     elif src is None:
         note = "UNTUNED: default IndexParams"
