@@ -55,6 +55,15 @@ def layer_of(mod: str) -> int:
     return layer
 
 
+def from_target(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    """The absolute module name of ``from <target> import ...`` in module ``mod``."""
+    if not node.level:
+        return node.module or ""
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imports(mod: str, path: Path, known: dict) -> list:
     """(line, imported module, names imported from it) of every import in the file, resolved to the
     package's modules (``from . import x`` of a submodule x counts as importing x)."""
@@ -67,12 +76,7 @@ def imports(mod: str, path: Path, known: dict) -> list:
                 if a.name in known:
                     out.append((node.lineno, a.name, ()))
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                base = base[:len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = from_target(mod, is_pkg, node)
             if target not in known:
                 continue
             names = []
@@ -187,12 +191,7 @@ def module_aliases(mod: str, path: Path, known: dict) -> dict:
                 if a.name in known and a.asname:
                     out[a.asname] = a.name
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                base = base[:len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = from_target(mod, is_pkg, node)
             for a in node.names:
                 if f"{target}.{a.name}" in known:
                     out[a.asname or a.name] = f"{target}.{a.name}"

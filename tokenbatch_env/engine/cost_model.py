@@ -76,3 +76,19 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {n: float(getattr(self, n)) for n in TERMS}
+
+
+def batch_features(items) -> tuple:
+    """(prefill tokens, sum of chunk^2, sum of chunk x computed-before, decodes, sum of decode
+    contexts) of one iteration's ``items`` = [(new tokens, computed before, is_decode)]: the
+    arguments of ``CostModel.iteration_ns`` (docs/design.md section 3, the cost model)."""
+    pre = dec = c2 = attn = kv = 0
+    for new, cb, is_dec in items:
+        if is_dec:
+            dec += 1
+            kv += cb
+        else:
+            pre += new
+            c2 += new * new
+            attn += new * cb
+    return pre, c2, attn, dec, kv

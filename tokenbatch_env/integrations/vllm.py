@@ -340,21 +340,16 @@ class _TokenBatchMixin:
         """(kind, P, D, K, sum_c2, sum_kv_c) of a scheduled step, by the engine's cost model rule
         (docs/design.md section 3): read after ``schedule()`` advanced num_computed_tokens."""
         placeholder = 1 if isinstance(self, AsyncScheduler) else 0   # already added for this step
-        pre = dec = kv = c2 = attn = 0
+        from ..engine.cost_model import batch_features
+        items = []
         for rid, new in so.num_scheduled_tokens.items():
             req = self.requests[rid]
             mid_prefill = req.is_prefill_chunk
             gen_before = len(req.output_token_ids) + req.num_output_placeholders
             if not mid_prefill:
                 gen_before -= placeholder
-            cb = req.num_computed_tokens - new
-            if new == 1 and not mid_prefill and gen_before > 0:
-                dec += 1
-                kv += cb
-            else:
-                pre += new
-                c2 += new * new
-                attn += new * cb
+            items.append((new, req.num_computed_tokens - new, new == 1 and not mid_prefill and gen_before > 0))
+        pre, c2, attn, dec, kv = batch_features(items)
         kind = 0 if dec == 0 else (1 if pre == 0 else 2)
         return kind, pre, dec, kv, c2, attn
 

@@ -212,15 +212,8 @@ class VllmRun:
 def _cost_ns(cost, now, items):
     """The engine's cost model (``CostModel.iteration_ns``, exact integers) for ``items`` =
     [(new, computed_before, is_decode)]. Returns (end_ns, prefill_tokens, decodes)."""
-    pre = dec = c2 = attn = kv = 0
-    for new, cb, is_dec in items:
-        if is_dec:
-            dec += 1
-            kv += cb
-        else:
-            pre += new
-            c2 += new * new
-            attn += new * cb
+    from ..engine.cost_model import batch_features
+    pre, c2, attn, dec, kv = batch_features(items)
     return now + int(cost.iteration_ns(pre, c2, attn, dec, kv)), pre, dec
 
 
