@@ -1,0 +1,115 @@
+"""Tune on real traces, one deployment cell at a time, and judge the tuned index against the best
+tuned baseline (docs/design.md section 10, "Tuning on a trace"; the table in docs/results.md).
+
+A cell is (trace, profile, SLO rule, load). Each runs ``tuning/optuna_search.py --trace`` with the
+default budget into ``<out>/<cell>/`` and is judged on its test windows:
+
+* best baseline: the ``<baseline>+shed`` row with the best *validation* goodput (never the test's);
+* headroom: the best deployable row's test goodput minus the best baseline's;
+* verdict: where headroom >= 0.03, index+shed must close at least half of it; elsewhere it must be
+  non-inferior (paired 95% CI lower end >= -0.01 against the best baseline).
+
+    python tools/tune_trace_cells.py                       # every cell below (needs ../shared/traces)
+    python tools/tune_trace_cells.py --cells code-a100-1.2 --out runs/cells
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = ROOT.parent / "shared" / "traces"
+
+#: name -> (trace file under ../shared/traces, profile)
+WORKLOADS = {
+    "code-a100": ("azure_llm_2023/AzureLLMInferenceTrace_code.csv", "llama2-7b-a100"),
+    "conv-a100": ("azure_llm_2023/AzureLLMInferenceTrace_conv.csv", "llama2-7b-a100"),
+    "mooncake-h100": ("mooncake_fast25/conversation_trace.jsonl", "llama31-8b-h100"),
+}
+RULES = {"3class": None, "mlperf": "mlperf-llama3_1-8b"}
+LOADS = ("native", "1.2", "2.0")
+HEADROOM = 0.03
+NON_INFERIOR = -0.01
+
+
+def cells() -> dict:
+    return {f"{w}-{r}-{x}": (w, r, x) for w in WORKLOADS for r in RULES for x in LOADS}
+
+
+def run_cell(name: str, out: Path) -> dict:
+    from tokenbatch_env.tuning import TuneConfig, run_tuning
+    w, r, load = cells()[name]
+    trace, profile = WORKLOADS[w]
+    cfg = TuneConfig(trace=str(TRACES / trace), profile=profile, slo_rule=RULES[r],
+                     loads=("native",) if load == "native" else (float(load),), out=str(out / name),
+                     progress=False)
+    t0 = time.time()
+    res = run_tuning(cfg)
+    return judge(name, res["data"], time.time() - t0)
+
+
+def judge(name: str, rep: dict, wall_s: float) -> dict:
+    test = rep["test"]
+    entry = test["loads"][0]
+    rows = {d["label"]: d for d in entry["rows"]}
+    base = {row: s["best"]["validation_goodput"] for row, s in rep["studies"].items()
+            if row != "index+shed" and s["best"] is not None}
+    best_base = max(base, key=lambda k: (base[k], k))
+    g = {lab: d["goodput"]["mean"] for lab, d in rows.items() if not d["reference"]}
+    headroom = max(g.values()) - g[best_base]
+    vs = rows["index+shed"]["vs"][best_base]
+    diff = vs["diff"]
+    if headroom >= HEADROOM:
+        ok, rule = diff >= headroom / 2, "closes >= half"
+    else:
+        ok, rule = vs["ci95"][0] >= NON_INFERIOR, "non-inferior"
+    return {"cell": name, "rho": entry["rho"], "windows": test["workload"]["units"],
+            "rejected_capped": test["admission"]["rejected_share"] + test["admission"]["capped_share"],
+            "best_baseline": best_base, "index_shed": g["index+shed"], "baseline": g[best_base],
+            "best_row": max(g, key=g.get), "headroom": headroom, "diff": diff, "ci95": vs["ci95"],
+            "criterion": rule, "pass": bool(ok), "tuning_evidence_id": rep["evidence_id"],
+            "test_evidence_id": rep["test_evidence_id"], "wall_s": round(wall_s, 1)}
+
+
+def table(results: list) -> str:
+    out = ["| cell | rho | windows | denied | best baseline (validation) | index+shed | baseline | headroom | "
+           "index+shed - baseline [95% CI] | criterion | pass | test evidence id |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        out.append(f"| {r['cell']} | {r['rho']:.3g} | {r['windows']} | {r['rejected_capped']:.1%} | "
+                   f"{r['best_baseline']} | {r['index_shed']:.3f} | {r['baseline']:.3f} | {r['headroom']:+.3f} | "
+                   f"{r['diff']:+.4f} [{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}] | {r['criterion']} | "
+                   f"{'yes' if r['pass'] else 'NO'} | `{r['test_evidence_id'][:12]}` |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cells", default=None, help="comma-separated cell names (default: all)")
+    ap.add_argument("--out", default="runs/trace-cells", help="output directory (default runs/trace-cells)")
+    args = ap.parse_args(argv)
+    if not TRACES.is_dir():
+        print(f"tune_trace_cells.py: error: {TRACES} not found (the shared traces)", file=sys.stderr)
+        return 2
+    names = list(cells()) if args.cells is None else [c.strip() for c in args.cells.split(",") if c.strip()]
+    bad = [c for c in names if c not in cells()]
+    if bad:
+        print(f"tune_trace_cells.py: error: unknown cell(s) {bad}; valid: {', '.join(cells())}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    results = []
+    for name in names:
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        results.append(run_cell(name, out))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cells.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
