@@ -190,3 +190,44 @@ def test_d3_clock_jump_after_zero_token_iteration():
     c = H.compare(gen(1, "long", distinct=False), "linear", "fcfs", prefix_caching=False,
                   async_scheduling=True, num_blocks=33, max_num_batched_tokens=256, max_num_seqs=16)
     assert_identical(c)
+
+
+# ------------------------------------------------------------------ long_prefill_token_threshold
+def threshold_of(seed: int) -> int:
+    """Thresholds below, at and above the budgets' chunk sizes (docs/design.md section 11)."""
+    return int(np.random.default_rng(seed + 11).choice([1, 16, 24, 48, 100]))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seed", range(3))
+def test_threshold_traces_identical(seed, kind, policy, async_scheduling):
+    """vLLM 0.33's long_prefill_token_threshold, set on both sides: with more than one request
+    running or waiting, no request gets more new tokens than it (running partial prefills, resumed
+    recomputes and admissions, after prefix hits, before the budget)."""
+    c = H.compare(gen(seed, kind), "linear", policy, prefix_caching=True, async_scheduling=async_scheduling,
+                  long_prefill_token_threshold=threshold_of(seed), **budgets(seed))
+    assert_identical(c)
+
+
+def test_threshold_runs_really_cap_chunks_and_preempt():
+    """The threshold cases chunk more than without it, and still preempt (so they test resumes)."""
+    capped = pre = 0
+    for seed in range(3):
+        for kind in ("burst", "long", "hol"):
+            t = gen(seed, kind)
+            thr = threshold_of(seed)
+            on = H.replay(t, "linear", "fcfs", long_prefill_token_threshold=thr, **budgets(seed))
+            off = H.replay(t, "linear", "fcfs", **budgets(seed))
+            capped += int(on.records["first_token_iteration"].sum() > off.records["first_token_iteration"].sum())
+            pre += int(on.records["preemptions"].sum())
+    assert capped >= 5 and pre > 5
+
+
+def test_threshold_alone_is_not_applied():
+    """One request alone (nothing else running or waiting) takes the whole budget: vLLM's rule."""
+    t = tiny_trace([0.0], [500], [3])
+    on = H.engine_run(t, "linear", "fcfs", max_num_batched_tokens=256, long_prefill_token_threshold=16)
+    off = H.engine_run(t, "linear", "fcfs", max_num_batched_tokens=256)
+    assert on.records(0)["first_token_iteration"][0] == off.records(0)["first_token_iteration"][0] == 1

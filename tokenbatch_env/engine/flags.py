@@ -11,7 +11,8 @@ from ..errors import ConfigError
 #: vLLM's engine flags (docs/design.md section 10): (flag, ``EngineConfig`` field, least value)
 ENGINE_FLAGS = (("--num-blocks", "num_blocks", 2), ("--block-size", "block_size", 1),
                 ("--max-num-seqs", "max_num_seqs", 1), ("--max-num-batched-tokens", "max_num_batched_tokens", 1),
-                ("--max-model-len", "max_model_len", 1))
+                ("--max-model-len", "max_model_len", 1),
+                ("--long-prefill-token-threshold", "long_prefill_token_threshold", 0))
 ENGINE_HELP = {
     "--num-blocks": "KV-cache blocks, block 0 included (vLLM's --num-gpu-blocks-override)",
     "--block-size": "tokens per KV-cache block (vLLM's --block-size); without --num-blocks the pool keeps "
@@ -19,6 +20,8 @@ ENGINE_HELP = {
     "--max-num-seqs": "running requests at most (vLLM's --max-num-seqs)",
     "--max-num-batched-tokens": "token budget B per iteration (vLLM's --max-num-batched-tokens)",
     "--max-model-len": "context limit (vLLM's --max-model-len)",
+    "--long-prefill-token-threshold": "new tokens of one request per iteration at most, when more than one "
+                                      "request runs or waits (vLLM's flag; 0: off)",
 }
 
 

@@ -37,7 +37,7 @@ MODE_FCFS, MODE_PRIORITY, MODE_SCORE = 0, 1, 2
 (C_BUDGET, C_MAX_SEQS, C_BS, C_USABLE, C_WATERMARK, C_MAX_LEN, C_PREFIX, C_ASYNC, C_MODE, C_JUMPS,
  C_MAX_WAIT, C_TIMEOUT_RUNNING, C_SKIP_HOL, C_MAX_ITERS,
  C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, C_WAIT_PREEMPT, C_ADMISSION,
- C_SWAP, C_HOST_BLOCKS, C_SWAP_PS_PER_BLOCK, C_REC_STREAM, C_DECIDE, N_CFG) = range(30)
+ C_SWAP, C_HOST_BLOCKS, C_SWAP_PS_PER_BLOCK, C_REC_STREAM, C_DECIDE, C_THRESHOLD, N_CFG) = range(31)
 # float cfg vector indices: ms per prefill / decode token at a full batch (docs/design.md section 4)
 (F_U_P, F_U_D, N_FCFG) = range(3)
 
@@ -1433,6 +1433,10 @@ def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score
             ns = 0
             preempted = 0
             acc[2] = 0  # blocks swapped out or in during this iteration
+            # vLLM's long_prefill_token_threshold (docs/design.md section 11): with more than one
+            # request running or waiting at the iteration's start, no request is given more new
+            # tokens than it (after its prefix hits, before the budget); 0 is off
+            thr = cfg[C_THRESHOLD] if n_run[c] + n_wait[c] > 1 else 0
 
             # Rule 2: RUNNING first, in admission order.
             idx = 0
@@ -1444,6 +1448,8 @@ def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score
                     continue
                 num_tokens = prompt[c, r] + gen[c, r]
                 new = num_tokens - computed[c, r]
+                if 0 < thr < new:
+                    new = thr
                 if new > budget:
                     new = budget
                 if new <= 0:
@@ -1600,6 +1606,8 @@ def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score
                     if budget <= 0:
                         break  # a preempted victim's budget was the whole budget left
                     new = num_tokens - hits * bs
+                    if 0 < thr < new:
+                        new = thr
                     if new > budget:
                         new = budget
                     # remove candidate bi, keeping skipped requests (and new victims) past lim

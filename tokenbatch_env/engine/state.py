@@ -46,10 +46,12 @@ class EngineConfig:
     # (vLLM sizes it from memory): usable blocks = floor(usable x profile block size / block_size)
     block_size: Optional[int] = None
     max_model_len: Optional[int] = None       # vLLM's --max-model-len (the model's context limit)
+    # vLLM's --long-prefill-token-threshold (docs/design.md section 11): None or 0 = off
+    long_prefill_token_threshold: Optional[int] = None
 
     #: fields added after evidence ids were first published: they enter ``to_dict`` only when set,
     #: so that every earlier configuration keeps its id
-    OPTIONAL_FIELDS = ("block_size", "max_model_len")
+    OPTIONAL_FIELDS = ("block_size", "max_model_len", "long_prefill_token_threshold")
 
     def __post_init__(self):
         if self.max_wait_ms is not None and not (np.isfinite(self.max_wait_ms) and self.max_wait_ms > 0):
@@ -65,6 +67,9 @@ class EngineConfig:
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or v < (2 if f == "num_blocks" else 1)):
                 raise ConfigError(f"{f} must be a positive integer or None, got {v!r}")
+        t = self.long_prefill_token_threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
+            raise ConfigError(f"long_prefill_token_threshold must be an integer >= 0 (0: off) or None, got {t!r}")
 
     def resolve(self, profile: Profile) -> Profile:
         """The profile with this config's overrides applied."""
@@ -93,6 +98,11 @@ class EngineConfig:
         if self.async_scheduling is not None:
             ch["async_scheduling"] = self.async_scheduling
         return dataclasses.replace(profile, **ch) if ch else profile
+
+    @property
+    def threshold(self) -> int:
+        """The long-prefill threshold in force (0: off)."""
+        return int(self.long_prefill_token_threshold or 0)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -133,6 +143,10 @@ def make_cfg(profile: Profile, config: EngineConfig, mode: int, pid: int = 0,
     cfg[K.C_ADMISSION] = int(config.admission_control)
     cfg[K.C_SWAP] = int(config.swap)
     cfg[K.C_REC_STREAM] = int(stream_records)
+    if config.threshold > profile.max_model_len:   # (vLLM refuses it too)
+        raise ConfigError(f"long_prefill_token_threshold {config.threshold} exceeds max_model_len "
+                          f"{profile.max_model_len}")
+    cfg[K.C_THRESHOLD] = config.threshold
     block_bytes = profile.block_size * profile.kv_bytes_per_token
     cfg[K.C_HOST_BLOCKS] = int(config.swap_space_gib * 2**30 // block_bytes)
     # copy time at the profile's PCIe bandwidth: bytes / (GB/s) = ns, in ps per block

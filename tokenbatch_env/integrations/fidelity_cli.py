@@ -21,6 +21,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="total KV blocks incl. vLLM's null block 0")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="vLLM's long_prefill_token_threshold, both sides (default 0: off)")
     p.add_argument("--policy", choices=LazyChoices(_vllm_modes), default="fcfs")
     p.add_argument("--async", dest="async_scheduling", action="store_true",
                    help="vLLM's AsyncScheduler (and the engine's async_scheduling)")
@@ -39,11 +41,13 @@ def run(args) -> int:
     trace, _ = load_trace(args.trace)
     c = H.compare(trace, args.profile, args.policy, num_blocks=args.num_blocks,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                  prefix_caching=args.prefix_caching, async_scheduling=args.async_scheduling or None)
+                  prefix_caching=args.prefix_caching, async_scheduling=args.async_scheduling or None,
+                  long_prefill_token_threshold=args.long_prefill_token_threshold)
     hc = c.vllm.config
     print(f"vLLM {c.vllm.vllm_version} {'AsyncScheduler' if hc.async_scheduling else 'Scheduler'} vs "
           f"engine, profile {args.profile}: {c.n} requests, policy {hc.policy}, "
           f"B={hc.max_num_batched_tokens}, max_num_seqs={hc.max_num_seqs}, num_blocks={hc.num_blocks}, "
+          f"long_prefill_token_threshold={hc.long_prefill_token_threshold}, "
           f"prefix caching {'on' if hc.prefix_caching else 'off'}")
     print(f"iterations: vLLM {len(c.vllm.iterations['iteration'])}, engine "
           f"{len(c.engine_iterations['iteration'])}")

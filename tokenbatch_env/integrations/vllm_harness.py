@@ -97,6 +97,7 @@ class HarnessConfig:
     async_scheduling: bool = False
     policy: str = "fcfs"            # one of policies.vllm_modes()
     watermark: float = 0.0          # vLLM's SchedulerConfig.watermark (a fraction of the blocks)
+    long_prefill_token_threshold: int = 0   # vLLM's SchedulerConfig.long_prefill_token_threshold (0: off)
 
     def __post_init__(self):
         from ..policies import vllm_modes
@@ -107,13 +108,14 @@ class HarnessConfig:
 
 
 def resolve_config(profile="linear", policy="fcfs", *, num_blocks=None, max_num_batched_tokens=None,
-                   max_num_seqs=None, prefix_caching=True, async_scheduling=None):
+                   max_num_seqs=None, prefix_caching=True, async_scheduling=None, long_prefill_token_threshold=0):
     """(HarnessConfig, engine Profile, EngineConfig) for one comparison, from an engine profile."""
     from ..engine.profiles import load_profile
     from ..engine.state import EngineConfig
     ecfg = EngineConfig(prefix_caching=prefix_caching, async_scheduling=async_scheduling,
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                        num_blocks=num_blocks, record_iterations=1_000_000)
+                        num_blocks=num_blocks, record_iterations=1_000_000,
+                        long_prefill_token_threshold=long_prefill_token_threshold or None)
     prof = ecfg.resolve(load_profile(profile) if isinstance(profile, str) else profile)
     if prof.watermark_blocks:
         raise ConfigError("the harness does not model a non-zero watermark yet (profile "
@@ -122,7 +124,7 @@ def resolve_config(profile="linear", policy="fcfs", *, num_blocks=None, max_num_
                        max_num_seqs=prof.max_num_seqs, num_blocks=prof.num_blocks,
                        block_size=prof.block_size, max_model_len=prof.max_model_len,
                        prefix_caching=prefix_caching, async_scheduling=prof.async_scheduling,
-                       policy=policy)
+                       policy=policy, long_prefill_token_threshold=ecfg.threshold)
     return hc, prof, ecfg
 
 
@@ -149,7 +151,8 @@ def make_scheduler(hc: HarnessConfig, model_dir: str, scheduler_cls=None, schedu
     sched_config = V["SchedulerConfig"](
         max_num_seqs=hc.max_num_seqs, max_num_batched_tokens=hc.max_num_batched_tokens,
         max_model_len=hc.max_model_len, enable_chunked_prefill=True,
-        long_prefill_token_threshold=0, policy=hc.policy, async_scheduling=hc.async_scheduling,
+        long_prefill_token_threshold=hc.long_prefill_token_threshold, policy=hc.policy,
+        async_scheduling=hc.async_scheduling,
         watermark=hc.watermark, is_encoder_decoder=False)
     cache_config = V["CacheConfig"](block_size=hc.block_size, cache_dtype="auto",
                                     enable_prefix_caching=hc.prefix_caching)
@@ -220,7 +223,7 @@ def _cost_ns(cost, now, items):
 def replay(trace: Trace, profile="linear", policy="fcfs", *, num_blocks=None,
            max_num_batched_tokens=None, max_num_seqs=None, prefix_caching=True,
            async_scheduling=None, max_iterations: int = 1_000_000, scheduler_cls=None,
-           scheduler_kwargs=None, extra_args=None) -> VllmRun:
+           scheduler_kwargs=None, extra_args=None, long_prefill_token_threshold=0) -> VllmRun:
     """Drive vLLM's scheduler over ``trace`` with the budgets of engine ``profile`` (+ overrides).
 
     ``scheduler_cls``/``scheduler_kwargs``: run that scheduler class instead of vLLM's (e.g. the
@@ -229,7 +232,8 @@ def replay(trace: Trace, profile="linear", policy="fcfs", *, num_blocks=None,
     hc, prof, _ = resolve_config(profile, policy, num_blocks=num_blocks,
                                  max_num_batched_tokens=max_num_batched_tokens,
                                  max_num_seqs=max_num_seqs, prefix_caching=prefix_caching,
-                                 async_scheduling=async_scheduling)
+                                 async_scheduling=async_scheduling,
+                                 long_prefill_token_threshold=long_prefill_token_threshold)
     if trace.block_size != hc.block_size:
         raise ConfigError(f"trace block size {trace.block_size} != profile block size {hc.block_size}")
     return _replay(trace, hc, prof.cost, max_iterations, scheduler_cls, scheduler_kwargs,
@@ -477,7 +481,8 @@ def engine_run(trace: Trace, profile="linear", policy="fcfs", *, engine_policy=N
             the plug-in runs in vLLM).
         estimates: per-request output-length estimates for ``engine_policy`` (None: none).
         **kw: budget overrides, as ``resolve_config`` takes them (``num_blocks``,
-            ``max_num_batched_tokens``, ``max_num_seqs``, ``prefix_caching``, ``async_scheduling``).
+            ``max_num_batched_tokens``, ``max_num_seqs``, ``prefix_caching``, ``async_scheduling``,
+            ``long_prefill_token_threshold``).
 
     Returns:
         The engine's ``SimResult`` for the one trace, iterations recorded.
