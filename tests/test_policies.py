@@ -152,8 +152,8 @@ def _kernel_path(params, prompt_total, hits, est, wait_ms, t1_ms, free):
     d_left = est if est > 1.0 else 1.0
     s_ms = S.service_ms(float(p_left), d_left, params.u_p_ms, params.u_d_ms)
     to_deadline = t1_ms - wait_ms
-    slack = to_deadline - S.idle_prefill_ns(p_left, done, params.budget,
-                                            np.asarray(params.cost_ps[:4], np.int64)) / 1e6
+    slack = to_deadline - S.prefill_time_ns(p_left, done, params.budget,
+                                             np.asarray(params.cost_ps[:4], np.int64)) / 1e6
     blocks_needed = (prompt_total + bs - 1) // bs - hits
     theta = params.index.theta_vector(params.t_ref_ms)
     # (queue_pos given: the kernel's argument types, so no second compiled variant)

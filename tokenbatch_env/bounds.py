@@ -100,12 +100,12 @@ when the met set is, e.g., a single request, or requests whose windows are disjo
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional, Union
 
 import numpy as np
 
 from .engine._jit import guard_stale_cache, njit
+from .engine.scoring import min_prefill_ps2_one
 from .engine.profiles import Profile, load_profile
 from .traces.trace import Trace
 
@@ -154,37 +154,6 @@ def best_case_hits(trace: Trace, block_size: int, prefix_caching: bool = True) -
         blocks = trace.prefix_lengths.astype(np.int64)
     N = trace.prompt_tokens.astype(np.int64)
     return block_size * np.minimum(blocks, np.maximum(N - 1, 0) // block_size)
-
-
-@njit
-def min_prefill_ps2_one(N, h, c0, cp, cc2, cat, B):
-    """Twice the minimum, over all chunkings (chunks <= B), of the ps cost of prefilling tokens
-    [h, N) in one pass (module doc, (a)), for one request. Integer; exact for alpha >= 0."""
-    P = N - h
-    alpha2 = 2 * cc2 - cat                                       # 2 * alpha
-    base = 2 * cp * P + cat * (N * N - h * h)                    # 2 c_p P + c_attn (N^2 - h^2)
-    m_lo = (P + B - 1) // B
-    if m_lo < 1:
-        m_lo = 1
-    if alpha2 < 0:
-        # sum k^2 <= P * min(P, B) <= N * min(N, B) for any P in [P_i, N] (valid, loose)
-        return base + 2 * c0 * m_lo + alpha2 * N * min(N, B)
-    hi = P if P > 1 else 1
-    best = -1
-    m_star = 0
-    if alpha2 > 0:
-        # no per-iteration cost: more chunks are always cheaper
-        m_star = hi if c0 == 0 else int(math.floor(P * math.sqrt(alpha2 / (2.0 * c0))))
-    for d in range(-3, 4):
-        if alpha2 == 0 and d > -3:
-            break
-        m = m_lo if d == -3 else m_star + d
-        m = min(max(m, m_lo), hi)
-        q, r = P // m, P % m
-        v = 2 * c0 * m + alpha2 * (r * (q + 1) ** 2 + (m - r) * q * q)
-        if best < 0 or v < best:
-            best = v
-    return base + best
 
 
 @njit
@@ -481,4 +450,4 @@ def upper_bound(trace: Trace, profile: Union[str, Profile], *, prefix_caching: O
 
 # (compiled with the engine's decorator, so the checks on every compiled function see these too; they
 # link no other file, so the flush on an engine change only costs a short recompile)
-guard_stale_cache([min_prefill_ps2_one, min_prefill_exceeds, _min_prefill_ps2_all, _interval_dp], tag="bounds")
+guard_stale_cache([min_prefill_exceeds, _min_prefill_ps2_all, _interval_dp], tag="bounds")

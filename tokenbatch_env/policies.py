@@ -327,7 +327,7 @@ def _drop_in(p, d, wait_ms, t1_ms, free_blocks, ratio, theta, ps, u_p, u_d, budg
     d_left = d if d > 1.0 else 1.0
     s_ms = _s.service_ms(float(p), d_left, u_p, u_d)
     to_deadline = t1_ms - wait_ms
-    slack = to_deadline - _s.idle_prefill_ns(p, done, budget, ps) / 1e6
+    slack = to_deadline - _s.prefill_time_ns(p, done, budget, ps) / 1e6
     blocks = (p + bs - 1) // bs
     # (np.bool_ and queue_pos given: the kernel's argument types, so one compiled variant)
     return _s.policy_score(_s.P_INDEX, theta, ratio, s_ms, d_left, slack, t1_ms, np.bool_(False),
@@ -388,7 +388,7 @@ def request_tier(prompt_len, wait_time_ms, sla_target_ms, prefix_shared_ratio=0.
     p, ratio = int(prompt_len), float(prefix_shared_ratio)
     done = int(round(ratio * p / (1.0 - ratio))) if 0.0 < ratio < 1.0 else 0
     slack = float(sla_target_ms) - float(wait_time_ms) - \
-        _s.idle_prefill_ns(p, done, int(params.budget), params._arrays[1]) / 1e6
+        _s.prefill_time_ns(p, done, int(params.budget), params._arrays[1]) / 1e6
     return -1 if slack < 0.0 else 0
 
 

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._jit import borrow, fetch_add, guard_stale_cache, helper, njit, prefetch, prefetch3
-from .scoring import (P_EXTERNAL, P_GITTINS, P_INDEX, clip_z, gittins_score, idle_prefill_ns, index_log_dynamic,
+from .scoring import (P_EXTERNAL, P_GITTINS, P_INDEX, clip_z, gittins_score, index_log_dynamic, prefill_time_ns,
                       index_log_static, policy_score, service_ms)
 
 # ---------------------------------------------------------------------------------- constants
@@ -395,7 +395,7 @@ def request_static(waiting, hits, prompt, gen, computed, held, est, mrl, bs, bud
             p_left = 0  # decoding
         blocks_needed = held
     first_out = gen > 0
-    idle_ms = idle_prefill_ns(p_left, done, budget, ps) / 1e6
+    idle_ms = prefill_time_ns(p_left, done, budget, ps) / 1e6
     mrl_g = mrl[gen if gen < mrl.shape[0] else mrl.shape[0] - 1]
     if est != est:  # NaN: the family's mean residual life
         d_left = mrl_g
@@ -552,7 +552,7 @@ def _waiting_blocked(c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain
         if max_wait >= 0 and arrival[c, r] + max_wait < lim_w:
             lim_w = arrival[c, r] + max_wait
         base = arrival[c, r] + t1[c, r]
-        idle_ms = idle_prefill_ns(num_tokens - hits * bs, hits * bs, budget, ps) / 1e6
+        idle_ms = prefill_time_ns(num_tokens - hits * bs, hits * bs, budget, ps) / 1e6
         if sm >= 0.0:
             ts = _first_slack_below(base, idle_ms, -sm * (t1[c, r] / 1e6))
             if ts < lim_w:
@@ -1012,6 +1012,9 @@ def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score
     swap_on = cfg[C_SWAP]
     decide = cfg[C_DECIDE] != 0
     budget_cfg = cfg[C_BUDGET]
+    # the largest chunk a prefill can get: B, or the long-prefill threshold below it (prefill_time_i
+    # and S_i chunk at it, docs/design.md section 4)
+    chunk_cap = cfg[C_THRESHOLD] if 0 < cfg[C_THRESHOLD] < budget_cfg else budget_cfg
     u_p = fcfg[F_U_P]
     u_d = fcfg[F_U_D]
     # argument groups for _preempt (a call with more than 30 arguments cannot be compiled)
@@ -1069,7 +1072,7 @@ def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score
                     break
                 if _decision_needed(c, epoch[c, EP_SHED] != 0, now[c], n_wait, wait_ids, prompt, gen, arrival, t1,
                                     est, mrl, hash_head, chain_off, chain_val, uniq_base, prefix_on, bs,
-                                    budget_cfg, ps, u_p, u_d):
+                                    chunk_cap, ps, u_p, u_d):
                     stop = STOP_DECIDE
                     break
                 until = _next_epoch(epoch, c, now[c])
@@ -1156,7 +1159,7 @@ def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score
                     shed_now, tr, sc = _request_score(
                         waiting, hits, prompt[c, r], gen[c, r], computed[c, r], held[c, r], arrival[c, r], t1[c, r],
                         est[c, r], qkey[c, r] / (key_hi[c] if key_hi[c] > 1 else 1), t_now, mrl, gtab, theta[c], pid,
-                        sm, kvf, usable, bs, bsh, budget_cfg, ps, u_p, u_d, score_inkernel)
+                        sm, kvf, usable, bs, bsh, chunk_cap, ps, u_p, u_d, score_inkernel)
                     if shed_now:
                         _end(status, end_state, finish, n_ended, c, r, E_SHED, t_now)
                         if fbest == i:
@@ -1257,14 +1260,14 @@ def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score
                     else:
                         n_fit, lim_w, n_ev, dec_on, dec_base, dec_idle = _waiting_blocked(
                             c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val, uniq_base,
-                            ref, n_free, ev_blocks, prefix_on, can_admit, cfg[C_WATERMARK], max_wait, sm, budget_cfg,
+                            ref, n_free, ev_blocks, prefix_on, can_admit, cfg[C_WATERMARK], max_wait, sm, chunk_cap,
                             ps, dec_one, bs, bsh, hol_full, w_hits)
                         hol = n_fit > 0
                         all_decoding = n_ev <= nb and (n_fit == 0 or hol_full)
                 hol_rescore = hol and score_inkernel and all_decoding and k_done >= k_min
                 if hol_rescore:
                     _waiting_statics(c, nw, wait_ids, w_hits, w_st, prompt, gen, est, mrl, theta[c], pid, bs, bsh,
-                                     budget_cfg, ps, u_p, u_d)
+                                     chunk_cap, ps, u_p, u_d)
                 if all_decoding and k_done >= k_min:
                     # bucket the running requests by the iteration (mod bs) at which they claim a block
                     for ph in range(bs + 1):
@@ -1365,10 +1368,10 @@ def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score
                             n_fit, lim_w, n_ev, dec_on, dec_base, dec_idle = _waiting_blocked(
                                 c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val,
                                 uniq_base, ref, n_free, ev_blocks, prefix_on, can_admit, cfg[C_WATERMARK],
-                                max_wait, sm, budget_cfg, ps, dec_one, bs, bsh, hol_full, w_hits)
+                                max_wait, sm, chunk_cap, ps, dec_one, bs, bsh, hol_full, w_hits)
                             if hol_rescore:   # their hits may have changed
                                 _waiting_statics(c, nw, wait_ids, w_hits, w_st, prompt, gen, est, mrl, theta[c], pid,
-                                                 bs, bsh, budget_cfg, ps, u_p, u_d)
+                                                 bs, bsh, chunk_cap, ps, u_p, u_d)
                             next_t = lim if lim < lim_w else lim_w
                             if n_ev > nb or (n_fit > 0 and not hol):
                                 next_t = t  # (the latter cannot happen, see above; end the jump after this iteration)

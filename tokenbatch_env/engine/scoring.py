@@ -154,6 +154,50 @@ def idle_prefill_ns_array(prefill_tokens, budget, ps):
     return out
 
 
+@njit
+def min_prefill_ps2_one(N, h, c0, cp, cc2, cat, B):
+    """Twice the minimum, over all chunkings (chunks <= B), of the ps cost of prefilling tokens
+    [h, N) in one pass (``bounds`` module doc, (a)), for one request. Integer; exact for alpha >= 0."""
+    P = N - h
+    alpha2 = 2 * cc2 - cat                                       # 2 * alpha
+    base = 2 * cp * P + cat * (N * N - h * h)                    # 2 c_p P + c_attn (N^2 - h^2)
+    m_lo = (P + B - 1) // B
+    if m_lo < 1:
+        m_lo = 1
+    if alpha2 < 0:
+        # sum k^2 <= P * min(P, B) <= N * min(N, B) for any P in [P_i, N] (valid, loose)
+        return base + 2 * c0 * m_lo + alpha2 * N * min(N, B)
+    hi = P if P > 1 else 1
+    best = -1
+    m_star = 0
+    if alpha2 > 0:
+        # no per-iteration cost: more chunks are always cheaper
+        m_star = hi if c0 == 0 else int(math.floor(P * math.sqrt(alpha2 / (2.0 * c0))))
+    for d in range(-3, 4):
+        if alpha2 == 0 and d > -3:
+            break
+        m = m_lo if d == -3 else m_star + d
+        m = min(max(m, m_lo), hi)
+        q, r = P // m, P % m
+        v = 2 * c0 * m + alpha2 * (r * (q + 1) ** 2 + (m - r) * q * q)
+        if best < 0 or v < best:
+            best = v
+    return base + best
+
+
+@njit
+def prefill_time_ns(prefill_tokens, computed_before, chunk_cap, ps):
+    """prefill_time_i (docs/design.md section 4): the shortest idle-engine time (ns) to prefill
+    ``prefill_tokens`` after ``computed_before`` tokens over every chunking with chunks <=
+    ``chunk_cap`` (B, or a long-prefill threshold below it). A lower bound on any real completion
+    of that prefill, so a slack computed with it never sheds a request that could still make its
+    TTFT; chunking at B is not always the fastest (``c_c2 > c_attn / 2``)."""
+    if prefill_tokens <= 0:
+        return 0
+    n = computed_before + prefill_tokens
+    return (min_prefill_ps2_one(n, computed_before, ps[0], ps[1], ps[2], ps[3], chunk_cap) + 1999) // 2000
+
+
 # --------------------------------------------------------------------------- empirical Gittins
 # Rows of the Gittins table (``gittins_table``); columns are output lengths l = 0..n (n = size of
 # the residual-life table): S(l) = P(L > l), A(l) = E[min(L, l)], then ``jump[k][l]`` = the 2^k-th

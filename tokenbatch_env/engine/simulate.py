@@ -179,7 +179,7 @@ class EngineRun:
                             stream_records=iteration_sink is not None)
         self._cfg_decide = self.cfg.copy()
         self._cfg_decide[K.C_DECIDE] = 1
-        self.fcfg = make_fcfg(self.profile)
+        self.fcfg = make_fcfg(self.profile, self.config.threshold)
         C, R = A.arrival.shape
         self.theta = np.zeros((C, N_THETA))
         self.shed_margin = np.full(C, -1.0)

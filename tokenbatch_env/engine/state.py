@@ -112,9 +112,14 @@ class EngineConfig:
         return d
 
 
-def make_fcfg(profile: Profile) -> np.ndarray:
+def make_fcfg(profile: Profile, threshold: int = 0) -> np.ndarray:
+    """u_p and u_d (ms per token at a full batch, docs/design.md section 4): B tokens, and for u_p a
+    long-prefill threshold below B (the largest chunk one prefill gets)."""
     fcfg = np.zeros(K.N_FCFG, np.float64)
-    fcfg[K.F_U_P], fcfg[K.F_U_D] = profile.cost.per_token_ms(profile.max_num_batched_tokens)
+    B = profile.max_num_batched_tokens
+    fcfg[K.F_U_P], fcfg[K.F_U_D] = profile.cost.per_token_ms(B)
+    if 0 < threshold < B:   # a prefill's chunks are at most the threshold; decodes still share B
+        fcfg[K.F_U_P] = profile.cost.per_token_ms(threshold)[0]
     return fcfg
 
 

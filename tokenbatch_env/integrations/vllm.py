@@ -447,7 +447,7 @@ class _TokenBatchMixin:
                 to_deadline_ms = (arrival + info.t1_ns - t_now) / 1e6
                 slack_ms = to_deadline_ms
                 if not first_out:
-                    slack_ms -= _s.idle_prefill_ns(p_left, done, budget, ps) / 1e6
+                    slack_ms -= _s.prefill_time_ns(p_left, done, budget, ps) / 1e6
                 if (waiting_flag and not first_out and sm is not None
                         and slack_ms < -sm * (info.t1_ns / 1e6)):
                     shed.append(req)
