@@ -5,7 +5,7 @@ It registers the Gymnasium environment ``TokenBatch-v0`` (``tokenbatch_env.envs`
 by ``gym.make`` / ``gym.make_vec``).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 from .errors import ConfigError, PolicyError, ProfileError, TokenBatchError, TraceError
 from .traces import Trace
