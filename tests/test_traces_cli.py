@@ -63,7 +63,7 @@ def test_info_json_reports_dropped_rows(capsys):
     s = json.loads(out)
     assert s["requests"] == 3 and s["load"] == {"format": "burstgpt", "rows_read": 5,
                                                 "dropped_failed": 2, "dropped": 2}
-    assert s["has_slos"] is False and s["span_s"] == 195.25
+    assert s["has_slos"] is False and s["has_priority"] is False and s["span_s"] == 195.25
     assert s["output_tokens"]["max"] == 276
     assert s["mean_rate_per_s"] == pytest.approx(2 / 195.25)
 

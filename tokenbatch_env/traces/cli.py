@@ -126,6 +126,7 @@ def summarize(trace: Trace, report=None) -> dict:
         "prefix_share": chained / prompt_total if prompt_total else 0.0,
         "reusable_prefix_share": reusable / prompt_total if prompt_total else 0.0,
         "has_slos": trace.has_slos,
+        "has_priority": trace.has_priority,
         "classes": int(np.unique(trace.class_id).size),
         "priorities": int(np.unique(trace.priority).size),
         "digest": trace.digest,
@@ -176,8 +177,10 @@ def _info(args) -> int:
                      f"{_fmt(t1['p50'], '.4g')}), TPOT {_fmt(t2['min'], '.4g')}..{_fmt(t2['max'], '.4g')} ms "
                      f"(p50 {_fmt(t2['p50'], '.4g')})")
     else:
-        lines.append("SLOs            none (assigned by a seeded SLA rule at run time)")
-    lines.append(f"classes         {s['classes']} class ids, {s['priorities']} priority levels")
+        lines.append("SLOs            none (filled at run time by an SLO rule: default-3class, or --slo-rule)")
+    lines.append(f"classes         {s['classes']} class ids, " + (
+        f"{s['priorities']} priority levels (the file's own)" if s["has_priority"] else
+        "no priority column (filled at run time by the SLO rule)"))
     lines.append(f"digest          {s['digest']}")
     print("\n".join(lines))
     return 0
