@@ -110,3 +110,30 @@ def test_the_script_takes_the_trace_options(tmp_path):
     cfg = config_from_args(args)
     assert cfg.loads == ("native", 1.5) and cfg.eval_loads == ("native", 1.5) and cfg.rate_scale == 0.5
     assert config_from_args(build_parser().parse_args(config_to_argv(cfg))) == cfg
+
+
+@pytest.mark.parametrize("fmt", ["burstgpt", "azure"])
+def test_tuning_reads_every_trace_format(tmp_path, fmt):
+    """The trace formats tuning takes (docs/design.md section 10): a BurstGPT and an Azure CSV with
+    no SLO or priority columns get default-3class's, and tune end to end."""
+    rng = np.random.default_rng(3)
+    n = 900
+    t = np.cumsum(rng.exponential(0.25, n))
+    p, o = rng.integers(50, 1500, n), rng.integers(1, 300, n)
+    path = tmp_path / f"t.{fmt}.csv"
+    if fmt == "burstgpt":
+        rows = ["Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"]
+        rows += [f"{t[i]:.3f},ChatGPT,{p[i]},{o[i]},{p[i] + o[i]},Conversation log" for i in range(n)]
+    else:
+        import datetime
+        t0 = datetime.datetime(2023, 11, 16, 18, 15, 46)
+        rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+        rows += [f"{(t0 + datetime.timedelta(seconds=float(t[i]))).isoformat(sep=' ')},{p[i]},{o[i]}"
+                 for i in range(n)]
+    path.write_text("\n".join(rows) + "\n")
+    cfg = T.TuneConfig(trace=str(path), trace_format=fmt, windows=30, warmup=10, cooldown=10, trials=2, k=2,
+                       baselines=("edf",), val_top=1, bootstrap_b=200, out=str(tmp_path / "out"), progress=False)
+    res = T.run_tuning(cfg)
+    notes = res["data"]["test"]["workload"]["notes"]
+    assert any("default-3class" in x and "the trace has none" in x for x in notes), notes
+    assert res["data"]["test"]["workload"]["units"] >= 5
