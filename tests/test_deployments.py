@@ -362,3 +362,34 @@ def test_the_upper_bound_uses_b_max():
     seed = load_suite("seed-200").traces("test")[0]
     q = load_profile("stress-512")
     assert upper_bound(seed, dataclasses.replace(q, b_max=q.max_num_batched_tokens)).ub == upper_bound(seed, q).ub
+
+
+def test_bench_replays_a_tuned_native_load_on_a_trace_split(tmp_path, capsys):
+    """--loads native on a trace's split: the trace's own timestamps (times --rate-scale), the split in
+    the report; --rate-scale without native, or native without a split, is one line."""
+    t = load_suite("seed-200").traces("train")[0]
+    path = tmp_path / "t.npz"
+    save_npz(t, path)
+    out = tmp_path / "o"
+    base = ["bench", "--trace", str(path), "--windows", "10", "--warmup", "5", "--cooldown", "5", "--policies", "fcfs",
+            "--bootstrap-b", "100", "--no-upper-bound", "--quiet", "--out", str(out)]
+    assert cli.main(base + ["--split", "test", "--loads", "native"]) == 0
+    d = json.loads((out / "report.json").read_text())
+    cfg = ev.BenchConfig(trace_file=str(path), windows=10, warmup=5, cooldown=5, trace_split="test",
+                         policies=("fcfs",), loads=(1.0,))
+    wl = ev.prepare_workload(cfg, load_profile("stress-512"))
+    assert d["workload"]["split"] == "test" and [e["rho"] for e in d["loads"]] == [pytest.approx(wl.native_rho)]
+    assert cli.main(base + ["--split", "test", "--loads", "native,1.5", "--rate-scale", "2"]) == 0
+    d2 = json.loads((out / "report.json").read_text())
+    assert [e["rho"] for e in d2["loads"]] == pytest.approx(sorted([2 * wl.native_rho, 1.5]))
+    assert d2["evidence_inputs"]["workload"]["rate_scale"] == 2.0
+    capsys.readouterr()
+    for argv, needle in ((["--loads", "native"], "--loads native"), (["--split", "test", "--rate-scale", "2"],
+                                                                     "--rate-scale scales the native load")):
+        assert cli.main(base + argv) == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_an_explicit_context_beyond_the_kv_pool_is_refused():
+    with pytest.raises(ConfigError, match="max_model_len 8192 exceeds the KV pool"):
+        EngineConfig(num_blocks=300, max_model_len=8192).resolve(load_profile("stress-512"))

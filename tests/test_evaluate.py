@@ -392,6 +392,9 @@ def test_one_unit_reports_warn_that_their_cis_have_zero_width():
     assert f"note: {note}" in r.summary_text() and f"- note: {note}" in r.to_markdown()
     r2 = ev.run_benchmark(ev.BenchConfig(**{**TINY, "max_traces": 2}))
     assert not any(n.startswith(note) for n in r2.data["workload"]["notes"])
+    assert any(n.startswith("only 2 traces or windows: the 95% CIs") for n in r2.data["workload"]["notes"])
+    r5 = ev.run_benchmark(ev.BenchConfig(**{**TINY, "max_traces": 5}))
+    assert not any(n.startswith("only ") for n in r5.data["workload"]["notes"])
 
 
 def test_unwritable_outputs_are_one_line_errors_naming_the_path(tmp_path):

@@ -28,7 +28,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "for seed-200's primary endpoint)")
     p.add_argument("--shed", action="store_true", help="add a +shed row for every policy")
     p.add_argument("--loads", default="0.6,0.8,1.0,1.2,1.5,2.0",
-                   help="comma-separated rho values (x lambda_sat; default 0.6,0.8,1.0,1.2,1.5,2.0)")
+                   help="comma-separated rho values (x lambda_sat; default 0.6,0.8,1.0,1.2,1.5,2.0); with --trace "
+                        "and --split, 'native' is the trace's own timestamps (its rate times --rate-scale)")
+    p.add_argument("--rate-scale", default=None, help="with --loads native: multiply the trace's arrival rate by this")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.add_argument("--params", default=None,
                    help='JSON file {"index": {IndexParams fields}, "shed_margin": x, "edf": {"shed_margin": y}}')
@@ -116,6 +118,19 @@ def config_from_args(args):
         raise ConfigError("--trace needs --windows W (scored requests per window)")
     if args.trace is None and args.windows is not None:
         raise ConfigError("--windows needs --trace FILE")
+    items = [x.strip() for x in str(args.loads).split(",") if x.strip()]
+    native = "native" in items
+    if native and (args.trace is None or args.split is None):
+        raise ConfigError("--loads native: the trace's own timestamps, with --trace FILE --split train|validation|test")
+    rest = ",".join(x for x in items if x != "native")
+    loads = parse_loads(rest) if rest or not native else ()
+    rate_scale = 1.0
+    if args.rate_scale is not None:
+        if not native:
+            raise ConfigError("--rate-scale scales the native load: give --loads native")
+        rate_scale = _float(args.rate_scale, "rate-scale")
+        if rate_scale <= 0:
+            raise ConfigError(f"--rate-scale: must be > 0, got {args.rate_scale!r}")
     target = _float(args.target, "target")
     if not 0 < target <= 1:
         raise ConfigError(f"--target: the capacity goodput target must be in (0, 1], got {args.target!r}")
@@ -128,7 +143,8 @@ def config_from_args(args):
         suite=args.suite or "seed-200", split=(args.split if args.trace is None else None) or "test",
         trace_split=args.split if args.trace is not None else None, profile=args.profile,
         policies=parse_policies(args.policies),
-        shed=args.shed, loads=parse_loads(args.loads), max_traces=_int(args.max_traces, "max-traces", 1),
+        shed=args.shed, loads=loads, native_load=native, rate_scale=rate_scale,
+        max_traces=_int(args.max_traces, "max-traces", 1),
         bootstrap_seed=_int(args.bootstrap_seed, "bootstrap-seed", 0),
         bootstrap_b=_int(args.bootstrap_b, "bootstrap-b", 100), capacity=args.capacity,
         capacity_target=target, gpu_price=_float(args.gpu_price, "gpu-price"),

@@ -165,9 +165,21 @@ def _header_lines(data) -> list:
             f"{lam['rps']:.4g} req/s ({lam['source']})",
             f"predictor  {data['predictor']}; T_ref {data['t_ref_ms']:.1f} ms",
             f"parameters {data['parameters']['note']}",
+            *_engine_lines(data),
             *_admission_lines(data),
             *[f"WARNING    {w}" for w in data.get("warnings", [])],
             f"evidence   {data['evidence_id']}"]
+
+
+def _engine_lines(data) -> list:
+    """The engine settings that differ from the defaults (the evidence's ``engine_config``)."""
+    from .engine.state import EngineConfig
+    given = (data.get("evidence_inputs") or {}).get("engine_config")
+    if not given:
+        return []
+    default = EngineConfig().to_dict()
+    diff = [f"{k} {v}" for k, v in given.items() if k not in ("record_iterations",) and default.get(k, None) != v]
+    return [f"engine     {', '.join(diff)} (the profile's otherwise)"] if diff else []
 
 
 def _admission_lines(data) -> list:

@@ -100,7 +100,9 @@ def run(args, prog: str = "tokenbatch") -> int:
               f"total {m['wall_time_s']:.1f} s)")
         where = "" if cfg.trace is None else (
             f" --trace {cfg.trace} --split test --windows {cfg.windows} --warmup {cfg.warmup} --cooldown "
-            f"{cfg.cooldown} --profile {cfg.profile}" + (f" --slo-rule {cfg.slo_rule}" if cfg.slo_rule else ""))
+            f"{cfg.cooldown} --profile {cfg.profile} --loads {','.join(str(x) for x in cfg.eval_loads)}"
+            + (f" --rate-scale {cfg.rate_scale:g}" if cfg.rate_scale != 1.0 else "")
+            + (f" --slo-rule {cfg.slo_rule}" if cfg.slo_rule else ""))
         print(f"evaluate again: tokenbatch bench{where} --params {res['paths'][0]} --shed")
     return 0
 

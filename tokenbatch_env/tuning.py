@@ -173,7 +173,7 @@ class TuneConfig:
         flags=("--agent",), append=True, metavar="PATH")
     trace: Optional[str] = option(
         None, "tune on a trace file instead of a suite (Azure CSV, Mooncake JSONL, BurstGPT, canonical): its "
-        "requests split by time, first 60%% train, next 20%% validation, last 20%% test; every tuned row is tuned "
+        "requests split by time, first 60% train, next 20% validation, last 20% test; every tuned row is tuned "
         "on train, its best kept on validation, judged once on test")
     trace_format: Optional[str] = option(None, "the trace file's format (default: detected)", flags=("--format",))
     windows: int = option(200, "with --trace: scored requests per window", min=1)
@@ -218,6 +218,8 @@ class TuneConfig:
             set_("loads", (NATIVE,) if self.trace is not None else (1.2,))
         if self.eval_loads is None:
             set_("eval_loads", self.loads if self.trace is not None else (1.0, 1.2, 1.5))
+        if self.rate_scale != 1.0 and NATIVE not in tuple(self.loads) + tuple(self.eval_loads):
+            raise ConfigError("rate_scale: scales the native load only: give --loads native")
         for f in ("loads", "eval_loads"):
             vals = tuple(getattr(self, f))
             if not vals:
@@ -1087,7 +1089,8 @@ def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_
     doc["tuned"] = {
         "by": "tuning/optuna_search.py", "suite": cfg.suite if cfg.trace is None else None,
         **({} if cfg.trace is None else {"trace": str(Path(cfg.trace).resolve()), "windows": cfg.windows,
-                                         "selected_on": "validation", "val_top": cfg.val_top}),
+                                         "selected_on": "validation", "val_top": cfg.val_top,
+                                         "rate_scale": cfg.rate_scale}),
         "split": cfg.train_split,
         "profile": cfg.profile, "loads": list(cfg.loads), "max_train_traces": cfg.max_train_traces,
         "trials_per_study": cfg.trials, "k": cfg.k, "sampler": cfg.sampler, "seed": cfg.seed,
@@ -1171,7 +1174,8 @@ def comparator_lines(cfg: dict, in_test: bool) -> list:
     """The report's lines on the docs/design.md section 8 comparators (``cfg``: ``TuneConfig.to_dict()``;
     ``in_test``: the test report has the index-scheduled row)."""
     if not cfg.get("comparators"):
-        return ["- comparators (weights+shed, index-scheduled): not tuned (--no-comparators)"]
+        why = "the suite protocol's: off when tuning on a trace" if cfg.get("trace") else "--no-comparators"
+        return [f"- comparators (weights+shed, index-scheduled): not tuned ({why})"]
     loads, n = cfg["eval_loads"], cfg["trials"]
     per = -(-n // len(loads))
     return [f"- weights-static (row weights+shed): 8 weights in [-1, 1] and the shed margin, {n} trials "

@@ -405,8 +405,11 @@ def apply_rule(trace, rule, *, seed, profile, explicit):
 def _unit_notes(n_units: int) -> list:
     """A warning for the report when its 95% CIs cannot mean anything: they resample the independent
     units (traces or windows), so one unit gives intervals of zero width."""
-    if n_units >= 2:
+    if n_units >= 5:
         return []
+    if n_units >= 2:
+        return [f"only {n_units} traces or windows: the 95% CIs below resample so few units that they mean "
+                f"little (they may have zero width; use 20 or more)"]
     return ["only one trace or window: every 95% CI below has zero width (the bootstrap resamples the "
             "independent units; use at least two, preferably 20 or more)"]
 

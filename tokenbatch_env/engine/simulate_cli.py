@@ -33,7 +33,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="SLO rule (a preset: tokenbatch_env/data/slo_rules, or a JSON file); given, it sets "
                         "every request's SLOs and priority, the trace's own replaced (default: default-3class, "
                         "only for the columns the trace lacks)")
-    p.add_argument("--sla-seed", type=int, default=0,
+    p.add_argument("--slo-seed", "--sla-seed", dest="sla_seed", type=int, default=0,
                    help="seed of the SLO rule's class draw")
     p.add_argument("--max-wait-ms", type=float, default=None, help="client time-out for a first token")
     p.add_argument("--records", default=None,
@@ -69,11 +69,23 @@ def _csv_sink(stack: contextlib.ExitStack, path: str, names=None, convert=None):
     return sink
 
 
+def _admission(trace, engine) -> dict:
+    """The arrivals the context limit denies every policy (docs/design.md section 10)."""
+    from ..workload import ADMISSION_WARN
+    p = trace.prompt_tokens.astype(np.int64)
+    n = max(1, len(trace))
+    rejected = p >= engine.max_model_len
+    capped = ~rejected & (p + trace.output_tokens > engine.max_model_len)
+    r, c = float(rejected.sum()) / n, float(capped.sum()) / n
+    return {"rejected_share": r, "capped_share": c, "ceiling": 1.0 - r - c, "warning": bool(r + c > ADMISSION_WARN)}
+
+
 def _engine_summary(engine, config) -> dict:
     """The engine settings a run used (the profile's, overridden by the flags)."""
     return {"max_num_batched_tokens": engine.max_num_batched_tokens, "max_num_seqs": engine.max_num_seqs,
             "num_blocks": engine.num_blocks, "block_size": engine.block_size, "max_model_len": engine.max_model_len,
-            "prefix_caching": config.prefix_caching, "async_scheduling": engine.async_scheduling}
+            "prefix_caching": config.prefix_caching, "async_scheduling": engine.async_scheduling,
+            "long_prefill_token_threshold": config.threshold}
 
 
 def run(args) -> int:
@@ -101,7 +113,7 @@ def run(args) -> int:
     if args.rho is not None and not (np.isfinite(args.rho) and args.rho > 0):
         raise ConfigError(f"--rho must be a positive number, got {args.rho}")
     if args.sla_seed < 0:
-        raise ConfigError(f"--sla-seed must be an integer >= 0, got {args.sla_seed}")
+        raise ConfigError(f"--slo-seed must be an integer >= 0, got {args.sla_seed}")
     if args.max_wait_ms is not None and not (np.isfinite(args.max_wait_ms) and args.max_wait_ms > 0):
         raise ConfigError(f"--max-wait-ms must be a positive number of ms, got {args.max_wait_ms}")
     overrides = engine_overrides(args)
@@ -153,7 +165,7 @@ def run(args) -> int:
               "profile_digest": hashlib.sha256(canonical_json(profile.to_dict()).encode()).hexdigest(),
               "policy": args.policy, "lambda_sat_rps": lam, "rho": args.rho,
               "slo_rule": rule.name, "slo_rule_digest": rule.digest, "slo_note": slo_note,
-              "engine": _engine_summary(engine, config)})
+              "engine": _engine_summary(engine, config), "admission": _admission(trace, engine)})
     if args.json:   # standard JSON: +-inf as "inf"/"-inf", NaN as null (as in report.json), values exact
         from ..report import rounded
         print(json.dumps(rounded(s, 17), indent=1, allow_nan=False))
@@ -168,7 +180,15 @@ def run(args) -> int:
     print(f"engine    B {e['max_num_batched_tokens']}  max_num_seqs {e['max_num_seqs']}  {e['num_blocks']} blocks "
           f"x {e['block_size']} tokens  max_model_len {e['max_model_len']}  prefix caching "
           f"{'on' if e['prefix_caching'] else 'off'}  {'async' if e['async_scheduling'] else 'sync'}"
+          + (f"  long_prefill_token_threshold {e['long_prefill_token_threshold']}"
+             if e["long_prefill_token_threshold"] else "")
           + (f"  (given: {', '.join(sorted(overrides))})" if overrides else ""))
+    a = s["admission"]
+    print(f"admission rejected {a['rejected_share']:.1%}, length-capped {a['capped_share']:.1%} of the arrivals "
+          f"(max_model_len {e['max_model_len']}); ceiling {a['ceiling']:.3f}")
+    if a["warning"]:
+        print(f"WARNING   {a['rejected_share'] + a['capped_share']:.1%} of the arrivals can never be met: the "
+              f"context limit rejects or caps them")
     print(f"goodput   {s['goodput']:.4f}   completed {s['completed']}/{s['requests']}   "
           f"end states {s['end_states']}")
     print(f"TTFT ms   p50 {s['ttft_p50_ms']:.1f}  p99 {s['ttft_p99_ms']:.1f}  (all arrived; "

@@ -65,8 +65,10 @@ class EngineConfig:
                 raise ConfigError(f"{f} must be a non-negative integer, got {v!r}")
         for f in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size", "max_model_len"):
             v = getattr(self, f)
-            if v is not None and (not isinstance(v, int) or v < (2 if f == "num_blocks" else 1)):
-                raise ConfigError(f"{f} must be a positive integer or None, got {v!r}")
+            lo = 2 if f == "num_blocks" else 1
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+                raise ConfigError(f"{f} must be an integer >= {lo}"
+                                  + (" (block 0 is reserved)" if f == "num_blocks" else "") + f" or None, got {v!r}")
         t = self.long_prefill_token_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
             raise ConfigError(f"long_prefill_token_threshold must be an integer >= 0 (0: off) or None, got {t!r}")
@@ -97,7 +99,12 @@ class EngineConfig:
             ch["max_model_len_limit"] = self.max_model_len
         if self.async_scheduling is not None:
             ch["async_scheduling"] = self.async_scheduling
-        return dataclasses.replace(profile, **ch) if ch else profile
+        out = dataclasses.replace(profile, **ch) if ch else profile
+        if self.max_model_len is not None and out.max_model_len < self.max_model_len:
+            # (vLLM refuses to start when one request of max_model_len cannot fit the KV pool)
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the KV pool: {out.usable_blocks} usable "
+                              f"blocks x {out.block_size} tokens = {out.usable_blocks * out.block_size}")
+        return out
 
     @property
     def threshold(self) -> int:

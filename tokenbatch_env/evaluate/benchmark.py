@@ -97,6 +97,9 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
     cfg = config
     profile = cfg.engine.resolve(load_profile(cfg.profile))
     wl = prepare_workload(cfg, profile)
+    if cfg.native_load:   # the trace's own timestamps as a load: its rho, from the train part
+        cfg = dataclasses.replace(cfg, loads=tuple(sorted({*cfg.loads, wl.native_rho})), native_load=False,
+                                  rate_scale=cfg.rate_scale)
     from ..params import deployment_warnings
     warnings = deployment_warnings(cfg.params_deployment, profile, wl.predictor)
     if cfg.t_ref_ms is not None and cfg.t_ref_ms != wl.t_ref_ms:   # units travel with parameters
@@ -253,7 +256,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
         "tokenbatch_version": __version__,
         "primary_endpoint": primary,
         "workload": {"kind": wl.kind, "name": wl.name,
-                     "split": cfg.split if wl.kind == "suite" else None, "units": U,
+                     "split": cfg.split if wl.kind == "suite" else cfg.trace_split, "units": U,
                      "requests_scored": int(sum(int(m.sum()) for m in wl.scored)),
                      "bootstrap": ("moving-block, block %d" % block) if block else "percentile (independent traces)",
                      "notes": wl.notes},
@@ -327,7 +330,8 @@ def _params_note(cfg: BenchConfig) -> dict:
     if t is not None:
         what = t.get("suite") or Path(str(t.get("trace"))).name
         note = (f"TUNED: from {Path(src).name} (tuning/optuna_search.py on {what}/{t.get('split')} "
-                f"at rho {t.get('loads')}, {t.get('trials_per_study')} trials per study)")
+                f"at rho {', '.join(str(x) for x in t.get('loads') or [])}, {t.get('trials_per_study')} trials per "
+                f"study)")
     elif src is None:
         note = "UNTUNED: default IndexParams"
     else:

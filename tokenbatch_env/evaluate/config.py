@@ -73,6 +73,7 @@ class BenchConfig:
     controllers: tuple = ()                     # control.ControlSpec rows (trained agents)
     trace_split: Optional[str] = None           # a trace file's time-ordered split (None: every window)
     rate_scale: float = 1.0                     # with trace_split: the native load's rate multiplier
+    native_load: bool = False                   # with trace_split: also the trace's own timestamps' load
     slo_rule: Optional[str] = None              # an SLO rule (preset or file) replacing the workload's SLOs
     slo_seed: int = 0                           # its class draw's seed
     t_ref_ms: Optional[float] = None            # T_ref of a t_ref_mode "fixed" parameters file
@@ -106,7 +107,10 @@ class BenchConfig:
             raise ConfigError(f"policies: duplicates in {list(pols)}")
         set_("policies", pols)
         loads = tuple(_finite_pos(x, "loads (rho)") for x in self.loads)
-        if not loads:
+        if self.native_load and self.trace_split is None:
+            raise ConfigError("loads: native (the trace's own timestamps) needs a trace file and its split "
+                              "(--trace FILE --split train|validation|test)")
+        if not loads and not self.native_load:
             raise ConfigError("loads: need at least one rho > 0")
         set_("loads", tuple(sorted(set(loads))))
         from ..policies import check_shed_margin
@@ -157,6 +161,8 @@ class BenchConfig:
         if self.t_ref_ms is not None:
             set_("t_ref_ms", _finite_pos(self.t_ref_ms, "t_ref_ms"))
         set_("rate_scale", _finite_pos(self.rate_scale, "rate_scale"))
+        if self.rate_scale != 1.0 and self.trace_split is None:
+            raise ConfigError("rate_scale: scales a trace file's native load (--loads native with --split)")
         if isinstance(self.slo_seed, bool) or not isinstance(self.slo_seed, (int, np.integer)) or self.slo_seed < 0:
             raise ConfigError(f"slo_seed: must be an integer >= 0, got {self.slo_seed!r}")
         if self.slo_rule is not None:
