@@ -267,6 +267,8 @@ def test_user_fit_above_the_error_gate_is_rejected(tmp_path, capsys):
     (["--samples", "{s}", "--name", "x", "--num-blocks", "100", "--max-model-len", "8192",
       "--b-max", "100"], "b_max must be an integer >= max_num_batched_tokens"),
     (["--samples", "{s}", "--name", "x", "--num-blocks", "1", "--max-model-len", "8192"], "num_blocks must be"),
+    (["--samples", "{s}", "--name", "x", "--num-blocks", "10", "--max-model-len", "8192"],
+     "--max-model-len 8192 exceeds the KV pool: 9 usable blocks x 16 tokens = 144"),
 ])
 def test_user_fit_flag_errors(tmp_path, capsys, argv, msg):
     s = str(write_samples(tmp_path / "s.csv"))

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .._io import sha256_file
-from ..errors import ProfileError
+from ..errors import ConfigError, ProfileError
 from .cost_model import TERMS, CostModel
 from .profiles import MAX_MAPE_PCT, Profile
 
@@ -645,7 +645,7 @@ def user_profile(samples_path, name: str, *, num_blocks: int, max_model_len: int
         source["terms_without_data"] = missing
     if command:
         source["command"] = command
-    return Profile(
+    prof = Profile(
         name=name,
         provenance=USER_PROVENANCE,
         description=description or (f"Fitted (user) to {rows} measured iterations of {path.name} by "
@@ -663,6 +663,10 @@ def user_profile(samples_path, name: str, *, num_blocks: int, max_model_len: int
         source=source,
         b_max=b_max,
     )
+    if prof.max_model_len < max_model_len:   # (vLLM refuses one request the pool cannot hold)
+        raise ConfigError(f"--max-model-len {max_model_len} exceeds the KV pool: {prof.usable_blocks} usable blocks "
+                          f"x {block_size} tokens = {prof.usable_blocks * block_size}")
+    return prof
 
 
 def user_profile_path(out, name: str) -> Path:
