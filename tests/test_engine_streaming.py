@@ -253,6 +253,6 @@ def test_cli_bad_numbers_name_the_flag(tmp_path, capsys):
     for argv, msg in ((["--max-wait-ms", "-5"], "--max-wait-ms must be a positive number of ms, got -5.0"),
                       (["--max-wait-ms", "nan"], "--max-wait-ms must be a positive number of ms, got nan"),
                       (["--rho", "0"], "--rho must be a positive number, got 0.0"),
-                      (["--sla-seed", "-1"], "--sla-seed must be an integer >= 0, got -1")):
+                      (["--sla-seed", "-1"], "--slo-seed must be an integer >= 0, got -1")):
         assert main(["simulate", "--trace", str(path), *argv]) == 2
         assert capsys.readouterr().err == f"tokenbatch: error: {msg}\n"

@@ -888,7 +888,7 @@ def test_engine_epochs_match_epoch_by_epoch_reference(kw):
     assert np.array_equal(*outs)
     rng = np.random.default_rng(4)
     ended = 0
-    for _ in range(300):
+    for _ in range(600):
         a = rng.uniform(-1, 1, (3, len(ACTION_NAMES)))
         r0, r1 = envs[0].step(a), envs[1].step(a)
         for x, y in zip(r0[:4], r1[:4]):

@@ -465,7 +465,8 @@ def test_simulate_cli_engine_flags_map_to_engine_config(tmp_path, capsys):
     assert main(["simulate", "--trace", str(path), "--records", str(out), "--json", *argv]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["engine"] == {"max_num_batched_tokens": 256, "max_num_seqs": 8, "num_blocks": 64, "block_size": 32,
-                           "max_model_len": 1000, "prefix_caching": False, "async_scheduling": False}
+                           "max_model_len": 1000, "prefix_caching": False, "async_scheduling": False,
+                           "long_prefill_token_threshold": 0}
     assert d["slo_note"] == "kept the trace's own SLOs and priority; rule default-3class not applied"
     config = EngineConfig(num_blocks=64, block_size=32, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1000,
                           prefix_caching=False, async_scheduling=False)
