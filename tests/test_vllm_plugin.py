@@ -332,7 +332,7 @@ def test_log_steps_rows_are_the_engine_cost_features_and_fit_back(tmp_path, caps
     # the round trip: the plug-in's file is what `profiles fit --samples` reads
     out = tmp_path / "mine.json"
     assert main(["profiles", "fit", "--samples", str(path), "--name", "my-cpu", "--num-blocks", "48",
-                 "--max-model-len", "4096", "--no-async-scheduling", "--out", str(out)]) == 0
+                 "--max-model-len", "752", "--no-async-scheduling", "--out", str(out)]) == 0
     assert "wrote" in capsys.readouterr().out
     p = load_profile(str(out))
     assert p.provenance == "fitted (user)" and max(p.mape_pct.values()) < 0.01
