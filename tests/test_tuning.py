@@ -599,7 +599,7 @@ def test_claimant_that_loses_the_race_withdraws_its_claim(tmp_path, monkeypatch)
 
 def test_resumed_study_with_another_objective_is_refused(tmp_path):
     T.open_studies(T.TuneConfig(out=str(tmp_path), baselines=()))
-    with pytest.raises(ConfigError, match="another objective"):
+    with pytest.raises(ConfigError, match=r"another objective \(max_train_traces 40 there, 7 now\)"):
         T.open_studies(T.TuneConfig(out=str(tmp_path), baselines=(), max_train_traces=7))
 
 

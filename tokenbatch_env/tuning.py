@@ -830,9 +830,12 @@ def open_studies(cfg: TuneConfig, storage=None, *, write_attrs: bool = True, wor
         st = optuna.create_study(study_name=cfg.study_name_of(row), storage=storage, direction="maximize",
                                  sampler=make_sampler(cfg, i, worker), pruner=make_pruner(cfg), load_if_exists=True)
         old = st.user_attrs.get("objective")
-        if old is not None and old != cfg.objective_dict(row):
+        new = cfg.objective_dict(row)
+        if old is not None and old != new:
+            diff = ", ".join(f"{k} {old.get(k)!r} there, {new.get(k)!r} now" for k in sorted({*old, *new})
+                             if old.get(k) != new.get(k))
             raise ConfigError(f"study {st.study_name!r} in {cfg.storage_url} was created for another "
-                              f"objective ({old}); use another --study-name or --storage")
+                              f"objective ({diff}); use another --study-name or --storage")
         if write_attrs:
             trials = st.get_trials(deepcopy=False)
             # a new study (or one holding only warm starts, resumed with a larger cap) gets the warm
