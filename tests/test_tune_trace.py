@@ -55,8 +55,11 @@ def test_rows_are_tuned_on_train_kept_on_validation_judged_on_test(tuned):
     for row in ("index+shed", "edf+shed"):
         s = rep["studies"][row]
         cands = s["validation"]["candidates"]
-        assert len(cands) == 2 and s["best"]["validation_goodput"] == max(c["validation_goodput"] for c in cands)
-        assert [c["train_goodput"] for c in cands] == sorted((c["train_goodput"] for c in cands), reverse=True)
+        assert s["best"]["validation_goodput"] == max(c["validation_goodput"] for c in cands)
+        # the 2 best on train first, then the warm starts not among them (the index's 3 trials are its
+        # 3 warm starts: all replayed)
+        top = [c["train_goodput"] for c in cands[:2]]
+        assert top == sorted(top, reverse=True) and len(cands) == (3 if row == "index+shed" else 2)
     test = rep["test"]
     assert test["evidence_inputs"]["workload"]["trace_split"] == "test"
     # the native load: the train part's own rate (rho = its admitted rate / lambda_sat)

@@ -1034,14 +1034,18 @@ def study_summary(study, row: str) -> dict:
 
 def keep_best_on_validation(study, summary: dict, validation: "TrainObjective", top: int) -> dict:
     """``summary`` with its best trial chosen on validation (docs/design.md section 10, tuning on a
-    trace): the ``top`` trials with the best train goodput, replayed on the validation windows; the
-    best validation goodput is kept (ties: the better train goodput, then the earlier trial)."""
+    trace): the ``top`` trials with the best train goodput and the warm starts, replayed on the
+    validation windows; the best validation goodput is kept (ties: the better train goodput, then the
+    earlier trial)."""
     from optuna.trial import TrialState
     done = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE
             and t.user_attrs.get("config") is not None]
     if not done:
         return summary
+    # the ``top`` best on train, and the family's named members (the warm starts: SJF, EDF, the
+    # defaults), so that validation can always fall back to them
     cands = sorted(done, key=lambda t: (-t.value, t.number))[:top]
+    cands += [t for t in sorted(done, key=lambda t: t.number) if t.user_attrs.get("warm_start") and t not in cands]
     val = validation.evaluate(summary["row"], [t.user_attrs["config"] for t in cands])
     best = max(range(len(cands)), key=lambda j: (val[j], cands[j].value, -cands[j].number))
     t = cands[best]
