@@ -12,7 +12,7 @@ import math
 import sys
 
 from .errors import ConfigError
-from .util import parse_loads
+from .util import parse_loads, split_native
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -118,11 +118,9 @@ def config_from_args(args):
         raise ConfigError("--trace needs --windows W (scored requests per window)")
     if args.trace is None and args.windows is not None:
         raise ConfigError("--windows needs --trace FILE")
-    items = [x.strip() for x in str(args.loads).split(",") if x.strip()]
-    native = "native" in items
+    native, rest = split_native(args.loads)
     if native and (args.trace is None or args.split is None):
         raise ConfigError("--loads native: the trace's own timestamps, with --trace FILE --split train|validation|test")
-    rest = ",".join(x for x in items if x != "native")
     loads = parse_loads(rest) if rest or not native else ()
     rate_scale = 1.0
     if args.rate_scale is not None:

@@ -74,7 +74,7 @@ import numpy as np
 from .config_cli import option
 from .errors import ConfigError, TokenBatchError
 from .policies import policy_names
-from .util import available_cores, canonical_json, parse_loads
+from .util import NATIVE, available_cores, canonical_json, parse_loads, split_native
 
 #: baselines whose only parameter is the shed margin of their +shed row (aging: not implemented)
 TUNABLE_BASELINES = policy_names(tuned="margin")   # the registry's rows whose shed margin is tuned
@@ -100,15 +100,10 @@ def _int_field(v, name: str, lo: int, allow_none: bool = False):
 def _parse_loads(text, flag: str) -> tuple:
     """--loads / --eval-loads: the evaluator's own parser of rho values (one-line errors); ``native``
     (with --trace) is the trace's own timestamps (times --rate-scale)."""
-    items = [x.strip() for x in str(text).split(",") if x.strip()]
-    if NATIVE in items:
-        rest = ",".join(x for x in items if x != NATIVE)
+    native, rest = split_native(text)
+    if native:
         return (NATIVE,) + (parse_loads(rest, flag[2:]) if rest else ())
     return parse_loads(text, flag[2:])
-
-
-#: the load of a trace's own timestamps (``--loads native``, docs/design.md section 10)
-NATIVE = "native"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,6 +338,15 @@ class TuneConfig:
         d = dataclasses.asdict(self)
         d["loads"], d["eval_loads"], d["baselines"] = list(self.loads), list(self.eval_loads), list(self.baselines)
         return d
+
+    def workload_kwargs(self, split: str) -> dict:
+        """``BenchConfig`` fields of the workload ``split`` names: a suite split, or a trace file's
+        time-ordered part (docs/design.md section 10), with the SLO rule."""
+        if self.trace is None:
+            return {"suite": self.suite, "split": split, "slo_rule": self.slo_rule}
+        return {"trace_file": self.trace, "trace_format": self.trace_format, "windows": self.windows,
+                "warmup": self.warmup, "cooldown": self.cooldown, "trace_split": split,
+                "rate_scale": self.rate_scale, "slo_rule": self.slo_rule}
 
     def objective_dict(self, row: Optional[str] = None) -> dict:
         """What defines a study's objective (a resumed study must match it)."""
@@ -661,15 +665,9 @@ class TrainObjective:
 
         self.cfg = cfg
         split = split or cfg.train_split
-        numeric = tuple(x for x in cfg.loads if x != NATIVE) or (1.0,)
-        if cfg.trace is None:
-            bc = BenchConfig(suite=cfg.suite, split=split, profile=cfg.profile, loads=numeric,
-                             max_traces=cfg.max_train_traces, upper_bound=False, slo_rule=cfg.slo_rule)
-        else:   # a trace file's time-ordered part (docs/design.md section 10)
-            bc = BenchConfig(trace_file=cfg.trace, trace_format=cfg.trace_format, windows=cfg.windows,
-                             warmup=cfg.warmup, cooldown=cfg.cooldown, trace_split=split,
-                             rate_scale=cfg.rate_scale, profile=cfg.profile, loads=numeric,
-                             max_traces=cfg.max_train_traces, upper_bound=False, slo_rule=cfg.slo_rule)
+        bc = BenchConfig(**cfg.workload_kwargs(split), profile=cfg.profile,
+                         loads=tuple(x for x in cfg.loads if x != NATIVE), native_load=NATIVE in cfg.loads,
+                         max_traces=cfg.max_train_traces, upper_bound=False)
         self.bench_config = bc
         self.profile = bc.engine.resolve(load_profile(cfg.profile))
         self.wl = prepare_workload(bc, self.profile)
@@ -1254,17 +1252,10 @@ def run_tuning(cfg: TuneConfig) -> dict:
         from .agents.load import agent_labels, agent_spec
         extra["controllers"] = tuple(agent_spec(a, label=lab, option="agents:")
                                      for a, lab in zip(cfg.agents, agent_labels(cfg.agents)))
-    if cfg.trace is not None:
-        extra.update(trace_file=cfg.trace, trace_format=cfg.trace_format, windows=cfg.windows, warmup=cfg.warmup,
-                     cooldown=cfg.cooldown, trace_split=cfg.test_split, rate_scale=cfg.rate_scale)
-        eval_loads = tuple(sorted({objective.wl.native_rho if x == NATIVE else x for x in cfg.eval_loads}))
-    else:
-        extra.update(suite=cfg.suite, split=cfg.test_split)
-        eval_loads = cfg.eval_loads
-    extra["slo_rule"] = cfg.slo_rule
     bench = run_benchmark(BenchConfig(
-        profile=cfg.profile, policies=pols, shed=True,
-        loads=eval_loads, index_params=params, shed_margins=margins, params_source=str(params_path),
+        **cfg.workload_kwargs(cfg.test_split), profile=cfg.profile, policies=pols, shed=True,
+        loads=tuple(x for x in cfg.eval_loads if x != NATIVE), native_load=NATIVE in cfg.eval_loads,
+        index_params=params, shed_margins=margins, params_source=str(params_path),
         t_ref_ms=doc["meta"]["t_ref_ms"], params_deployment=doc["meta"],
         max_traces=cfg.max_test_traces, bootstrap_seed=cfg.seed, bootstrap_b=cfg.bootstrap_b,
         progress=cfg.progress, threads=cfg.engine_threads(), **extra))

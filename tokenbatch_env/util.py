@@ -12,7 +12,7 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["available_cores", "canonical_json", "parse_loads"]
+__all__ = ["NATIVE", "available_cores", "canonical_json", "parse_loads", "split_native"]
 
 
 def available_cores() -> int:
@@ -37,6 +37,16 @@ def _jsonable(x):
     if isinstance(x, np.ndarray):
         return x.tolist()
     raise TypeError(f"not JSON-serialisable: {type(x).__name__}")
+
+
+#: the load of a trace's own timestamps (``--loads native``, docs/design.md section 10)
+NATIVE = "native"
+
+
+def split_native(text: str) -> tuple:
+    """(``native`` among the comma-separated loads, the other loads' text)."""
+    items = [s.strip() for s in str(text).split(",") if s.strip()]
+    return NATIVE in items, ",".join(s for s in items if s != NATIVE)
 
 
 def parse_loads(text: str, name: str = "loads") -> tuple:

@@ -104,15 +104,12 @@ class Workload:
         """The evaluated units' scored requests the engine rejects at arrival (prompt >=
         max_model_len) or caps (prompt + output > max_model_len), as shares of the arrivals, and the
         ceiling of any policy's goodput, ``1 - rejected - capped`` (docs/design.md section 10)."""
-        p = np.concatenate([u.prompt_tokens[m] for u, m in zip(self.units, self.scored)]).astype(np.int64)
-        o = np.concatenate([u.output_tokens[m] for u, m in zip(self.units, self.scored)]).astype(np.int64)
-        n = max(1, p.size)
-        rejected = p >= max_model_len
-        capped = ~rejected & (p + o > max_model_len)
-        r, c = float(rejected.sum()) / n, float(capped.sum()) / n
-        return {"max_model_len": int(max_model_len), "rejected_share": r, "capped_share": c,
-                "ceiling": 1.0 - r - c, "admitted_share_train": self.admitted_share,
-                "warning": bool(r + c > ADMISSION_WARN)}
+        s = admission_summary(np.concatenate([u.prompt_tokens[m] for u, m in zip(self.units, self.scored)]),
+                              np.concatenate([u.output_tokens[m] for u, m in zip(self.units, self.scored)]),
+                              max_model_len)
+        return {"max_model_len": int(max_model_len), "rejected_share": s["rejected_share"],
+                "capped_share": s["capped_share"], "ceiling": s["ceiling"],
+                "admitted_share_train": self.admitted_share, "warning": s["warning"]}
 
     @property
     def block(self) -> Optional[int]:
@@ -120,15 +117,13 @@ class Workload:
         return default_block(len(self.units)) if self.kind == "trace" else None
 
     def unit_at(self, i: int, rho: float):
-        from .traces.windows import scale_to_rate
-        rate = self.rate(rho)
+        from .traces.windows import scale_to_rate, time_scale
         if self.kind == "suite":
-            return scale_to_rate(self.units[i], rate, nominal_rps=self.nominal_rps)
+            return scale_to_rate(self.units[i], self.rate(rho), nominal_rps=self.nominal_rps)
+        # a trace's windows: its parent scaled by ``scale_factor`` (``scale_to_rate``'s own factor,
+        # exactly 1 / rate_scale at the native load)
         lo, hi, _, _ = self.windows[i]
-        if self.native_rho is not None:
-            from .traces.windows import time_scale
-            return time_scale(self.parent, self.scale_factor(rho)).subset(slice(lo, hi))
-        return scale_to_rate(self.parent, rate, nominal_rps=self.nominal_rps).subset(slice(lo, hi))
+        return time_scale(self.parent, self.scale_factor(rho)).subset(slice(lo, hi))
 
     def scale_factor(self, rho: float):
         """The exact factor (a Fraction) by which ``unit_at(i, rho)`` scales every unit's times (at
@@ -199,12 +194,8 @@ class Workload:
         self.check_load(rho, "loads")
         if self.kind == "suite":
             return [self.unit_at(i, rho) for i in range(len(self.units))]
-        from .traces.windows import scale_to_rate
-        if self.native_rho is not None:
-            from .traces.windows import time_scale
-            scaled = time_scale(self.parent, self.scale_factor(rho))
-        else:
-            scaled = scale_to_rate(self.parent, self.rate(rho), nominal_rps=self.nominal_rps)
+        from .traces.windows import time_scale
+        scaled = time_scale(self.parent, self.scale_factor(rho))
         return [scaled.subset(slice(lo, hi)) for lo, hi, _, _ in self.windows]
 
     def estimates(self, oracle: bool = False) -> list:
@@ -258,10 +249,11 @@ def prepare_workload(spec, profile) -> Workload:
         train = suite.traces(train_split)
         notes = []
         if cfg.slo_rule is not None:   # the user's rule replaces the suite's SLOs (docs/design.md section 10)
-            rule = _rule(cfg.slo_rule)
-            traces = [apply_rule(t, rule, seed=cfg.slo_seed + i, profile=profile, explicit=True)[0]
+            from .traces.slo_rules import apply_slo_rule, load_slo_rule
+            rule = load_slo_rule(cfg.slo_rule)
+            traces = [apply_slo_rule(t, rule, seed=cfg.slo_seed + i, profile=profile, explicit=True)[0]
                       for i, t in enumerate(traces)]
-            train = [apply_rule(t, rule, seed=cfg.slo_seed + i, profile=profile, explicit=True)[0]
+            train = [apply_slo_rule(t, rule, seed=cfg.slo_seed + i, profile=profile, explicit=True)[0]
                      for i, t in enumerate(train)]
             notes.append(f"SLOs and priorities from rule {rule.name} (given"
                          + (f"; unit i drawn with seed {cfg.slo_seed} + i" if rule.by_shares else "")
@@ -285,7 +277,7 @@ def prepare_workload(spec, profile) -> Workload:
         if t_ref is None:
             t_ref = float(np.median(np.concatenate([t.ttft_slo_ns for t in traces])))
             notes.append("T_ref = median T1 of the evaluated traces (the manifest records none)")
-        sla = getattr(suite.spec.generator, "sla", None) if cfg.slo_rule is None else _rule(cfg.slo_rule)
+        sla = getattr(suite.spec.generator, "sla", None) if cfg.slo_rule is None else rule
         ncls = int(max(int(t.class_id.max()) for t in traces)) + 1
         notes += _unit_notes(len(traces))
         return Workload(suite.name, "suite", traces, [np.ones(len(t), bool) for t in traces], None, None,
@@ -294,11 +286,12 @@ def prepare_workload(spec, profile) -> Workload:
                         [t.digest for t in traces], notes, share)
     # a real trace family: windows cut from one trace
     from .traces.io import load_trace
-    from .traces.slo_rules import DEFAULT_RULE
+    from .traces.slo_rules import DEFAULT_RULE, apply_slo_rule, load_slo_rule
     trace, _ = load_trace(cfg.trace_file, cfg.trace_format)
-    # the trace's own SLOs and priority are kept unless the user names a rule (docs/design.md section 10)
-    rule = _rule(cfg.slo_rule if cfg.slo_rule is not None else DEFAULT_RULE)
-    trace, note = apply_rule(trace, rule, seed=cfg.slo_seed, profile=profile, explicit=cfg.slo_rule is not None)
+    # the trace's own SLOs and priority are kept unless the user names a rule (docs/design.md section
+    # 10); SLOs relative to a profile at the deployment's (resolved) configuration
+    rule = load_slo_rule(cfg.slo_rule if cfg.slo_rule is not None else DEFAULT_RULE)
+    trace, note = apply_slo_rule(trace, rule, seed=cfg.slo_seed, profile=profile, explicit=cfg.slo_rule is not None)
     notes = [note]
     parts = trace_parts(trace, cfg)
     train_wins = parts["train"][1]
@@ -351,16 +344,16 @@ MIN_SPLIT_WINDOWS = 5
 
 
 def trace_parts(trace, spec) -> dict:
-    """{"all" | split name: (part Trace, its windows)}: the whole trace, and (with ``spec.trace_split``)
-    its requests split by time into the first 60% (train), the next 20% (validation) and the last
+    """{"all" | split name: (part Trace, its windows)}: the whole trace ("all", also "train"), or (with
+    ``spec.trace_split``) its requests split by time into the first 60% (train), the next 20% (validation) and the last
     20% (test), each cut into windows on its own (warm-up and cool-down stay inside their part). A
     split with fewer than 5 windows is an error giving the counts and the largest W that yields 5.
     Without a split, "train" is the whole trace (bench on a trace file: everything is fitted to it)."""
     from .traces.windows import cut_windows
-    whole = (trace, cut_windows(trace, spec.windows, spec.warmup, spec.cooldown))
     if spec.trace_split is None:
+        whole = (trace, cut_windows(trace, spec.windows, spec.warmup, spec.cooldown))
         return {"all": whole, "train": whole}
-    n, lo, out = len(trace), 0, {"all": whole}
+    n, lo, out = len(trace), 0, {}
     for name, num, den in TRACE_SPLITS:
         hi = n * num // den
         part = trace.subset(slice(lo, hi))
@@ -378,28 +371,28 @@ def trace_parts(trace, spec) -> dict:
     return out
 
 
+def admission_summary(prompt, output, max_model_len) -> dict:
+    """The shares of these requests the engine rejects or length-caps (``engine.state.length_denied``),
+    the ceiling ``1 - rejected - capped`` of any policy's goodput, and whether a report warns."""
+    from .engine.state import length_denied
+    rejected, capped = length_denied(prompt, output, max_model_len)
+    n = max(1, rejected.size)
+    r, c = float(rejected.sum()) / n, float(capped.sum()) / n
+    return {"rejected_share": r, "capped_share": c, "ceiling": 1.0 - r - c, "warning": bool(r + c > ADMISSION_WARN)}
+
+
 def admitted_share(traces, profile) -> float:
     """Share of the requests of ``traces`` (a train part) that ``profile`` (resolved) admits: prompt
     < max_model_len (the engine rejects the others at arrival, docs/design.md section 3, rule 8).
     Exactly 1.0 when every request is admitted."""
-    p = np.concatenate([np.asarray(t.prompt_tokens, np.int64) for t in traces])
-    admitted = int((p < profile.max_model_len).sum())
+    from .engine.state import length_denied
+    rejected, _ = length_denied(np.concatenate([t.prompt_tokens for t in traces]),
+                                np.concatenate([t.output_tokens for t in traces]), profile.max_model_len)
+    admitted = int((~rejected).sum())
     if admitted == 0:
         raise ConfigError(f"every request of the workload's train part is rejected: prompts >= the profile's "
                           f"max_model_len {profile.max_model_len} (give --max-model-len or another profile)")
-    return 1.0 if admitted == p.size else admitted / p.size
-
-
-def _rule(name_or_path):
-    from .traces.slo_rules import load_slo_rule
-    return load_slo_rule(name_or_path)
-
-
-def apply_rule(trace, rule, *, seed, profile, explicit):
-    """``traces.slo_rules.apply_slo_rule`` with the evaluated (resolved) profile as the reference
-    when the rule names none: SLOs at the deployment's reference configuration."""
-    from .traces.slo_rules import apply_slo_rule
-    return apply_slo_rule(trace, rule, seed=seed, profile=profile, explicit=explicit)
+    return 1.0 if admitted == rejected.size else admitted / rejected.size
 
 
 def _unit_notes(n_units: int) -> list:

@@ -69,17 +69,6 @@ def _csv_sink(stack: contextlib.ExitStack, path: str, names=None, convert=None):
     return sink
 
 
-def _admission(trace, engine) -> dict:
-    """The arrivals the context limit denies every policy (docs/design.md section 10)."""
-    from ..workload import ADMISSION_WARN
-    p = trace.prompt_tokens.astype(np.int64)
-    n = max(1, len(trace))
-    rejected = p >= engine.max_model_len
-    capped = ~rejected & (p + trace.output_tokens > engine.max_model_len)
-    r, c = float(rejected.sum()) / n, float(capped.sum()) / n
-    return {"rejected_share": r, "capped_share": c, "ceiling": 1.0 - r - c, "warning": bool(r + c > ADMISSION_WARN)}
-
-
 def _engine_summary(engine, config) -> dict:
     """The engine settings a run used (the profile's, overridden by the flags)."""
     return {"max_num_batched_tokens": engine.max_num_batched_tokens, "max_num_seqs": engine.max_num_seqs,
@@ -92,6 +81,7 @@ def run(args) -> int:
     from ..metrics import summarize
     from ..traces.io import load_trace
     from ..traces.slo_rules import DEFAULT_RULE, apply_slo_rule, load_slo_rule
+    from ..workload import admission_summary
     from ..traces.windows import scale_to_rate
     from .kernel import END_STATE_NAMES, ITER_COLUMNS
     from . import compile_notice
@@ -127,9 +117,12 @@ def run(args) -> int:
     if bs is not None and bs != trace.block_size:
         if trace.prefix_hashes.size == 0:   # (no chains: the block size is only the trace's label)
             trace = trace.replace(block_size=bs)
-        elif bs % trace.block_size:
-            raise ConfigError(f"--block-size {bs}: trace {trace.name!r} stores its prefix chains at block size "
-                              f"{trace.block_size}; an engine block size must be a multiple of it")
+        else:   # (re-chained when the engine lays the copy out, ``traces.blocks.at_block_size``)
+            from ..traces.blocks import check_block_size
+            try:
+                check_block_size(trace, bs)
+            except ConfigError as e:
+                raise ConfigError(f"--block-size {bs}: {e}") from None
     compile_notice()   # (before the SLO rule's and the engine's first compiled calls)
     # the trace's own SLOs and priority are kept unless the rule is named (docs/design.md section 2);
     # SLOs relative to a profile use the deployment's configuration (the profile with the engine flags,
@@ -165,7 +158,8 @@ def run(args) -> int:
               "profile_digest": hashlib.sha256(canonical_json(profile.to_dict()).encode()).hexdigest(),
               "policy": args.policy, "lambda_sat_rps": lam, "rho": args.rho,
               "slo_rule": rule.name, "slo_rule_digest": rule.digest, "slo_note": slo_note,
-              "engine": _engine_summary(engine, config), "admission": _admission(trace, engine)})
+              "engine": _engine_summary(engine, config),
+              "admission": admission_summary(trace.prompt_tokens, trace.output_tokens, engine.max_model_len)})
     if args.json:   # standard JSON: +-inf as "inf"/"-inf", NaN as null (as in report.json), values exact
         from ..report import rounded
         print(json.dumps(rounded(s, 17), indent=1, allow_nan=False))

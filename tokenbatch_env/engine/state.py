@@ -78,7 +78,7 @@ class EngineConfig:
         ch = {}
         if self.max_num_batched_tokens is not None:
             ch["max_num_batched_tokens"] = self.max_num_batched_tokens
-            if getattr(profile, "b_max", None) is not None and profile.b_max < self.max_num_batched_tokens:
+            if profile.b_max is not None and profile.b_max < self.max_num_batched_tokens:
                 ch["b_max"] = self.max_num_batched_tokens   # (an explicit budget is within its own range)
         if self.max_num_seqs is not None:
             ch["max_num_seqs"] = self.max_num_seqs
@@ -172,6 +172,14 @@ def capped_outputs(prompt, output, max_model_len):
     calls it from its compiled window layout (``envs._window_columns``)."""
     room = np.maximum(max_model_len - prompt, 1)
     return np.minimum(output, room), output > room
+
+
+def length_denied(prompt, output, max_model_len) -> tuple:
+    """Rule 8 as masks over requests: (rejected at arrival, prompt >= max_model_len; length-capped,
+    admitted but prompt + output > max_model_len), as ``capped_outputs`` and the kernel decide."""
+    p, o = np.asarray(prompt, np.int64), np.asarray(output, np.int64)
+    rejected = p >= max_model_len
+    return rejected, ~rejected & (p + o > max_model_len)
 
 
 @njit

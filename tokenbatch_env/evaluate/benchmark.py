@@ -98,8 +98,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
     profile = cfg.engine.resolve(load_profile(cfg.profile))
     wl = prepare_workload(cfg, profile)
     if cfg.native_load:   # the trace's own timestamps as a load: its rho, from the train part
-        cfg = dataclasses.replace(cfg, loads=tuple(sorted({*cfg.loads, wl.native_rho})), native_load=False,
-                                  rate_scale=cfg.rate_scale)
+        cfg = dataclasses.replace(cfg, loads=tuple(sorted({*cfg.loads, wl.native_rho})), native_load=False)
     from ..params import deployment_warnings
     warnings = deployment_warnings(cfg.params_deployment, profile, wl.predictor)
     if cfg.t_ref_ms is not None and cfg.t_ref_ms != wl.t_ref_ms:   # units travel with parameters
@@ -169,8 +168,8 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
     # admitted, uncapped scored requests (docs/design.md section 10): the denominator of the
     # goodput no policy is denied by the engine's length limit
     adm = wl.admission(profile.max_model_len)
-    ok_len = [(u.prompt_tokens[m].astype(np.int64) < profile.max_model_len)
-              & (u.prompt_tokens[m].astype(np.int64) + u.output_tokens[m] <= profile.max_model_len)
+    from ..engine.state import length_denied
+    ok_len = [~np.logical_or(*length_denied(u.prompt_tokens[m], u.output_tokens[m], profile.max_model_len))
               for u, m in zip(wl.units, wl.scored)]
     n_ok = int(sum(int(k.sum()) for k in ok_len))
     limits = None

@@ -12,7 +12,16 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["at_block_size"]
+__all__ = ["at_block_size", "check_block_size"]
+
+
+def check_block_size(trace, block_size: int) -> None:
+    """A ConfigError unless ``trace``'s chains can be re-chained at ``block_size`` (a multiple of its
+    own block size), naming the trace and both sizes."""
+    bs = int(trace.block_size)
+    if block_size < bs or block_size % bs:
+        raise ConfigError(f"trace {trace.name!r} stores its prefix chains at block size {bs}; an engine block size "
+                          f"must be a multiple of it, got {block_size}")
 
 
 def at_block_size(trace, block_size: int):
@@ -20,9 +29,7 @@ def at_block_size(trace, block_size: int):
     bs = int(trace.block_size)
     if block_size == bs:
         return trace
-    if block_size < bs or block_size % bs:
-        raise ConfigError(f"block size {block_size}: trace {trace.name!r} stores its prefix chains at block size "
-                          f"{bs}; an engine block size must be a multiple of it")
+    check_block_size(trace, block_size)
     m = block_size // bs
     off = np.asarray(trace.prefix_offsets, np.int64)
     lens = np.diff(off) // m
