@@ -59,7 +59,7 @@ def test_kernel_args_put_each_array_at_its_name():
     for n in K.KERNEL_STATE_ARGS:
         assert at[n] is getattr(A, n), n
     for n, v in call.items():
-        assert at[n] is v, n
+        assert at[{"cfg": "cfg_rows", "fcfg": "fcfg_rows"}.get(n, n)] is v, n
     assert at["nan_score"].tolist() == [-1, -1]
     for n in K.KERNEL_SCRATCH_ARGS:
         assert isinstance(at[n], np.ndarray), n

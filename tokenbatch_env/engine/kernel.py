@@ -892,8 +892,8 @@ def _prefetch_copy(c, hi, n, ref, bhash, hnext, fq_prev, fq_next, arrival, promp
 
 # ---------------------------------------------------------------------------------- one iteration
 @njit
-def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score, active, claim, mine, max_steps,
-                      until_ns,
+def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, tier, score, active, claim, mine,
+                      max_steps, until_ns,
                       n_req, arrival, prompt, out_len, prio, capped, t1, est, chain_off, chain_val,
                       uniq_base, now, it, next_arr, n_ended, key_hi, key_lo, n_run,
                       n_wait, n_free, n_slot_free, n_pend, n_iter_rec, status, end_state, computed,
@@ -914,8 +914,8 @@ def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score
     ev_blocks = borrow(ev_blocks)  # jump scratch: the waiting requests' evictable hit blocks
     w_hits = borrow(w_hits)    # ... their hits, and their static score inputs
     w_st = borrow(w_st)
-    cfg = borrow(cfg)
-    fcfg = borrow(fcfg)
+    cfg_rows = borrow(cfg_rows)
+    fcfg_rows = borrow(fcfg_rows)
     theta = borrow(theta)
     shed_margin = borrow(shed_margin)
     mrl = borrow(mrl)
@@ -988,35 +988,17 @@ def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score
     n_swap = borrow(n_swap)
     host_free = borrow(host_free)
     epoch = borrow(epoch)
-    bs = cfg[C_BS]
+    # one configuration row per copy (docs/design.md section 11); the block size, the policy and the
+    # decision and record modes are the batch's (``state.make_cfg_rows`` checks them equal)
+    bs = cfg_rows[0, C_BS]
     bsh = block_shift(bs)
-    mode = cfg[C_MODE]
-    max_wait = cfg[C_MAX_WAIT]
-    nb = ref.shape[1]
+    mode = cfg_rows[0, C_MODE]
+    nb = ref.shape[1]   # the largest copy's pool: its free-queue sentinels are every copy's
     head = nb
     tail = nb + 1
-    prefix_on = cfg[C_PREFIX] != 0
-    async_on = cfg[C_ASYNC] != 0
-    # without async scheduling, a jump may end with an iteration in which requests complete: their
-    # blocks free at its end, after its (failed) admissions, so it is one more decode iteration
-    # whose completions are applied after it, as the normal step would
-    fin_on = not async_on
-    k_min = 1 if fin_on else 2  # the shortest jump taken (iterations)
-    pid = cfg[C_PID]
+    pid = cfg_rows[0, C_PID]
     score_inkernel = mode == MODE_SCORE and pid != P_EXTERNAL
-    usable = float(cfg[C_USABLE])
-    ps = cfg[C_PS0:C_PS0 + 4]
-    skip_hol = cfg[C_SKIP_HOL] != 0
-    resume_first = cfg[C_RESUME_FIRST] != 0
-    waiting_preempts = cfg[C_WAIT_PREEMPT] != 0 and mode != MODE_FCFS
-    swap_on = cfg[C_SWAP]
-    decide = cfg[C_DECIDE] != 0
-    budget_cfg = cfg[C_BUDGET]
-    # the largest chunk a prefill can get: B, or the long-prefill threshold below it (prefill_time_i
-    # and S_i chunk at it, docs/design.md section 4)
-    chunk_cap = cfg[C_THRESHOLD] if 0 < cfg[C_THRESHOLD] < budget_cfg else budget_cfg
-    u_p = fcfg[F_U_P]
-    u_d = fcfg[F_U_D]
+    decide = cfg_rows[0, C_DECIDE] != 0
     # argument groups for _preempt (a call with more than 30 arguments cannot be compiled)
     req_t = (recomputed, computed, n_preempt, resumed, qkey, status, held, n_cached)
     pool_t = (ref, bhash, fq_prev, fq_next, n_free, hash_head, hnext)
@@ -1037,6 +1019,28 @@ def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score
                            wait_ids)
         mine[c] = True
         n = n_req[c]
+        cfg = cfg_rows[c]
+        fcfg = fcfg_rows[c]
+        max_wait = cfg[C_MAX_WAIT]
+        prefix_on = cfg[C_PREFIX] != 0
+        async_on = cfg[C_ASYNC] != 0
+        # without async scheduling, a jump may end with an iteration in which requests complete: their
+        # blocks free at its end, after its (failed) admissions, so it is one more decode iteration
+        # whose completions are applied after it, as the normal step would
+        fin_on = not async_on
+        k_min = 1 if fin_on else 2  # the shortest jump taken (iterations)
+        usable = float(cfg[C_USABLE])
+        ps = cfg[C_PS0:C_PS0 + 4]
+        skip_hol = cfg[C_SKIP_HOL] != 0
+        resume_first = cfg[C_RESUME_FIRST] != 0
+        waiting_preempts = cfg[C_WAIT_PREEMPT] != 0 and mode != MODE_FCFS
+        swap_on = cfg[C_SWAP]
+        budget_cfg = cfg[C_BUDGET]
+        # the largest chunk a prefill can get: B, or the long-prefill threshold below it (prefill_time_i
+        # and S_i chunk at it, docs/design.md section 4)
+        chunk_cap = cfg[C_THRESHOLD] if 0 < cfg[C_THRESHOLD] < budget_cfg else budget_cfg
+        u_p = fcfg[F_U_P]
+        u_d = fcfg[F_U_D]
         if prefix_on:
             # the prefix-hit walks of the waiting requests (the copy's first scoring or jump does
             # them) start with two cold misses each, their chain's ids then the hash-map lines at
@@ -1778,12 +1782,13 @@ def run_copies_kernel(cfg, fcfg, theta, shed_margin, mrl, nan_score, tier, score
 def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_steps, until_ns,
                gtab=None, claim=None, mine=None):
     """Advance every active copy by up to ``max_steps`` iterations, stopping a copy once its clock
-    reaches ``until_ns[c]`` or its iteration cap. Returns iterations run. With ``cfg[C_DECIDE]``
-    (``EngineRun.advance_to_decision``) ``until_ns`` is unused: each copy runs to its next decision
-    epoch (``A.epoch``; docs/design.md section 5) and ``A.epoch[c, EP_STOP]`` says why it stopped.
+    reaches ``until_ns[c]`` or its iteration cap. Returns iterations run. ``cfg`` and ``fcfg`` hold one
+    configuration row per copy ([C, N_CFG] and [C, N_FCFG], ``state.make_cfg_rows``). With
+    ``cfg[:, C_DECIDE]`` (``EngineRun.advance_to_decision``) ``until_ns`` is unused: each copy runs
+    to its next decision epoch (``A.epoch``; docs/design.md section 5) and ``A.epoch[c, EP_STOP]`` says why it stopped.
 
     ``theta[c]`` is copy c's policy parameter vector and ``shed_margin[c]`` its shed margin (< 0:
-    no shedding). With an in-engine policy (``cfg[C_PID]``) the kernel writes ``tier``/``score``
+    no shedding). With an in-engine policy (``cfg[:, C_PID]``) the kernel writes ``tier``/``score``
     itself, from each iteration's start: for every waiting request at each stepped iteration, for the
     running ones only when a preemption is possible (the only time they are read), none inside a
     jump; FCFS and priority do not read them.
@@ -1804,8 +1809,8 @@ def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_s
 #: arguments, then fields of the struct of arrays (``EngineArrays``, read with ``getattr``), then the
 #: empirical-Gittins table and the call's scratch (``_scratch``). ``tests/test_engine_args.py``
 #: checks them against the kernel's signature and ``EngineArrays``.
-KERNEL_CALL_ARGS = ("cfg", "fcfg", "theta", "shed_margin", "mrl", "nan_score", "tier", "score", "active", "claim",
-                    "mine", "max_steps", "until_ns")
+KERNEL_CALL_ARGS = ("cfg_rows", "fcfg_rows", "theta", "shed_margin", "mrl", "nan_score", "tier", "score", "active",
+                    "claim", "mine", "max_steps", "until_ns")
 KERNEL_STATE_ARGS = (
     "n_req", "arrival", "prompt", "out_len", "prio", "capped", "t1", "est", "chain_off", "chain_val", "uniq_base",
     "now", "it", "next_arr", "n_ended", "key_hi", "key_lo", "n_run", "n_wait", "n_free", "n_slot_free", "n_pend",
@@ -1816,7 +1821,7 @@ KERNEL_STATE_ARGS = (
     "n_swap", "host_free", "epoch")
 KERNEL_SCRATCH_ARGS = ("gtab", "acc", "ev_blocks", "w_hits", "w_st")
 KERNEL_ARGS = KERNEL_CALL_ARGS + KERNEL_STATE_ARGS + KERNEL_SCRATCH_ARGS
-_ARG_CFG, _ARG_NAN_SCORE = KERNEL_ARGS.index("cfg"), KERNEL_ARGS.index("nan_score")
+_ARG_CFG, _ARG_NAN_SCORE = KERNEL_ARGS.index("cfg_rows"), KERNEL_ARGS.index("nan_score")
 
 
 def kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_steps, until_ns,
@@ -1829,10 +1834,10 @@ def kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_
     if mine is None:
         mine = np.zeros(active.shape[0], np.bool_)
     if gtab is None:
-        gtab = _gittins_table_for(mrl) if int(cfg[C_PID]) == P_GITTINS and int(cfg[C_MODE]) == MODE_SCORE \
+        gtab = _gittins_table_for(mrl) if int(cfg[0, C_PID]) == P_GITTINS and int(cfg[0, C_MODE]) == MODE_SCORE \
             else _NO_GTAB
     acc, ev_blocks, w_hits, w_st = _scratch(A)
-    named = {"cfg": cfg, "fcfg": fcfg, "theta": theta, "shed_margin": shed_margin, "mrl": mrl,
+    named = {"cfg_rows": cfg, "fcfg_rows": fcfg, "theta": theta, "shed_margin": shed_margin, "mrl": mrl,
              "nan_score": np.full(2, -1, np.int64), "tier": tier, "score": score, "active": active, "claim": claim,
              "mine": mine, "max_steps": max_steps, "until_ns": until_ns,
              "gtab": gtab, "acc": acc, "ev_blocks": ev_blocks, "w_hits": w_hits, "w_st": w_st}
@@ -1845,7 +1850,7 @@ def checked_total(total: int, args: tuple) -> int:
     if total < 0:
         from ..errors import PolicyError
         from .scoring import POLICY_NAMES
-        pid, nan_score = int(args[_ARG_CFG][C_PID]), args[_ARG_NAN_SCORE]
+        pid, nan_score = int(args[_ARG_CFG][0, C_PID]), args[_ARG_NAN_SCORE]
         raise PolicyError(f"policy {POLICY_NAMES.get(pid, pid)!r} (id {pid}) produced a NaN score for copy "
                           f"{int(nan_score[0])}, request {int(nan_score[1])}")
     return int(total)

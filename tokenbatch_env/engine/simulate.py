@@ -20,7 +20,7 @@ from . import kernel as K
 from .outcomes import request_metrics
 from .profiles import Profile, load_profile
 from .scoring import N_THETA, P_EXTERNAL
-from .state import NEVER, EngineConfig, build_arrays, make_cfg, make_fcfg
+from .state import NEVER, EngineConfig, build_arrays, copies_of, make_cfg_rows
 
 _POOL_PREFIX = "tokenbatch-engine"   # the engine threads' names (``EngineRun.map_groups``)
 
@@ -46,8 +46,8 @@ class SimResult:
     """Per-request outcomes, [C, R] arrays (padding beyond ``n_req[c]`` is meaningless)."""
 
     traces: Sequence[Trace]
-    profile: Profile
-    config: EngineConfig
+    profiles: Sequence[Profile]       # per copy, resolved
+    configs: Sequence[EngineConfig]   # per copy
     policy: str
     arrays: K.EngineArrays
 
@@ -55,12 +55,22 @@ class SimResult:
     def n_copies(self) -> int:
         return len(self.traces)
 
+    @property
+    def profile(self) -> Profile:
+        """The copies' profile, when they share one."""
+        return _shared(self.profiles, "profile")
+
+    @property
+    def config(self) -> EngineConfig:
+        """The copies' engine config, when they share one."""
+        return _shared(self.configs, "engine config")
+
     def records(self, copy: int = 0) -> dict:
         """One copy's request records as columns (docs/design.md section 3, "Outcomes")."""
         return record_columns(self.arrays, self.traces[copy], copy, 0, len(self.traces[copy]))
 
     def iterations(self, copy: int = 0) -> dict:
-        m = int(self.arrays.n_iter_rec[copy]) if self.config.record_iterations else 0
+        m = int(self.arrays.n_iter_rec[copy]) if self.configs[copy].record_iterations else 0
         block = self.arrays.iter_rec[copy, :m]
         return {name: block[:, i].copy() for i, name in enumerate(K.ITER_COLUMNS)}
 
@@ -123,6 +133,35 @@ def _resolve_policy(policy) -> EnginePolicy:
                       f"EnginePolicy (see tokenbatch_env.policies)")
 
 
+def _shared(values: Sequence, what: str):
+    """The one value every copy shares (a batch of per-copy settings has none: use the list)."""
+    first = values[0]
+    if any(v is not first and v != first for v in values[1:]):
+        raise ConfigError(f"the copies have different {what}s: use the per-copy list ({what.split()[-1]}s[c])")
+    return first
+
+
+def _resolve_copies(profile, config, C: int) -> tuple:
+    """Per-copy (configs, profiles): each copy's profile with its config's overrides applied
+    (``EngineConfig.resolve``), resolved once per distinct pair."""
+    configs = copies_of(EngineConfig() if config is None else config, C, EngineConfig, "engine config")
+    if isinstance(profile, (list, tuple)):
+        if len(profile) != C:
+            raise ConfigError(f"profile: expected one profile or one per copy ({C}), got {len(profile)}")
+        names = {p: load_profile(p) for p in profile if isinstance(p, str)}
+        bases = [names[p] if isinstance(p, str) else p for p in profile]
+    else:
+        bases = [load_profile(profile) if isinstance(profile, str) else profile] * C
+    done: dict = {}
+    profiles = []
+    for p, e in zip(bases, configs):
+        key = (id(p), id(e))
+        if key not in done:
+            done[key] = e.resolve(p)
+        profiles.append(done[key])
+    return tuple(configs), tuple(profiles)
+
+
 def _per_copy(value, C: int, what: str, width: Optional[int] = None) -> np.ndarray:
     a = np.asarray(value, np.float64)
     shape = (C,) if width is None else (C, width)
@@ -139,8 +178,10 @@ class EngineRun:
     at the first iteration boundary at or after ``until_ns``; ``advance_to_decision`` at its next
     decision epoch (``start_epochs``); ``set_policy_params`` changes per-copy parameters between."""
 
-    def __init__(self, traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile] = "stress-512",
-                 policy: Union[str, EnginePolicy] = "fcfs", config: Optional[EngineConfig] = None,
+    def __init__(self, traces: Union[Trace, Sequence[Trace]],
+                 profile: Union[str, Profile, Sequence[Union[str, Profile]]] = "stress-512",
+                 policy: Union[str, EnginePolicy] = "fcfs",
+                 config: Union[None, EngineConfig, Sequence[EngineConfig]] = None,
                  *, estimates: Optional[Sequence[np.ndarray]] = None,
                  residual_life: Optional[np.ndarray] = None,
                  iteration_sink: Optional[Callable[[int, dict], None]] = None,
@@ -156,7 +197,12 @@ class EngineRun:
         copies as they go, a chunk of consecutive copies at a time (``kernel.next_copy``: no thread
         idles while another has copies left; the compiled kernel releases the GIL; copies are
         independent rows, so results are identical for any value). With an iteration or record
-        sink it runs on one."""
+        sink it runs on one.
+
+        ``profile`` and ``config``: the batch's, or one per copy (docs/design.md section 11: each copy
+        its own budget, threshold, max_num_seqs, KV pool, async setting or GPU; one block size per
+        batch). ``profiles[c]`` and ``configs[c]`` are copy c's (resolved); ``profile`` and
+        ``config`` the batch's when all copies share one."""
         if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or int(threads) < 1:
             raise ConfigError(f"threads: must be an integer >= 1, got {threads!r}")
         self.threads = int(threads)
@@ -164,23 +210,23 @@ class EngineRun:
         if isinstance(traces, Trace):
             traces = [traces]
         self.traces = list(traces)
-        self.config = config or EngineConfig()
-        self.profile = self.config.resolve(load_profile(profile) if isinstance(profile, str) else profile)
+        C = len(self.traces)
+        self.configs, self.profiles = _resolve_copies(profile, config, C)
         self.policy = _resolve_policy(policy)
         compile_notice()   # (one line, once, if numba is about to compile the kernel: a run would look hung)
-        self.arrays = A = build_arrays(self.traces, self.profile, self.config, estimates)
-        if iteration_sink is not None and self.config.record_iterations < 1:
+        self.arrays = A = build_arrays(self.traces, self.profiles, self.configs, estimates)
+        if iteration_sink is not None and self.configs[0].record_iterations < 1:
             raise ConfigError("an iteration sink needs record_iterations >= 1 (the buffer size)")
         self.iteration_sink = iteration_sink
         if record_sink is not None and int(record_chunk) < 1:
             raise ConfigError(f"record_chunk must be >= 1, got {record_chunk}")
         self.record_sink, self.record_chunk = record_sink, int(record_chunk)
-        self.cfg = make_cfg(self.profile, self.config, self.policy.mode, self.policy.pid,
-                            stream_records=iteration_sink is not None)
+        self.cfg, self.fcfg = make_cfg_rows(self.profiles, self.configs, self.policy.mode, self.policy.pid,
+                                            stream_records=iteration_sink is not None)
         self._cfg_decide = self.cfg.copy()
-        self._cfg_decide[K.C_DECIDE] = 1
-        self.fcfg = make_fcfg(self.profile, self.config.threshold)
-        C, R = A.arrival.shape
+        self._cfg_decide[:, K.C_DECIDE] = 1
+        self._max_iterations = np.array([c.max_iterations for c in self.configs], np.int64)
+        R = A.arrival.shape[1]
         self.theta = np.zeros((C, N_THETA))
         self.shed_margin = np.full(C, -1.0)
         self.set_policy_params(self.policy.theta, self.policy.shed_margin)
@@ -196,6 +242,16 @@ class EngineRun:
     def n_copies(self) -> int:
         return len(self.traces)
 
+    @property
+    def profile(self) -> Profile:
+        """The copies' profile (resolved), when they share one."""
+        return _shared(self.profiles, "profile")
+
+    @property
+    def config(self) -> EngineConfig:
+        """The copies' engine config, when they share one."""
+        return _shared(self.configs, "engine config")
+
     def set_policy_params(self, theta=None, shed_margin=None) -> None:
         """Per-copy policy parameters ([NP] or [C, NP]; shed margin scalar or [C], None/inf/<0 = off)."""
         C = self.n_copies
@@ -208,7 +264,7 @@ class EngineRun:
     @property
     def done(self) -> np.ndarray:
         A = self.arrays
-        return (A.n_ended >= A.n_req) | (A.it >= self.config.max_iterations)
+        return (A.n_ended >= A.n_req) | (A.it >= self._max_iterations)
 
     def advance(self, until_ns=None, active=None, *, chunk_steps: int = 20_000, bar=None) -> int:
         """Run the ``active`` copies until each has ended or reached ``until_ns`` (scalar or [C]).
@@ -301,7 +357,7 @@ class EngineRun:
             self.flush_records()
         stuck = act & (A.now == snap[0]) & (A.it == snap[1]) & (A.n_ended == snap[2]) \
             & (A.n_wait == snap[3]) & (A.n_run == snap[4])
-        if cfg[K.C_DECIDE]:
+        if cfg[0, K.C_DECIDE]:
             stuck &= A.epoch[:, K.EP_STOP] == K.STOP_NONE
         if stuck.any():  # a safety net: the engine must never spin without progress
             raise RuntimeError(f"engine made no progress on copies {np.flatnonzero(stuck)[:10].tolist()} "
@@ -407,12 +463,12 @@ class EngineRun:
         """Outcomes so far; requests still open at the iteration cap are marked ``unfinished``."""
         A = self.arrays
         R = A.arrival.shape[1]
-        capped = (A.it >= self.config.max_iterations)[:, None]
+        capped = (A.it >= self._max_iterations)[:, None]
         unfinished = capped & (A.end_state == K.E_NONE) & (np.arange(R)[None, :] < A.n_req[:, None])
         A.end_state[unfinished] = K.E_UNFINISHED
         if self.record_sink is not None:
             self.flush_records()
-        return SimResult(self.traces, self.profile, self.config, self.policy.name, A)
+        return SimResult(self.traces, self.profiles, self.configs, self.policy.name, A)
 
 
 def simulate(traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile] = "stress-512",

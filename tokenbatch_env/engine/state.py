@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -166,6 +166,45 @@ def make_cfg(profile: Profile, config: EngineConfig, mode: int, pid: int = 0,
     return cfg
 
 
+def copies_of(value, n: int, kind: type, what: str) -> list:
+    """One ``kind`` per copy: ``value`` itself for every copy, or a sequence of exactly ``n``."""
+    if isinstance(value, kind):
+        return [value] * n
+    if isinstance(value, (list, tuple)) and len(value) == n and all(isinstance(v, kind) for v in value):
+        return list(value)
+    got = f"{len(value)} values" if isinstance(value, (list, tuple)) else type(value).__name__
+    raise ConfigError(f"{what}: expected one {kind.__name__} or one per copy ({n}), got {got}")
+
+
+def check_batch(profiles: Sequence[Profile], configs: Sequence[EngineConfig]) -> None:
+    """What the copies of one engine batch must share (docs/design.md section 11): the block size (a
+    trace's prefix chains are laid out at one) and the iteration-record buffer."""
+    sizes = sorted({p.block_size for p in profiles})
+    if len(sizes) > 1:
+        raise ConfigError(f"one block size per engine batch: the copies' profiles have {sizes}")
+    recs = sorted({c.record_iterations for c in configs})
+    if len(recs) > 1:
+        raise ConfigError(f"one record_iterations per engine batch: the copies' configs have {recs}")
+
+
+def make_cfg_rows(profiles: Sequence[Profile], configs: Sequence[EngineConfig], mode: int, pid: int = 0,
+                  stream_records: bool = False) -> tuple:
+    """The kernel's configuration, one row per copy (docs/design.md section 11): ``(cfg [C, N_CFG],
+    fcfg [C, N_FCFG])`` for resolved ``profiles[c]`` and ``configs[c]``. Copies that share a profile
+    and config share a row's computation."""
+    check_batch(profiles, configs)
+    C = len(profiles)
+    cfg = np.empty((C, K.N_CFG), np.int64)
+    fcfg = np.empty((C, K.N_FCFG), np.float64)
+    done: dict = {}
+    for c, (p, e) in enumerate(zip(profiles, configs)):
+        key = (id(p), id(e))
+        if key not in done:
+            done[key] = (make_cfg(p, e, mode, pid, stream_records), make_fcfg(p, e.threshold))
+        cfg[c], fcfg[c] = done[key]
+    return cfg, fcfg
+
+
 @njit
 def capped_outputs(prompt, output, max_model_len):
     """Rule 8: output capped at max_model_len - prompt (recorded length_capped). Compiled: the env
@@ -196,10 +235,14 @@ def unique_block_bases(prompt, out_len, prefix_lengths, n_uniq, bs):
     return base, ids
 
 
-def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig,
+def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profile]],
+                 config: Union[EngineConfig, Sequence[EngineConfig]],
                  estimates: Optional[Sequence[np.ndarray]] = None, *, block_table: bool = True) -> K.EngineArrays:
     """Lay N traces out as the struct of arrays, one copy each, padded to the longest.
 
+    ``profile`` and ``config`` (resolved: ``EngineConfig.resolve``) are the batch's, or one per copy
+    (docs/design.md section 11): the per-copy arrays are then padded to the largest copy (running
+    slots, KV blocks, table width); one block size per batch (``check_batch``).
     ``estimates[c]`` are copy c's output-length estimates (a predictor's, never the truth unless
     labelled oracle); NaN or absent means "use the family's mean residual life".
     ``block_table=False`` leaves ``table`` empty ([C, 0, 0]): for callers that write these copies
@@ -207,17 +250,23 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
     table entries only below its held blocks, all written when claimed)."""
     if len(traces) == 0:
         raise ConfigError("need at least one trace (one per copy)")
-    bs = profile.block_size
+    C = len(traces)
+    profiles = copies_of(profile, C, Profile, "profile")
+    configs = copies_of(config, C, EngineConfig, "engine config")
+    check_batch(profiles, configs)
+    bs = profiles[0].block_size
     if any(t.block_size != bs for t in traces):   # (vLLM's --block-size: chains at the engine's blocks)
         from ..traces.blocks import at_block_size
         traces = [at_block_size(t, bs) for t in traces]
-    C = len(traces)
     R = max(1, max(len(t) for t in traces))
-    S = profile.max_num_seqs
     # table slots: running requests, plus (async) finished ones whose blocks free one iteration later
-    slots = S * (2 if profile.async_scheduling else 1)
-    NB = profile.usable_blocks
-    maxb = (profile.max_model_len + bs - 1) // bs + 1
+    seqs = np.array([p.max_num_seqs for p in profiles], np.int64)
+    slots_c = seqs * np.array([2 if p.async_scheduling else 1 for p in profiles], np.int64)
+    S, slots = int(seqs.max()), int(slots_c.max())
+    nb_c = np.array([p.usable_blocks for p in profiles], np.int64)
+    NB = int(nb_c.max())
+    mml = np.array([p.max_model_len for p in profiles], np.int64)
+    maxb = (int(mml.max()) + bs - 1) // bs + 1
     i64 = np.int64
 
     def pad(col, fill=0, dtype=i64):
@@ -229,7 +278,12 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
     arrival = pad(lambda t: t.arrival_ns, NEVER)
     prompt = pad(lambda t: t.prompt_tokens, 1)
     output = pad(lambda t: t.output_tokens, 1)
-    out_len, capped = capped_outputs(prompt, output, profile.max_model_len)
+    if (mml == mml[0]).all():
+        out_len, capped = capped_outputs(prompt, output, int(mml[0]))
+    else:
+        out_len, capped = np.empty_like(output), np.empty(output.shape, np.bool_)
+        for c in range(C):
+            out_len[c:c + 1], capped[c:c + 1] = capped_outputs(prompt[c:c + 1], output[c:c + 1], int(mml[c]))
     prio = pad(lambda t: t.priority)
     # traces without SLOs: deadlines never bind (in-engine scores and shedding need T1)
     t1 = pad(lambda t: t.ttft_slo_ns if t.has_slos else np.full(len(t), NEVER // 4), NEVER // 4)
@@ -255,34 +309,40 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
         chain_off[c, n + 1:] = t.prefix_offsets[-1]
         n_uniq, inv = t.prefix_ids()   # dense ids by first appearance, cached
         chain_val[c, :len(inv)] = inv
-        if config.prefix_caching and n:
+        if configs[c].prefix_caching and n:
             uniq_base[c, :n], ids = unique_block_bases(prompt[c, :n], out_len[c, :n], t.prefix_lengths, n_uniq, bs)
             U = max(U, int(ids))
     n_req = np.array([len(t) for t in traces], i64)
 
     z = lambda *shape, dtype=i64, fill=0: np.full(shape, fill, dtype)  # noqa: E731
-    # free queue: sentinels head=NB, tail=NB+1, blocks 0..NB-1 in order
-    fq_next = np.empty((C, NB + 2), np.int32)
-    fq_prev = np.empty((C, NB + 2), np.int32)
-    order = np.concatenate([[NB], np.arange(NB), [NB + 1]])
-    fq_next[:, order[:-1]] = order[1:]
-    fq_prev[:, order[1:]] = order[:-1]
-    fq_next[:, NB + 1] = -1
-    fq_prev[:, NB] = -1
-    rec = max(config.record_iterations, 1)
+    # free queue: sentinels head=NB, tail=NB+1 (the largest copy's), copy c's blocks 0..nb_c[c]-1 in
+    # order between them; the blocks past a smaller copy's pool are never linked (-1)
+    fq_next = np.full((C, NB + 2), -1, np.int32)
+    fq_prev = np.full((C, NB + 2), -1, np.int32)
+    for n_b in np.unique(nb_c):
+        rows = np.flatnonzero(nb_c == n_b)[:, None]
+        order = np.concatenate([[NB], np.arange(n_b), [NB + 1]])
+        fq_next[rows, order[:-1]] = order[1:]
+        fq_prev[rows, order[1:]] = order[:-1]
+    slot_free = np.zeros((C, slots), i64)
+    for c in range(C):
+        slot_free[c, :slots_c[c]] = np.arange(slots_c[c] - 1, -1, -1)
+    host_blocks = [int(e.swap_space_gib * 2**30 // (p.block_size * p.kv_bytes_per_token))
+                   for p, e in zip(profiles, configs)]
+    rec = max(configs[0].record_iterations, 1)
     return K.EngineArrays(
         n_req=n_req, arrival=arrival, prompt=prompt, out_len=out_len, prio=prio, capped=capped, t1=t1, est=est,
         chain_off=chain_off, chain_val=chain_val, uniq_base=uniq_base,
         now=np.where(n_req > 0, arrival[:, 0], 0).astype(i64), it=z(C), next_arr=z(C), n_ended=z(C),
         key_hi=z(C, fill=1), key_lo=z(C, fill=-1), n_run=z(C), n_wait=z(C),
-        n_free=z(C, fill=NB), n_slot_free=z(C, fill=slots), n_pend=z(C),
-        n_iter_rec=z(C, fill=0 if config.record_iterations else rec),
+        n_free=nb_c.copy(), n_slot_free=slots_c.copy(), n_pend=z(C),
+        n_iter_rec=z(C, fill=0 if configs[0].record_iterations else rec),
         status=z(C, R, dtype=np.int8), end_state=z(C, R, dtype=np.int8), computed=z(C, R),
         gen=z(C, R), qkey=z(C, R), slot_of=z(C, R, fill=-1), held=z(C, R), n_cached=z(C, R),
         first_sched=z(C, R, fill=-1), first_token=z(C, R, fill=-1), first_token_it=z(C, R, fill=-1),
         finish=z(C, R, fill=-1), finish_it=z(C, R, fill=-1), n_preempt=z(C, R), recomputed=z(C, R),
         resumed=z(C, R, dtype=np.bool_),
-        run_ids=z(C, S), wait_ids=z(C, R), slot_free=np.tile(np.arange(slots - 1, -1, -1, dtype=i64), (C, 1)),
+        run_ids=z(C, S), wait_ids=z(C, R), slot_free=slot_free,
         pend_ids=z(C, S),
         table=z(*((C, slots, maxb) if block_table else (C, 0, 0)), dtype=np.int32),  # int32: one compilation
         ref=z(C, NB, dtype=np.int32), bhash=z(C, NB, fill=-1), hnext=z(C, NB, fill=-1, dtype=np.int32),
@@ -291,8 +351,7 @@ def build_arrays(traces: Sequence[Trace], profile: Profile, config: EngineConfig
         iter_rec=z(C, rec, K.N_ITER_COLS),
         jump_ids=z(C, S), jump_off=z(C, bs + 1), emit_it=z(C, R, fill=-1),
         swapped=z(C, R), swap_ids=z(C, R), n_swap=z(C),
-        host_free=z(C, fill=int(config.swap_space_gib * 2**30
-                                // (profile.block_size * profile.kv_bytes_per_token))),
+        host_free=np.array(host_blocks, i64),
         epoch=z(C, K.N_EP),
     )
 

@@ -98,11 +98,12 @@ def _argsort_stable(x, out):
 
 
 @njit
-def observe_kernel(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_free, next_arr, wait_ids,
+def observe_kernel(active, kq, mrl, cfg_rows, fcfg_rows, ocfg, out, now, n_wait, n_run, n_free, next_arr, wait_ids,
                    run_ids, prompt, gen, computed, arrival, t1, est, hash_head, chain_off, chain_val, uniq_base,
                    epoch, zs_buf, ls_buf, zsort, lsort, order, feats, lo):
     """Observation rows of the ``active`` copies (see ``TokenBatchEnv``). The per-request entries are
-    the engine's own index inputs (``kernel.request_inputs``); ``cfg``/``fcfg`` are the engine's,
+    the engine's own index inputs (``kernel.request_inputs``); ``cfg_rows``/``fcfg_rows`` are the
+    engine's (one row per copy),
     ``ocfg`` = [t_ref_ms, lambda_sat, rate_window_ns]; the episode start is ``epoch[c, EP_T0]``.
     The last six are scratch (``observe`` allocates them, so that they are borrowed too); copies
     below ``lo`` are not looked at."""
@@ -115,8 +116,8 @@ def observe_kernel(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_
     feats = borrow(feats)
     active = borrow(active)
     mrl = borrow(mrl)
-    cfg = borrow(cfg)
-    fcfg = borrow(fcfg)
+    cfg_rows = borrow(cfg_rows)
+    fcfg_rows = borrow(fcfg_rows)
     ocfg = borrow(ocfg)
     out = borrow(out)
     now = borrow(now)
@@ -137,15 +138,8 @@ def observe_kernel(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_
     chain_val = borrow(chain_val)
     uniq_base = borrow(uniq_base)
     epoch = borrow(epoch)
-    bs = cfg[K.C_BS]
+    bs = cfg_rows[0, K.C_BS]   # (one block size per engine batch)
     bsh = K.block_shift(bs)
-    budget = cfg[K.C_BUDGET]
-    usable = float(cfg[K.C_USABLE])
-    max_seqs = float(cfg[K.C_MAX_SEQS])
-    prefix_on = cfg[K.C_PREFIX] != 0
-    ps = cfg[K.C_PS0:K.C_PS0 + 4]
-    u_p = fcfg[K.F_U_P]
-    u_d = fcfg[K.F_U_D]
     t_ref = ocfg[0]
     lam = ocfg[1]
     win_ns = ocfg[2]
@@ -173,6 +167,16 @@ def observe_kernel(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_
                     prefetch(est, c_next, j)
                     prefetch(uniq_base, c_next, j)
                     prefetch(chain_off, c_next, j)
+        cfg = cfg_rows[c]
+        budget = cfg[K.C_BUDGET]
+        # the largest chunk a prefill gets, as the engine's own S_i (docs/design.md section 4)
+        chunk_cap = cfg[K.C_THRESHOLD] if 0 < cfg[K.C_THRESHOLD] < budget else budget
+        usable = float(cfg[K.C_USABLE])
+        max_seqs = float(cfg[K.C_MAX_SEQS])
+        prefix_on = cfg[K.C_PREFIX] != 0
+        ps = cfg[K.C_PS0:K.C_PS0 + 4]
+        u_p = fcfg_rows[c, K.F_U_P]
+        u_d = fcfg_rows[c, K.F_U_D]
         t_now = now[c]
         nw = n_wait[c]
         row = out[c]
@@ -189,7 +193,7 @@ def observe_kernel(active, kq, mrl, cfg, fcfg, ocfg, out, now, n_wait, n_run, n_
                                       bsh)
             cached, p_left, blocks, first_out, to_deadline, slack, d_left, s_ms = K.request_inputs(
                 True, hits, prompt[c, r], gen[c, r], 0, 0, arrival[c, r] + t1[c, r] - t_now, est[c, r], mrl, bs,
-                budget, ps, u_p, u_d, bsh)
+                chunk_cap, ps, u_p, u_d, bsh)
             t1_ms = t1[c, r] / 1e6
             z = S.clip_z(slack, t1_ms)
             if not first_out and slack < 0.0:
