@@ -56,10 +56,10 @@ def test_rows_are_tuned_on_train_kept_on_validation_judged_on_test(tuned):
         s = rep["studies"][row]
         cands = s["validation"]["candidates"]
         assert s["best"]["validation_goodput"] == max(c["validation_goodput"] for c in cands)
-        # the 2 best on train first, then the warm starts not among them (the index's 3 trials are its
-        # 3 warm starts: all replayed)
+        # the 2 best on train first, then the warm starts not among them (each row's 3 trials are 3 of
+        # its warm starts: all replayed)
         top = [c["train_goodput"] for c in cands[:2]]
-        assert top == sorted(top, reverse=True) and len(cands) == (3 if row == "index+shed" else 2)
+        assert top == sorted(top, reverse=True) and len(cands) == 3
     test = rep["test"]
     assert test["evidence_inputs"]["workload"]["trace_split"] == "test"
     # the native load: the train part's own rate (rho = its admitted rate / lambda_sat)
@@ -69,7 +69,11 @@ def test_rows_are_tuned_on_train_kept_on_validation_judged_on_test(tuned):
     assert doc["tuned"]["trace"].endswith("mine.npz") and doc["tuned"]["selected_on"] == "validation"
     # index+shed against every tuned baseline's +shed row, keyed by label
     ix = next(r for r in test["loads"][0]["rows"] if r["label"] == "index+shed")
-    assert {"edf+shed", "fcfs+shed", "sjf+shed", "llf+shed"} <= set(ix["vs"])
+    assert {"edf+shed", "fcfs+shed", "sjf+shed", "llf+shed", *T.FLAGS_ROWS} <= set(ix["vs"])
+    # each levered row beside itself at the profile's flags (docs/design.md section 11)
+    assert ix["profile_flags_row"] == "index+shed (profile flags)" and set(ix["levers"]) == set(doc["levers"]["index+shed"])
+    labels = {r["label"] for r in test["loads"][0]["rows"]}
+    assert {"index+shed (profile flags)", "edf+shed (profile flags)", "priority", *T.FLAGS_ROWS} <= labels
     assert {"diff", "ci95", "win_rate"} <= set(ix["vs"]["edf+shed"])
 
 

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tuning" / "optuna_search.py"
 TINY = ["--trials", "4", "--k", "2", "--max-train-traces", "3", "--max-test-traces", "3",
         "--eval-loads", "1.2,1.5", "--bootstrap-b", "200", "--quiet"]
-BASE_ROWS = ("index+shed", "edf+shed", "sjf+shed", "llf+shed")
+BASE_ROWS = ("index+shed", "edf+shed", "sjf+shed", "llf+shed", *T.FLAGS_ROWS)
 BUCKETS = ("index@rho1.2", "index@rho1.5")            # TINY's index-scheduled studies (2 trials each)
 ROWS = (*BASE_ROWS, "weights+shed", *BUCKETS)
 ROWS_1_2 = (*BASE_ROWS, "weights+shed", "index@rho1.2")   # --eval-loads 1.2: one bucket, full budget
@@ -87,12 +87,15 @@ def test_end_to_end_writes_params_and_report(tiny_runs):
     assert rep["test"]["parameters"]["index"] == pytest.approx(doc["index"], rel=1e-5)
     # the search never saw the test split; study attrs carry the config; trials their evidence
     sts = studies(str(out / "study.db"))
-    for st in sts.values():
+    for row, st in sts.items():
         assert st.user_attrs["config"]["test_split"] == "test"
         assert st.user_attrs["objective"]["train_split"] == "train"
         for t in st.trials:
             assert t.user_attrs["host"] == socket.gethostname() and isinstance(t.user_attrs["pid"], int)
-            assert len(t.user_attrs["evidence_id"]) == 64 and "shed_margin" in t.user_attrs["config"]
+            assert len(t.user_attrs["evidence_id"]) == 64
+            assert ("shed_margin" in t.user_attrs["config"]) == (row not in T.FLAGS_ROWS)
+            # every row but the index-scheduled buckets tunes the levers (docs/design.md section 11)
+            assert ("engine" in t.user_attrs["config"]) == (row not in BUCKETS), row
     md = (out / "report.md").read_text()
     assert md.index("Held-out result") < md.index("## Search")
     assert "ceil(4 / 2) = 2 trials each" in md and "weights+shed" in md and "index@rho1.5" in md
@@ -138,7 +141,8 @@ def test_params_file_has_the_comparators(tiny_runs):
 def test_warm_starts_are_the_first_trials(tiny_runs):
     sts = studies(str(tiny_runs[0] / "study.db"))
     for row, st in sts.items():
-        ws = T.warm_starts(row)[:T.TuneConfig(trials=4, eval_loads=(1.2, 1.5)).trials_of(row)]
+        cfg = T.TuneConfig(trials=4, eval_loads=(1.2, 1.5))
+        ws = T.warm_starts(row, cfg.lever_space(row))[:cfg.trials_of(row)]
         trials = sorted(st.trials, key=lambda t: t.number)
         for w, t in zip(ws, trials):
             assert t.params == pytest.approx(w) and t.user_attrs["warm_start"] is True, row
@@ -212,7 +216,7 @@ def test_tokenbatch_tune_writes_the_scripts_report_and_says_when_it_resumes(tmp_
     again = subprocess.run([*cmd, "--quiet"], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert again.returncode == 0, again.stderr[-2000:]
     lines = [ln for ln in again.stderr.splitlines() if "resuming" in ln]
-    assert len(lines) == 1 and lines[0].startswith("resuming 8 trials of study seed-200-stress-512-rho1.2 in ")
+    assert len(lines) == 1 and lines[0].startswith("resuming 12 trials of study seed-200-stress-512-rho1.2 in ")
     assert "may end with other numbers than an uninterrupted one" in lines[0]
     assert (tmp_path / "command" / "report.json").read_bytes() == (tmp_path / "script" / "report.json").read_bytes()
 
@@ -466,7 +470,8 @@ class _FakeObjective:
 
 
 def test_failed_and_nan_trials_are_marked_and_never_fatal(tmp_path):
-    cfg = T.TuneConfig(trials=6, k=2, baselines=(), out=str(tmp_path), progress=False, comparators=False)
+    cfg = T.TuneConfig(trials=6, k=2, baselines=(), out=str(tmp_path), progress=False, comparators=False,
+                       levers=False)
     fake = _FakeObjective([RuntimeError("boom"), float("nan"), 0.5])
     T.optimize(cfg, objective=fake)
     st = T.open_studies(cfg)["index+shed"]
@@ -633,7 +638,7 @@ def test_comparator_rows_and_budget():
     cfg = T.TuneConfig()
     assert cfg.rows == (*BASE_ROWS, "weights+shed", "index@rho1", "index@rho1.2", "index@rho1.5")
     assert cfg.bucket_rows == {"index@rho1": 1.0, "index@rho1.2": 1.2, "index@rho1.5": 1.5}
-    assert [cfg.trials_of(r) for r in cfg.rows] == [48] * 5 + [16] * 3          # same total budget
+    assert [cfg.trials_of(r) for r in cfg.rows] == [48] * 7 + [16] * 3          # same total budget
     assert T.TuneConfig(trials=50).bucket_trials == 17                           # ceil(50 / 3)
     assert cfg.objective_dict("index@rho1.5")["loads"] == [1.5] and cfg.objective_dict(T.INDEX_ROW)["loads"] == [1.2]
     assert cfg.study_name_of("index@rho1.2") == "seed-200-stress-512-rho1.2.index@rho1.2"

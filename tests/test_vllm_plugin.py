@@ -381,3 +381,20 @@ def test_log_steps_startup_writes_the_header_and_logs_the_fit_command(tmp_path, 
             "--max-model-len") in msg and "--max-num-batched-tokens 64 --max-num-seqs 4 --no-async-scheduling" in msg
     _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear"})   # appends: still one header
     assert path.read_text().count("kind,") == 1
+
+
+def test_policy_file_levers_are_named_at_startup(tmp_path, caplog):
+    """A policy file whose row was tuned with vLLM flags (docs/design.md section 11): the plug-in
+    cannot set them itself, so it names them in one warning at startup; none for a row without."""
+    import logging
+    p = tmp_path / "tuned.json"
+    p.write_text(json.dumps({"index": {}, "shed_margin": 0.3,
+                             "levers": {"index+shed": {"max_num_batched_tokens": 512, "max_num_seqs": 64}}}))
+    with caplog.at_level(logging.WARNING, logger=PLUGIN):
+        _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear", "policy_file": str(p), "shed": "on"})
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert "--max-num-batched-tokens 512 --max-num-seqs 64" in msg and "index+shed" in msg
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=PLUGIN):
+        _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear", "policy_file": str(p)})   # shed off: "index"
+    assert "vLLM flags" not in " ".join(r.getMessage() for r in caplog.records)

@@ -33,7 +33,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-scale", default=None, help="with --loads native: multiply the trace's arrival rate by this")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.add_argument("--params", default=None,
-                   help='JSON file {"index": {IndexParams fields}, "shed_margin": x, "edf": {"shed_margin": y}}')
+                   help='JSON file {"index": {IndexParams fields}, "shed_margin": x, "edf": {"shed_margin": y}, '
+                        '"levers": {"edf+shed": {"max_num_batched_tokens": 512}}} (tokenbatch tune writes it); a row '
+                        'with levers runs with them, beside itself at the profile\'s flags')
     p.add_argument("--max-traces", default=None, help="use only the first N traces (or windows)")
     p.add_argument("--bootstrap-seed", default="0", help="bootstrap seed (enters the evidence id)")
     p.add_argument("--bootstrap-b", default="10000", help="bootstrap resamples (default 10000, at least 100)")
@@ -99,7 +101,7 @@ def parse_policies(text: str) -> tuple:
 def config_from_args(args):
     from .engine.profiles import load_profile
     from .evaluate import BenchConfig
-    from .params import load_deployment, load_params_file, load_weights
+    from .params import load_deployment, load_levers, load_params_file, load_weights
 
     from .engine.flags import engine_config, resolve_with_flags
     engine = engine_config(args)
@@ -108,7 +110,7 @@ def config_from_args(args):
     if args.params:
         params, margins = load_params_file(args.params)
         kw.update(index_params=params, shed_margins=margins, params_source=args.params,
-                  weights=load_weights(args.params))
+                  weights=load_weights(args.params), levers=load_levers(args.params))
         dep = load_deployment(args.params)
         if dep is not None:
             kw["params_deployment"] = dep

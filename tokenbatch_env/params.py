@@ -6,6 +6,7 @@ sections 6 and 7).
      "<policy>": {"shed_margin": y},                          # another policy's +shed margin
      "weights": {"w": {feature: weight}, "shed_margin": z},   # the weights policy
      "index-scheduled": IndexSchedule.to_dict(),              # the index-scheduled comparator
+     "levers": {"<row label>": {flag: value}},                # tuned vLLM flags per row (section 11)
      "meta": {...}, "tuned": {...}, ...}                      # informational (PARAMS_INFO_KEYS)
 
 ``meta`` carries the units the parameters were tuned in (docs/design.md section 10): ``t_ref_mode``
@@ -22,8 +23,9 @@ from typing import Optional
 
 from .errors import ConfigError, PolicyError
 
-__all__ = ["PARAMS_INFO_KEYS", "SCHEDULE_KEY", "T_REF_MODES", "deployment_of", "deployment_warnings",
-           "load_deployment", "load_params_file", "load_schedule", "load_weights", "profile_sha256"]
+__all__ = ["LEVERS_KEY", "PARAMS_INFO_KEYS", "SCHEDULE_KEY", "T_REF_MODES", "check_row_levers", "deployment_of",
+           "deployment_warnings", "load_deployment", "load_levers", "load_params_file", "load_schedule", "load_weights",
+           "profile_sha256"]
 
 #: how a parameters file's T_ref is set (docs/design.md section 10, "Units travel with parameters"):
 #: "fixed" = the T_ref of the deployment it was tuned on, in the file; "trace" = the median T1 of the
@@ -34,6 +36,8 @@ T_REF_MODES = ("fixed", "trace")
 PARAMS_INFO_KEYS = ("meta", "provenance", "source", "tuned", "comment")
 #: the params-file key of the ``index-scheduled`` comparator (``policies.IndexSchedule.to_dict``)
 SCHEDULE_KEY = "index-scheduled"
+#: the params-file key of the rows' tuned levers (docs/design.md section 11): row label -> {flag: value}
+LEVERS_KEY = "levers"
 
 
 def load_params_file(path: str, what: str = "--params") -> tuple:
@@ -53,7 +57,8 @@ def load_params_file(path: str, what: str = "--params") -> tuple:
         raise ConfigError(f"{what} {path}: invalid JSON: {e}") from None
     if not isinstance(d, dict):
         raise ConfigError(f"{what} {path}: expected a JSON object")
-    valid = ["index", "shed_margin", *[b for b in BASELINES if b != "index"], SCHEDULE_KEY, *PARAMS_INFO_KEYS]
+    valid = ["index", "shed_margin", *[b for b in BASELINES if b != "index"], SCHEDULE_KEY, LEVERS_KEY,
+             *PARAMS_INFO_KEYS]
     unknown = sorted(k for k in d if k not in valid and not k.startswith("_"))
     if unknown:
         raise ConfigError(f"{what} {path}: unknown key(s) {unknown}; valid: {', '.join(valid)}")
@@ -87,7 +92,20 @@ def load_params_file(path: str, what: str = "--params") -> tuple:
                               + (" with optional \"w\": {feature: weight}" if b == "weights" else ""))
         if "shed_margin" in v:
             margins[b] = margin(v["shed_margin"], f"{b}.shed_margin")
+    if LEVERS_KEY in d:
+        try:
+            check_row_levers(d[LEVERS_KEY] if isinstance(d[LEVERS_KEY], dict) else ())
+        except ConfigError as e:
+            raise ConfigError(f"{what} {path}: {e}") from None
+        if not isinstance(d[LEVERS_KEY], dict):
+            raise ConfigError(f"{what} {path}: {LEVERS_KEY!r} must be an object: row label -> {{flag: value}}")
     return params, tuple(sorted(margins.items()))
+
+
+def load_levers(path: str, what: str = "--params") -> tuple:
+    """The rows' tuned levers in a ``--params`` file (``BenchConfig.levers``), () when it has none."""
+    load_params_file(path, what)
+    return check_row_levers(json.loads(Path(path).read_text()).get(LEVERS_KEY, {}))
 
 
 def load_schedule(path: str, what: str = "--params"):
@@ -173,3 +191,22 @@ def deployment_warnings(dep, profile, predictor) -> list:
     if pred is not None and pred != predictor.to_dict():
         out.append(f"the parameters were tuned with predictor {pred}; evaluated with {predictor.to_dict()}")
     return out
+
+
+def check_row_levers(levers) -> tuple:
+    """Rows' tuned levers (docs/design.md section 11; a dict or its items: row label -> {flag: value})
+    as sorted, validated items. A levered row is a tuned row: ``<policy>``, ``<policy>+shed`` or
+    ``fcfs``/``priority`` with the ``FLAGS_SUFFIX``."""
+    from .engine.flags import FLAGS_SUFFIX, check_levers
+    from .policies import BASELINES
+    items = dict(levers).items() if not isinstance(levers, dict) else levers.items()
+    out = []
+    for label, lv in sorted(items):
+        base = label[:-len(FLAGS_SUFFIX)] if label.endswith(FLAGS_SUFFIX) else label.removesuffix("+shed")
+        if base not in BASELINES or (label.endswith(FLAGS_SUFFIX) and base not in ("fcfs", "priority")):
+            raise ConfigError(f"levers: {label!r} is not a row with levers: <policy>, <policy>+shed, "
+                              f"fcfs{FLAGS_SUFFIX} or priority{FLAGS_SUFFIX}")
+        lv = check_levers(dict(lv), f"levers[{label!r}]")
+        if lv:
+            out.append((label, lv))
+    return tuple(out)

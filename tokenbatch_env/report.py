@@ -210,6 +210,22 @@ def mlperf_lines(entry: dict) -> list:
             f"each request"]
 
 
+def lever_lines(entry: dict) -> list:
+    """The tuned levers' gain at one load (docs/design.md section 11): each levered row against the
+    same row at the profile's flags, paired."""
+    out = []
+    for d in entry["rows"]:
+        if "levers" not in d:
+            continue
+        flags = ", ".join(f"--{k.replace('_', '-')} {'off' if v == 0 else v}" for k, v in sorted(d["levers"].items()))
+        gain = d["vs"].get(d["profile_flags_row"])
+        out.append([d["label"], flags, _diff(gain), _f(gain["win_rate"], 2) if gain else "-"])
+    return out
+
+
+LEVER_HEADER = ["row", "tuned levers", "gain vs profile flags [95% CI]", "win rate"]
+
+
 def console_summary(data: dict) -> str:
     lines = primary_lines(data)
     if lines:
@@ -224,6 +240,10 @@ def console_summary(data: dict) -> str:
     if ub:
         lines.append(ub)
     lines += mlperf_lines(e)
+    lev = lever_lines(e)
+    if lev:
+        lines += ["", f"tuned levers at rho {rho:g} (each row against itself at the profile's flags):"]
+        lines += _text_table(LEVER_HEADER, lev)
     lines += ["", "goodput by load:"]
     labels = [d["label"] for d in data["loads"][0]["rows"]]
     hdr = ["rho"] + labels + (["UB"] if "upper_bound" in data["loads"][0] else [])
@@ -262,6 +282,11 @@ def report_markdown(data: dict) -> str:
     ub = _ub_line(e)
     if ub:
         L += ["", ub]
+    lev = lever_lines(e)
+    if lev:
+        L += ["", f"## Tuned levers at rho {rho:g}", "",
+              "Each row with its tuned vLLM flags against the same row at the profile's flags (paired).", ""]
+        L += _table(LEVER_HEADER, lev)
     L += ["", "## Goodput by load (mean [95% CI])", ""]
     labels = [d["label"] for d in data["loads"][0]["rows"]]
     hdr = ["rho"] + labels + (["upper bound"] if "upper_bound" in data["loads"][0] else [])

@@ -11,6 +11,11 @@ What it does
   0.5 for a baseline), which count toward its budget. Every study gets the **same number of trials** and the same
   k, and the studies take turns batch by batch, so a ``--timeout`` also cuts them evenly. Aging is
   not implemented in the engine, so there is no aging baseline to tune.
+* **Levers** (docs/design.md section 11, on by default, ``levers=False`` / ``--no-levers`` to skip):
+  every row but the index-scheduled buckets also tunes vLLM's ``max_num_batched_tokens``,
+  ``max_num_seqs`` and ``long_prefill_token_threshold`` (``suggest_levers``, ranges
+  ``TuneConfig.lever_space``: up to the profile's B_max), the trial config's ``"engine"``; the rows
+  ``FLAGS_ROWS`` (FCFS and priority) tune only them. Loads and SLOs stay at the profile's flags.
 * **Comparators** (docs/design.md section 8, on by default, ``comparators=False`` /
   ``--no-comparators`` to skip): ``<name>.weights+shed`` tunes the ``weights`` policy (8 weights in
   ``policies.WEIGHT_RANGE`` over ``engine.scoring.LINEAR_FEATURES`` and the shed margin; warm
@@ -25,7 +30,7 @@ What it does
   length estimates (the suite's predictor: common random numbers).
 * **k trials per engine run**: ``claim_trial`` (``study.ask()`` with its owner recorded) k times,
   the units x k parameter sets as copies of one simulate call (``evaluate.evaluate_param_vectors``:
-  one theta row and shed margin per copy), then ``study.tell``. The copies are split over
+  one theta row, shed margin and engine configuration per copy), then ``study.tell``. The copies are split over
   ``threads`` threads (the compiled kernel releases the GIL; each copy's result does not depend on
   which batch it ran in, so results are identical for any thread count).
 * **Pruning** (``pruner="median"``): the units are cut into 4 quarters; after each quarter every
@@ -72,6 +77,7 @@ from typing import Optional
 import numpy as np
 
 from .config_cli import option
+from .engine.flags import FLAGS_SUFFIX
 from .errors import ConfigError, TokenBatchError
 from .policies import policy_names
 from .util import NATIVE, available_cores, canonical_json, parse_loads, split_native
@@ -84,6 +90,11 @@ PRUNERS = ("none", "median")
 INDEX_ROW = "index+shed"
 WEIGHTS_ROW = "weights+shed"         # comparator: tuned constant weights (weights-static)
 BUCKET_PREFIX = "index@rho"          # comparator: index-scheduled, one index study per load bucket
+#: FCFS and priority with tuned vLLM flags (docs/design.md section 11): the rows of what an engineer
+#: can do today with vLLM's own flags
+FLAGS_ROWS = tuple(p + FLAGS_SUFFIX for p in ("fcfs", "priority"))
+#: the smallest token budget and max_num_seqs a lever may choose, and the smallest threshold
+LEVER_MIN_BUDGET, LEVER_MIN_SEQS, LEVER_MIN_THRESHOLD = 64, 8, 16
 QUARTERS = 4
 OVER_CAP, STALE = "over_cap", "stale"
 
@@ -182,6 +193,10 @@ class TuneConfig:
         None, "SLO rule (a preset: tokenbatch_env/data/slo_rules, or a JSON file) setting every request's SLOs "
         "and priority (default: the suite's or the trace's own; default-3class for columns a trace lacks)",
         metavar="FILE|NAME")
+    levers: bool = option(
+        True, "do not tune vLLM's iteration-size flags (max_num_batched_tokens, max_num_seqs, "
+        "long_prefill_token_threshold) with each row's parameters, nor the rows fcfs/priority (tuned vLLM flags): "
+        "every row runs at the profile's flags", flags=("--no-levers",), sets=False)
 
     def __post_init__(self):
         from .policies import BASELINES
@@ -291,9 +306,10 @@ class TuneConfig:
 
     @property
     def rows(self) -> tuple:
-        """The tuned rows, in turn order: the index first, then each baseline's +shed row, then (with
-        ``comparators``) weights+shed and the index-scheduled bucket studies (low load first)."""
-        rows = (INDEX_ROW, *[f"{b}+shed" for b in self.baselines])
+        """The tuned rows, in turn order: the index first, then each baseline's +shed row, FCFS and
+        priority with tuned vLLM flags (``levers``), then (with ``comparators``) weights+shed and the
+        index-scheduled bucket studies (low load first)."""
+        rows = (INDEX_ROW, *[f"{b}+shed" for b in self.baselines], *(FLAGS_ROWS if self.levers else ()))
         if self.comparators:
             rows += (WEIGHTS_ROW, *self.bucket_rows)
         return rows
@@ -360,7 +376,24 @@ class TuneConfig:
             from .traces.slo_rules import load_slo_rule
             rule = load_slo_rule(self.slo_rule)
             d["slo_rule"] = {"name": rule.name, "digest": rule.digest}
+        space = self.lever_space(row) if row is not None else None
+        if space is not None:
+            d["levers"] = space
         return d
+
+    def lever_space(self, row: str) -> Optional[dict]:
+        """The row's lever ranges (docs/design.md section 11), None for a row without levers (the
+        index-scheduled buckets: its controller switches parameters mid-run, the flags are static):
+        ``{lever: [lo, hi, reference]}``, bounded by the profile's B_max and max_num_seqs; the
+        reference is the profile's own setting (threshold: off)."""
+        if not self.levers or row.startswith(BUCKET_PREFIX):
+            return None
+        from .engine.profiles import load_profile
+        prof = load_profile(self.profile)
+        b_max = prof.budget_max
+        return {"max_num_batched_tokens": [min(LEVER_MIN_BUDGET, b_max), b_max, prof.max_num_batched_tokens],
+                "max_num_seqs": [min(LEVER_MIN_SEQS, prof.max_num_seqs), prof.max_num_seqs, prof.max_num_seqs],
+                "long_prefill_token_threshold": [min(LEVER_MIN_THRESHOLD, b_max), b_max, 0]}
 
 
 # ------------------------------------------------------------------------------------ search space
@@ -400,21 +433,67 @@ def suggest_weights(trial) -> dict:
 
 
 def row_kind(row: str) -> str:
-    """'index' (index+shed and the index-scheduled bucket studies), 'weights' or 'margin'."""
+    """'index' (index+shed and the index-scheduled bucket studies), 'weights', 'flags' (FCFS or
+    priority with tuned vLLM flags only) or 'margin'."""
     if row == INDEX_ROW or row.startswith(BUCKET_PREFIX):
         return "index"
+    if row in FLAGS_ROWS:
+        return "flags"
     return "weights" if row == WEIGHTS_ROW else "margin"
 
 
-def suggest_config(row: str, trial) -> dict:
+def suggest_levers(trial, space: dict) -> dict:
+    """vLLM's three iteration-size flags (docs/design.md section 11), log-uniform integers in the
+    row's ``space`` (``TuneConfig.lever_space``). As vLLM requires, max_num_seqs <= the budget (the
+    drawn value is capped at it); a threshold at or above the budget changes nothing and is written
+    as off (0)."""
+    lv = {k: trial.suggest_int(k, lo, hi, log=True) for k, (lo, hi, _) in space.items()}
+    B = lv["max_num_batched_tokens"]
+    lv["max_num_seqs"] = min(lv["max_num_seqs"], B)
+    if lv["long_prefill_token_threshold"] >= B:
+        lv["long_prefill_token_threshold"] = 0
+    return lv
+
+
+def suggest_config(row: str, trial, space: Optional[dict] = None) -> dict:
+    """A trial's config for ``row``: its policy parameters (none for a flags row), and with a lever
+    ``space`` its levers under ``"engine"``."""
     kind = row_kind(row)
     if kind == "index":
-        return suggest_index(trial)
-    return suggest_weights(trial) if kind == "weights" else suggest_margin(trial)
+        c = suggest_index(trial)
+    elif kind == "weights":
+        c = suggest_weights(trial)
+    else:
+        c = {} if kind == "flags" else suggest_margin(trial)
+    if space is not None:
+        c["engine"] = suggest_levers(trial, space)
+    return c
 
 
-def warm_starts(row: str) -> list:
-    """Trials enqueued first in a new study (part of its budget): for the index (and each
+def reference_levers(space: dict) -> dict:
+    """The optuna params of the profile's own flags (threshold off: drawn at the top of its range)."""
+    return {k: (ref if ref > 0 else hi) for k, (lo, hi, ref) in space.items()}
+
+
+def warm_starts(row: str, space: Optional[dict] = None) -> list:
+    """Trials enqueued first in a new study (part of its budget). With a lever ``space``: each
+    policy warm start at the profile's flags, then the first one with a quarter of the budget (where
+    TPOT binds, the iteration's size decides most); a flags row: the profile's flags, a quarter of
+    the budget, and the budget with a threshold of a quarter of it."""
+    base = _policy_warm_starts(row)
+    if space is None:
+        return base
+    ref = reference_levers(space)
+    lo_b, hi_b = space["max_num_batched_tokens"][:2]
+    quarter = {**ref, "max_num_batched_tokens": max(lo_b, ref["max_num_batched_tokens"] // 4)}
+    if row_kind(row) == "flags":
+        thr = max(space["long_prefill_token_threshold"][0], ref["max_num_batched_tokens"] // 4)
+        return [ref, quarter, {**ref, "long_prefill_token_threshold": thr}]
+    return [{**ws, **ref} for ws in base] + [{**base[0], **quarter}]
+
+
+def _policy_warm_starts(row: str) -> list:
+    """The policy parameters' warm starts (``warm_starts``): for the index (and each
     index-scheduled bucket study) the members of its family that are the baselines (SJF: only
     ``-ln S``; EDF: ``a_edf`` large; the defaults), so the search starts from the best simple
     policy instead of having to find it; for weights+shed the directions of SJF (-1 on log_s),
@@ -741,11 +820,18 @@ class TrainObjective:
         est = [est[i] for i in idx]
         wl, prof, eng = self.wl, self.profile, self.bench_config.engine
         kind = row_kind(row)
-        if kind == "margin":
-            return evaluate_margins(traces, prof, row[:-len("+shed")], [c["shed_margin"] for c in configs],
-                                    estimates=est, residual_life=wl.residual_life, t_ref_ms=wl.t_ref_ms,
-                                    config=eng)
+        # each config's levers (docs/design.md section 11): the k configs' copies in one batch
+        engines = None
+        if any("engine" in c for c in configs):
+            from .engine.flags import with_levers
+            engines = [with_levers(eng, c.get("engine")) for c in configs]
         from .evaluate import evaluate_param_vectors
+        if kind in ("margin", "flags"):
+            policy = row[:-len(FLAGS_SUFFIX)] if kind == "flags" else row[:-len("+shed")]
+            margins = [None] * len(configs) if kind == "flags" else [_margin_value(c["shed_margin"]) for c in configs]
+            return evaluate_param_vectors(traces, prof, policy, None, shed_margins=margins, estimates=est,
+                                          residual_life=wl.residual_life, t_ref_ms=wl.t_ref_ms, config=eng,
+                                          configs=engines)
         from .policies import IndexParams, LinearWeights
         if kind == "index":
             policy, thetas = "index", [IndexParams.from_dict(c["index"]).theta_vector(wl.t_ref_ms) for c in configs]
@@ -754,7 +840,7 @@ class TrainObjective:
         return evaluate_param_vectors(traces, prof, policy, np.stack(thetas),
                                       shed_margins=[_margin_value(c["shed_margin"]) for c in configs],
                                       estimates=est, residual_life=wl.residual_life, t_ref_ms=wl.t_ref_ms,
-                                      config=eng)
+                                      config=eng, configs=engines)
 
     def evaluate(self, row: str, configs: list, report=None) -> np.ndarray:
         """Mean goodput per config. With ``report(j, step, value) -> bool`` (True = prune), the units
@@ -780,16 +866,6 @@ class TrainObjective:
         for j in live:
             out[j] = sums[j] / U
         return out
-
-
-def evaluate_margins(traces, profile, policy: str, margins, *, estimates=None, residual_life=None,
-                     t_ref_ms: float = 1000.0, config=None) -> np.ndarray:
-    """Goodput [k, T] of one baseline with k shed margins on T traces, as k*T copies of one simulate
-    call (``evaluate.evaluate_param_vectors`` for a policy without parameters)."""
-    from .evaluate import evaluate_param_vectors
-    return evaluate_param_vectors(traces, profile, policy, None, shed_margins=[_margin_value(m) for m in margins],
-                                  estimates=estimates, residual_life=residual_life, t_ref_ms=t_ref_ms,
-                                  config=config)
 
 
 # ------------------------------------------------------------------------------------ studies
@@ -839,7 +915,7 @@ def open_studies(cfg: TuneConfig, storage=None, *, write_attrs: bool = True, wor
             # a new study (or one holding only warm starts, resumed with a larger cap) gets the warm
             # starts that fit in its cap, so a small budget grown later runs them all, in order
             if cfg.warm_start and all(t.user_attrs.get("warm_start") for t in trials):
-                for ws in warm_starts(row)[len(trials):cfg.trials_of(row)]:
+                for ws in warm_starts(row, cfg.lever_space(row))[len(trials):cfg.trials_of(row)]:
                     st.enqueue_trial(ws, user_attrs={"warm_start": True})
             st.set_user_attr("objective", cfg.objective_dict(row))
             st.set_user_attr("row", row)
@@ -871,7 +947,7 @@ def _ask_batch(study, row: str, cfg: TuneConfig, me: dict, objective: TrainObjec
             t.set_user_attr("fail_reason", OVER_CAP)
             study.tell(t, state=TrialState.FAIL)
             break
-        c = suggest_config(row, t)
+        c = suggest_config(row, t, cfg.lever_space(row))
         t.set_user_attr("config", c)
         t.set_user_attr("evidence_id", objective.evidence_id(row, c))
         trials.append(t)
@@ -1091,6 +1167,14 @@ def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_
             params.append(IndexParams.from_dict(best["config"]["index"]))
             margins.append(_margin_value(best["config"]["shed_margin"]))
         doc[SCHEDULE_KEY] = IndexSchedule.from_loads(list(cfg.bucket_rows.values()), params, margins).to_dict()
+    from .params import LEVERS_KEY
+    levers = {row: dict(s["best"]["config"]["engine"]) for row, s in summaries.items()
+              if s["best"] is not None and "engine" in (s["best"]["config"] or {})}
+    for row in cfg.rows:
+        if row in FLAGS_ROWS and row not in levers:
+            notes[row] = "no completed trial: not on the test leaderboard"
+    if levers:
+        doc[LEVERS_KEY] = levers
     doc["tuned"] = {
         "by": "tuning/optuna_search.py", "suite": cfg.suite if cfg.trace is None else None,
         **({} if cfg.trace is None else {"trace": str(Path(cfg.trace).resolve()), "windows": cfg.windows,
@@ -1157,6 +1241,7 @@ def tuning_markdown(data: dict, bench_md: str) -> str:
           f"- budget: {cfg['trials']} trials per study, k = {cfg['k']} trials per engine run, sampler "
           f"{cfg['sampler']} (seed {cfg['seed']}), pruner {cfg['pruner']}",
           "- the baselines' shed margins get the same budget; aging is not implemented (no aging baseline)",
+          *lever_lines(cfg),
           *comparator_lines(cfg, data.get("index_scheduled_in_test", False)),
           f"- objective evidence id `{data['objective_evidence_id']}`", ""]
     L += ["| row | study | trials (by state) | best trial | train goodput | best config |", "|---|---|---|---|---|---|"]
@@ -1173,6 +1258,17 @@ def tuning_markdown(data: dict, bench_md: str) -> str:
     L += [body.replace("\n## ", "\n### ")]
     L += ["", f"Tuning evidence id `{data['evidence_id']}`. Wall times, host and date are in run_meta.json.", ""]
     return "\n".join(L)
+
+
+def lever_lines(cfg: dict) -> list:
+    """The report's line on the iteration-size levers (docs/design.md section 11)."""
+    if not cfg.get("levers", False):
+        return ["- levers: not tuned (--no-levers): every row at the profile's flags"]
+    return ["- levers: every row but the index-scheduled buckets also tunes vLLM's max_num_batched_tokens, "
+            "max_num_seqs and long_prefill_token_threshold (log-uniform, up to the profile's B_max and "
+            "max_num_seqs; load and SLOs stay at the profile's flags), with the same trial budget; "
+            f"{' and '.join(FLAGS_ROWS)} tune only the flags. The test report runs each levered row beside "
+            "itself at the profile's flags"]
 
 
 def comparator_lines(cfg: dict, in_test: bool) -> list:
@@ -1201,7 +1297,7 @@ def run_tuning(cfg: TuneConfig) -> dict:
     from . import __version__
     from ._io import check_writable, write_text_atomic, write_with
     from .evaluate import BenchConfig, run_benchmark
-    from .params import load_params_file, load_schedule, load_weights
+    from .params import load_levers, load_params_file, load_schedule, load_weights
     from .report import report_json
 
     t0 = time.time()
@@ -1255,7 +1351,7 @@ def run_tuning(cfg: TuneConfig) -> dict:
     bench = run_benchmark(BenchConfig(
         **cfg.workload_kwargs(cfg.test_split), profile=cfg.profile, policies=pols, shed=True,
         loads=tuple(x for x in cfg.eval_loads if x != NATIVE), native_load=NATIVE in cfg.eval_loads,
-        index_params=params, shed_margins=margins, params_source=str(params_path),
+        index_params=params, shed_margins=margins, params_source=str(params_path), levers=load_levers(str(params_path)),
         t_ref_ms=doc["meta"]["t_ref_ms"], params_deployment=doc["meta"],
         max_traces=cfg.max_test_traces, bootstrap_seed=cfg.seed, bootstrap_b=cfg.bootstrap_b,
         progress=cfg.progress, threads=cfg.engine_threads(), **extra))
@@ -1303,9 +1399,10 @@ def report_rounded(obj):
 
 def console_text(data: dict, bench) -> str:
     lines = [bench.summary_text().rstrip(), "", "tuned (train split):"]
+    width = max(14, *map(len, data["studies"]))
     for row, s in data["studies"].items():
         b = s["best"]
-        lines.append(f"  {row:<14} best train goodput "
+        lines.append(f"  {row:<{width}} best train goodput "
                      f"{'-' if b is None else format(b['train_goodput'], '.4f')}  "
                      f"(trial {'-' if b is None else b['number']}; {s['trials']} trials: "
                      + ", ".join(f"{k} {v}" for k, v in s["states"].items()) + ")")

@@ -7,10 +7,15 @@ default budget into ``<out>/<cell>/`` and is judged on its test windows:
 * best baseline: the ``<baseline>+shed`` row with the best *validation* goodput (never the test's);
 * headroom: the best deployable row's test goodput minus the best baseline's;
 * verdict: where headroom >= 0.03, index+shed must close at least half of it; elsewhere it must be
-  non-inferior (paired 95% CI lower end >= -0.01 against the best baseline).
+  non-inferior (paired 95% CI lower end >= -0.01 against the best baseline);
+* levers (docs/design.md section 11): TPOT binds in a cell where at least 5% of the test requests
+  complete with their first token in time and miss on TPOT alone under the best baseline at the
+  profile's flags; there every tuned row is reported with and without its tuned levers, and the
+  levers' paired gain for the best baseline.
 
     python tools/tune_trace_cells.py                       # every cell below (needs ../shared/traces)
     python tools/tune_trace_cells.py --cells code-a100-1.2 --out runs/cells
+    python tools/tune_trace_cells.py --tables runs/trace-cells/cells.json   # the tables again
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ RULES = {"3class": None, "mlperf": "mlperf-llama3_1-8b"}
 LOADS = ("native", "1.2", "2.0")
 HEADROOM = 0.03
 NON_INFERIOR = -0.01
+TPOT_BINDS = 0.05
 
 
 def cells() -> dict:
@@ -67,7 +73,16 @@ def judge(name: str, rep: dict, wall_s: float) -> dict:
         ok, rule = diff >= headroom / 2, "closes >= half"
     else:
         ok, rule = vs["ci95"][0] >= NON_INFERIOR, "non-inferior"
+    # the levers: the best baseline against itself at the profile's flags, and every levered row's gain
+    twin = rows[best_base].get("profile_flags_row")
+    ref = rows[twin] if twin else rows[best_base]
+    levers = {lab: {"levers": d["levers"], "with": d["goodput"]["mean"],
+                    "without": rows[d["profile_flags_row"]]["goodput"]["mean"], "gain": d["vs"][d["profile_flags_row"]]}
+              for lab, d in rows.items() if "levers" in d}
     return {"cell": name, "rho": entry["rho"], "windows": test["workload"]["units"],
+            "tpot_only_share": ref["tpot_only_missed"] / ref["arrived"],
+            "tpot_binds": ref["tpot_only_missed"] / ref["arrived"] >= TPOT_BINDS,
+            "best_baseline_levers": levers.get(best_base), "levers": levers,
             "rejected_capped": test["admission"]["rejected_share"] + test["admission"]["capped_share"],
             "best_baseline": best_base, "index_shed": g["index+shed"], "baseline": g[best_base],
             "best_row": max(g, key=g.get), "headroom": headroom, "diff": diff, "ci95": vs["ci95"],
@@ -87,11 +102,52 @@ def table(results: list) -> str:
     return "\n".join(out)
 
 
+def lever_table(results: list) -> str:
+    """Per cell: TPOT-only misses of the best baseline at the profile's flags, and its levers' gain."""
+    out = ["| cell | TPOT-only misses (best baseline, profile flags) | TPOT binds | best baseline | its tuned levers | "
+           "with | without | gain [95% CI] |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        b = r["best_baseline_levers"]
+        if b is None:
+            out.append(f"| {r['cell']} | {r['tpot_only_share']:.1%} | {'yes' if r['tpot_binds'] else 'no'} | "
+                       f"{r['best_baseline']} | - | - | - | - |")
+            continue
+        g = b["gain"]
+        out.append(f"| {r['cell']} | {r['tpot_only_share']:.1%} | {'yes' if r['tpot_binds'] else 'no'} | "
+                   f"{r['best_baseline']} | {_flags(b['levers'])} | {b['with']:.3f} | {b['without']:.3f} | "
+                   f"{g['diff']:+.4f} [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}] |")
+    return "\n".join(out)
+
+
+def rows_table(results: list) -> str:
+    """Every levered row with and without its levers, in the cells where TPOT binds."""
+    out = ["| cell | row | tuned levers | with | without | gain [95% CI] |", "|---|---|---|---|---|---|"]
+    for r in results:
+        if not r["tpot_binds"]:
+            continue
+        for lab, d in r["levers"].items():
+            g = d["gain"]
+            out.append(f"| {r['cell']} | {lab} | {_flags(d['levers'])} | {d['with']:.3f} | {d['without']:.3f} | "
+                       f"{g['diff']:+.4f} [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}] |")
+    return "\n".join(out)
+
+
+def _flags(lv: dict) -> str:
+    short = {"max_num_batched_tokens": "B", "max_num_seqs": "seqs", "long_prefill_token_threshold": "thr"}
+    return ", ".join(f"{short[k]} {'off' if v == 0 else v}" for k, v in sorted(lv.items()))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", default=None, help="comma-separated cell names (default: all)")
     ap.add_argument("--out", default="runs/trace-cells", help="output directory (default runs/trace-cells)")
+    ap.add_argument("--tables", default=None, metavar="CELLS_JSON",
+                    help="print the tables of an earlier run's cells.json and stop")
     args = ap.parse_args(argv)
+    if args.tables is not None:
+        results = json.loads(Path(args.tables).read_text())
+        print("\n\n".join((table(results), lever_table(results), rows_table(results))))
+        return 0
     if not TRACES.is_dir():
         print(f"tune_trace_cells.py: error: {TRACES} not found (the shared traces)", file=sys.stderr)
         return 2
@@ -107,7 +163,7 @@ def main(argv=None) -> int:
         results.append(run_cell(name, out))
     out.mkdir(parents=True, exist_ok=True)
     (out / "cells.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(table(results))
+    print("\n\n".join((table(results), lever_table(results), rows_table(results))))
     return 0
 
 

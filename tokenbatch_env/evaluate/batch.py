@@ -32,13 +32,14 @@ def evaluate_index_params(traces: Sequence, profile, params_list: Sequence, *, s
 
 def evaluate_param_vectors(traces: Sequence, profile, policy: str, thetas=None, *, shed_margins=None,
                            estimates: Optional[Sequence[np.ndarray]] = None, residual_life=None,
-                           t_ref_ms: float = 1000.0, config=None, scored=None) -> np.ndarray:
+                           t_ref_ms: float = 1000.0, config=None, scored=None, configs=None) -> np.ndarray:
     """Goodput matrix [k, T] of k parameter sets of the in-engine ``policy`` on T traces, as k*T
     copies of ONE simulate call (copy ``j*T + i`` = set j on trace i, with its own theta row and
     shed margin). ``thetas``: [k, N_THETA] engine parameter vectors (``IndexParams.theta_vector``,
     ``LinearWeights.theta_vector``), or None for a policy without parameters (then k = the number
     of ``shed_margins``). ``shed_margins``, ``estimates``, ``scored``: as in
-    ``evaluate_index_params``."""
+    ``evaluate_index_params``. ``configs``: one ``EngineConfig`` per parameter set (each set's
+    levers, docs/design.md section 11; the k*T copies of one batch), else ``config`` for all."""
     from ..policies import check_shed_margin, engine_policy
 
     traces = list(traces)
@@ -69,20 +70,27 @@ def evaluate_param_vectors(traces: Sequence, profile, policy: str, thetas=None, 
         theta = np.repeat(thetas, T, axis=0)
     shed = np.repeat(np.array([np.inf if m is None else m for m in margins], np.float64), T)
     pol = dataclasses.replace(base, name=f"{policy}[k]", theta=theta, shed_margin=shed)
+    if configs is not None:
+        configs = list(configs)
+        if len(configs) != k:
+            raise ConfigError(f"configs: expected {k} engine configs (one per parameter set), got {len(configs)}")
     return goodput_matrix(traces, k, profile, pol, config=config, estimates=estimates,
-                          residual_life=residual_life, scored=scored)
+                          residual_life=residual_life, scored=scored, configs=configs)
 
 
 def goodput_matrix(traces: Sequence, k: int, profile, policy, *, config=None, estimates=None,
-                   residual_life=None, scored=None) -> np.ndarray:
+                   residual_life=None, scored=None, configs=None) -> np.ndarray:
     """Goodput [k, T] of ``policy`` (per-copy parameters for the k*T copies) on k repeats of T
     traces, in ONE simulate call: copy ``j*T + i`` is parameter set j on trace i. The estimates of
-    trace i are reused for every j (common random numbers); ``scored``: bool mask per trace."""
+    trace i are reused for every j (common random numbers); ``scored``: bool mask per trace;
+    ``configs``: set j's engine config (one batch of per-copy settings), else ``config`` for all."""
     from ..engine.simulate import simulate
 
     traces = list(traces)
     T = len(traces)
     est = None if estimates is None else [e for _ in range(k) for e in estimates]
+    if configs is not None:
+        config = [c for c in configs for _ in range(T)]
     res = simulate(traces * k, profile, policy, config, estimates=est, residual_life=residual_life)
     out = np.empty((k, T))
     for j in range(k):

@@ -12,6 +12,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..engine.flags import FLAGS_SUFFIX
 from ..workload import prepare_workload
 from .config import BASELINE_ROWS, PRIMARY_LOAD, PRIMARY_SPLIT, SHED_SUFFIX, BenchConfig
 from .definitions import DEFINITIONS
@@ -191,8 +192,12 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                  "goodput": _ci(g, cfg, block),
                  "relative_goodput": (float(g.mean()) / g_fcfs - 1) if g_fcfs > 0 else None}
             vs = BASELINE_ROWS + (CONTROL_COMPARATORS if r.policy == CONTROLLED else ())
-            if r.label == "index" + SHED_SUFFIX:   # against every other shed row (tuned baselines)
-                vs += tuple(x.label for x in rows if x.label.endswith(SHED_SUFFIX) and x.label not in vs)
+            if r.label == "index" + SHED_SUFFIX:   # against every other tuned row (shed rows, vLLM's flags)
+                vs += tuple(x.label for x in rows if (x.label.endswith(SHED_SUFFIX) or x.label.endswith(FLAGS_SUFFIX))
+                            and x.label not in vs)
+            if r.levers:   # the levers' gain: against the same row at the profile's flags
+                d["levers"], d["profile_flags_row"] = dict(r.levers), r.twin
+                vs += (r.twin,)
             d["vs"] = {b: _paired(g, unit_good[b][li], cfg, block) for b in vs if b != r.label and b in unit_good}
             if ub_mean is not None:
                 d["gap_closed"] = ((float(g.mean()) - g_fcfs) / (ub_mean - g_fcfs)

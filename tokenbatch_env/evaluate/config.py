@@ -78,6 +78,7 @@ class BenchConfig:
     slo_seed: int = 0                           # its class draw's seed
     t_ref_ms: Optional[float] = None            # T_ref of a t_ref_mode "fixed" parameters file
     params_deployment: Optional[dict] = None    # the deployment its parameters were tuned on (warnings)
+    levers: tuple = ()                          # ((row label, ((flag, value), ...)), ...): tuned levers
 
     def __post_init__(self):
         from ..engine.state import EngineConfig
@@ -168,8 +169,11 @@ class BenchConfig:
         if self.slo_rule is not None:
             from ..traces.slo_rules import load_slo_rule
             load_slo_rule(self.slo_rule)   # (a bad rule: one line naming file and field, before any run)
+        from ..params import check_row_levers
+        set_("levers", check_row_levers(self.levers))
 
     def shed_margin(self, policy: str) -> float:
         """The +shed row's margin for ``policy`` (default 0.0)."""
         return float(dict(self.shed_margins).get(policy, 0.0))
+
 

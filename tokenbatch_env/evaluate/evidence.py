@@ -30,6 +30,8 @@ def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
     for r in rows:
         d = {"label": r.label, "policy": r.policy, "shed_margin": num_or_str(r.shed_margin),
              "estimates": "oracle" if r.reference else "predictor"}
+        if r.levers:
+            d["levers"] = dict(r.levers)
         if r.policy == "index":
             d["index_params"] = dataclasses.asdict(cfg.index_params)
             d["t_ref_ms"] = wl.t_ref_ms

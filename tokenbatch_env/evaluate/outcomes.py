@@ -43,7 +43,11 @@ def request_outcomes(rec: dict, trace, scored: Optional[np.ndarray] = None) -> d
         "preemptions": np.asarray(rec["preemptions"])[m],
         "recomputed_tokens": np.asarray(rec["recomputed_tokens"])[m],
         **({} if trace is None else {"class_id": np.asarray(trace.class_id)[m],
-                                     "cache_miss": np.asarray(trace.prefix_lengths)[m] == 0}),
+                                     "cache_miss": np.asarray(trace.prefix_lengths)[m] == 0,
+                                     # completed with the first token in time and missed on TPOT alone
+                                     # (where the iteration's size decides, docs/design.md section 11)
+                                     "tpot_only_miss": completed & ~np.asarray(rec["met"], bool)[m]
+                                     & (ttft <= np.asarray(trace.ttft_slo_ns)[m]) & bool(trace.has_slos)}),
     }
 
 
@@ -107,4 +111,5 @@ def pooled_metrics(outs: Sequence[dict], quintile_edges, class_names) -> dict:
         "cache_miss_requests": int(cat["cache_miss"].sum()),
         "max_wait_ms": float(wait[sched].max()) if sched.any() else float("nan"),
         "never_scheduled": int((~sched).sum()),
+        "tpot_only_missed": int(cat["tpot_only_miss"].sum()),
     }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from ..engine.flags import FLAGS_SUFFIX, PROFILE_FLAGS_SUFFIX, with_levers
 from .config import PRIMARY_SUITE, SHED_SUFFIX, BenchConfig
 
 
@@ -19,18 +20,30 @@ class Row:
     shed_margin: Optional[float]     # None = no shedding
     reference: bool = False          # uses oracle information (not deployable)
     added: bool = False              # added as a required baseline / primary-endpoint row
+    levers: tuple = ()               # its tuned iteration-size levers ((flag, value), ...; docs/design.md s. 11)
+    twin: Optional[str] = None       # a levered row: the label of the same row at the profile's flags
 
 
 def build_rows(cfg: BenchConfig) -> list:
+    """The leaderboard's rows. A row with tuned levers (``cfg.levers``, docs/design.md section 11)
+    runs with them and gets a twin at the profile's flags (``<label> (profile flags)``); FCFS's and
+    priority's tuned levers are rows of their own (``fcfs (tuned vLLM flags)``), twinned with the
+    plain row."""
     rows, seen = [], set()
+    levers = dict(cfg.levers)
 
     def add(policy, shed, added=False):
         label = policy + (SHED_SUFFIX if shed else "")
         if label in seen:
             return
         seen.add(label)
-        rows.append(Row(label, policy, cfg.shed_margin(policy) if shed else None,
-                        policy == "srpt-oracle", added))
+        margin = cfg.shed_margin(policy) if shed else None
+        if label in levers:
+            twin = label + PROFILE_FLAGS_SUFFIX
+            rows.append(Row(label, policy, margin, policy == "srpt-oracle", added, levers[label], twin))
+            rows.append(Row(twin, policy, margin, policy == "srpt-oracle", True))
+        else:
+            rows.append(Row(label, policy, margin, policy == "srpt-oracle", added))
 
     if "fcfs" not in cfg.policies:
         add("fcfs", False, True)
@@ -41,6 +54,11 @@ def build_rows(cfg: BenchConfig) -> list:
     add("edf", True, True)
     if is_primary_suite(cfg):
         add("index", True, True)
+    for policy in ("fcfs", "priority"):   # vLLM's own orders with tuned flags
+        label = policy + FLAGS_SUFFIX
+        if label in levers:
+            add(policy, False, True)
+            rows.append(Row(label, policy, None, False, True, levers[label], policy))
     for spec in control_specs(cfg):
         rows.append(Row(spec.label, CONTROLLED, None))
     return rows
@@ -74,4 +92,7 @@ def run_row(row: Row, wl, traces: list, est: list, profile, cfg: BenchConfig):
                               t_ref_ms=wl.t_ref_ms, lambda_sat=wl.lambda_sat)
     pol = engine_policy(row.policy, params=cfg.index_params if row.policy == "index" else None,
                         weights=cfg.weights, shed_margin=row.shed_margin, t_ref_ms=wl.t_ref_ms)
-    return simulate(traces, profile, pol, cfg.engine, estimates=est, residual_life=wl.residual_life)
+    # (``profile`` is resolved with ``cfg.engine`` already; resolving again with the row's levers on top
+    # changes only what they set)
+    return simulate(traces, profile, pol, with_levers(cfg.engine, row.levers), estimates=est,
+                    residual_life=wl.residual_life)

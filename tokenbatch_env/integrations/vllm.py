@@ -183,6 +183,15 @@ class PluginConfig:
                 raise TokenBatchPluginError(f"{swhere}: shed must be off, on or a margin in [0, 2], "
                                             f"got {shed!r} ({e})") from None
 
+        if path is not None:   # levers tuned with the parameters: vLLM's own flags, set when it starts
+            from ..params import load_levers
+            row = policy + ("+shed" if margin is not None else "")
+            lv = dict(load_levers(path)).get(row)
+            if lv:
+                flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in lv)
+                logger.warning("TokenBatch plug-in: %s's parameters in %s were tuned with the vLLM flags %s "
+                               "(docs/design.md section 11): start vLLM with them", row, path, flags)
+
         def num(k, default, *, positive=True, allow_none=False):
             v, w = get(k, default)
             if v is None and allow_none:
