@@ -71,7 +71,8 @@ def test_rows_are_tuned_on_train_kept_on_validation_judged_on_test(tuned):
     ix = next(r for r in test["loads"][0]["rows"] if r["label"] == "index+shed")
     assert {"edf+shed", "fcfs+shed", "sjf+shed", "llf+shed", *T.FLAGS_ROWS} <= set(ix["vs"])
     # each levered row beside itself at the profile's flags (docs/design.md section 11)
-    assert ix["profile_flags_row"] == "index+shed (profile flags)" and set(ix["levers"]) == set(doc["levers"]["index+shed"])
+    assert ix["profile_flags_row"] == "index+shed (profile flags)"
+    assert set(ix["levers"]) == set(doc["levers"]["index+shed"])
     labels = {r["label"] for r in test["loads"][0]["rows"]}
     assert {"index+shed (profile flags)", "edf+shed (profile flags)", "priority", *T.FLAGS_ROWS} <= labels
     assert {"diff", "ci95", "win_rate"} <= set(ix["vs"]["edf+shed"])
