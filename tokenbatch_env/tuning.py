@@ -842,12 +842,16 @@ class TrainObjective:
                                       estimates=est, residual_life=wl.residual_life, t_ref_ms=wl.t_ref_ms,
                                       config=eng, configs=engines)
 
+    def goodput_per_unit(self, row: str, configs: list) -> np.ndarray:
+        """Goodput [k, units] of the configs on every unit of the row's objective."""
+        return self._run(row, configs, np.arange(len(self.units_of(row)[0])))
+
     def evaluate(self, row: str, configs: list, report=None) -> np.ndarray:
         """Mean goodput per config. With ``report(j, step, value) -> bool`` (True = prune), the units
         run in 4 quarters and pruned configs leave the remaining ones (their value: NaN)."""
         k, U = len(configs), len(self.units_of(row)[0])
         if report is None:
-            return self._run(row, configs, np.arange(U)).mean(axis=1)
+            return self.goodput_per_unit(row, configs).mean(axis=1)
         sums, seen = np.zeros(k), 0
         live = list(range(k))
         out = np.full(k, np.nan)
@@ -988,9 +992,12 @@ def _run_batch(study, row: str, batch: _Batch, objective: TrainObjective, cfg: T
 
 
 def _postfix(studies: dict) -> str:
-    """Best values so far, short enough for one terminal line (index@rho1.2 -> @1.2, no +shed)."""
+    """Best values so far, short enough for one terminal line (index@rho1.2 -> @1.2, no +shed, fcfs
+    (tuned vLLM flags) -> fcfs/flags)."""
     def short(r):
-        return "@" + r[len(BUCKET_PREFIX):] if r.startswith(BUCKET_PREFIX) else r.replace("+shed", "")
+        if r.startswith(BUCKET_PREFIX):
+            return "@" + r[len(BUCKET_PREFIX):]
+        return r.replace(FLAGS_SUFFIX, "/flags").replace("+shed", "")
     return " ".join(f"{short(r)}={_best(s):.4f}" for r, s in studies.items() if _best(s) is not None)
 
 
@@ -1109,25 +1116,47 @@ def study_summary(study, row: str) -> dict:
 def keep_best_on_validation(study, summary: dict, validation: "TrainObjective", top: int) -> dict:
     """``summary`` with its best trial chosen on validation (docs/design.md section 10, tuning on a
     trace): the ``top`` trials with the best train goodput and the warm starts, replayed on the
-    validation windows; the best validation goodput is kept (ties: the better train goodput, then the
-    earlier trial)."""
+    validation windows. The best warm start (the family's named members: SJF, EDF, the defaults, at
+    the profile's flags) is kept unless another candidate beats it on validation with a paired 95%
+    CI above 0 (moving-block bootstrap over the windows, the evaluator's); then the best of those is
+    kept (ties: the better train goodput, then the earlier trial). A gain within the noise of a few
+    windows does not displace a named member."""
     from optuna.trial import TrialState
+
+    from .metrics import paired_difference
     done = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE
             and t.user_attrs.get("config") is not None]
     if not done:
         return summary
-    # the ``top`` best on train, and the family's named members (the warm starts: SJF, EDF, the
-    # defaults), so that validation can always fall back to them
     cands = sorted(done, key=lambda t: (-t.value, t.number))[:top]
     cands += [t for t in sorted(done, key=lambda t: t.number) if t.user_attrs.get("warm_start") and t not in cands]
-    val = validation.evaluate(summary["row"], [t.user_attrs["config"] for t in cands])
-    best = max(range(len(cands)), key=lambda j: (val[j], cands[j].value, -cands[j].number))
+    per_unit = validation.goodput_per_unit(summary["row"], [t.user_attrs["config"] for t in cands])
+    val = per_unit.mean(axis=1)
+    order = lambda j: (val[j], cands[j].value, -cands[j].number)  # noqa: E731
+    warm = [j for j, t in enumerate(cands) if t.user_attrs.get("warm_start")]
+    cfg = validation.cfg
+    gains = {}
+    if warm:
+        w = max(warm, key=order)
+        for j in range(len(cands)):
+            if j not in warm:
+                gains[j] = paired_difference(per_unit[j], per_unit[w], B=cfg.bootstrap_b, seed=cfg.seed,
+                                             block=validation.wl.block)
+        better = [j for j, g in gains.items() if g[1] > 0]
+        best = max(better, key=order) if better else w
+    else:
+        best = max(range(len(cands)), key=order)
     t = cands[best]
     return {**summary, "best": {"number": t.number, "train_goodput": t.value, "config": t.user_attrs["config"],
                                 "evidence_id": t.user_attrs.get("evidence_id"),
                                 "validation_goodput": float(val[best])},
-            "validation": {"candidates": [{"number": c.number, "train_goodput": c.value,
-                                           "validation_goodput": float(v)} for c, v in zip(cands, val)]}}
+            "validation": {"rule": "the best warm start unless a candidate beats it with a paired 95% CI above 0",
+                           "candidates": [{"number": c.number, "train_goodput": c.value,
+                                           "validation_goodput": float(v), "warm_start": bool(j in warm),
+                                           **({"vs_best_warm_start": {"diff": gains[j][0],
+                                                                      "ci95": [gains[j][1], gains[j][2]]}}
+                                              if j in gains else {})}
+                                          for j, (c, v) in enumerate(zip(cands, val))]}}
 
 
 def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_ms: float,

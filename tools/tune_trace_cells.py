@@ -158,9 +158,14 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     results = []
+    from tokenbatch_env.errors import TokenBatchError
     for name in names:
         print(f"{name} ...", file=sys.stderr, flush=True)
-        results.append(run_cell(name, out))
+        try:
+            results.append(run_cell(name, out))
+        except TokenBatchError as e:
+            print(f"tune_trace_cells.py: error: {name}: {e}", file=sys.stderr)
+            return 2
     out.mkdir(parents=True, exist_ok=True)
     (out / "cells.json").write_text(json.dumps(results, indent=1) + "\n")
     print("\n\n".join((table(results), lever_table(results), rows_table(results))))
