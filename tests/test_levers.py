@@ -176,3 +176,19 @@ def test_bench_levered_rows_and_their_twins(tmp_path):
     md = run_benchmark(BenchConfig(**base, levers=load_levers(_params_file(tmp_path, lv))))
     assert "Tuned levers at rho 1.2" in md.to_markdown()
     assert "--long-prefill-token-threshold 64" in md.summary_text()
+
+
+def test_tpot_only_misses_are_counted():
+    """``tpot_only_missed``: completed, first token within its TTFT SLO, TPOT over its SLO; a TTFT
+    miss is not one, nor is a met request."""
+    from engine_helpers import tiny_trace
+    from tokenbatch_env.engine.simulate import simulate
+    from tokenbatch_env.evaluate import pooled_metrics, request_outcomes
+    # linear profile: a decode iteration takes ~5 ms; request 0's TPOT SLO 1 ms (missed), request 1's
+    # 100 ms (met), request 2's TTFT SLO 1 ms (missed on TTFT, not counted)
+    tr = tiny_trace([0, 0, 0], [16, 16, 16], [5, 5, 5], t1_ms=np.array([500.0, 500.0, 1.0]),
+                    t2_ms=np.array([1.0, 100.0, 1.0]))
+    rec = simulate(tr, "linear").records(0)
+    o = request_outcomes(rec, tr)
+    assert o["tpot_only_miss"].tolist() == [True, False, False]
+    assert pooled_metrics([o], [1, 2, 3, 4], ["c"])["tpot_only_missed"] == 1

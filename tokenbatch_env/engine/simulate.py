@@ -41,15 +41,8 @@ class EnginePolicy:
     shed_margin: Union[None, float, np.ndarray] = None
 
 
-@dataclasses.dataclass
-class SimResult:
-    """Per-request outcomes, [C, R] arrays (padding beyond ``n_req[c]`` is meaningless)."""
-
-    traces: Sequence[Trace]
-    profiles: Sequence[Profile]       # per copy, resolved
-    configs: Sequence[EngineConfig]   # per copy
-    policy: str
-    arrays: K.EngineArrays
+class _Copies:
+    """The copies' settings: ``traces``, ``profiles`` and ``configs``, one per copy."""
 
     @property
     def n_copies(self) -> int:
@@ -57,13 +50,24 @@ class SimResult:
 
     @property
     def profile(self) -> Profile:
-        """The copies' profile, when they share one."""
+        """The copies' profile (resolved), when they share one."""
         return _shared(self.profiles, "profile")
 
     @property
     def config(self) -> EngineConfig:
         """The copies' engine config, when they share one."""
         return _shared(self.configs, "engine config")
+
+
+@dataclasses.dataclass
+class SimResult(_Copies):
+    """Per-request outcomes, [C, R] arrays (padding beyond ``n_req[c]`` is meaningless)."""
+
+    traces: Sequence[Trace]
+    profiles: Sequence[Profile]       # per copy, resolved
+    configs: Sequence[EngineConfig]   # per copy
+    policy: str
+    arrays: K.EngineArrays
 
     def records(self, copy: int = 0) -> dict:
         """One copy's request records as columns (docs/design.md section 3, "Outcomes")."""
@@ -172,7 +176,7 @@ def _per_copy(value, C: int, what: str, width: Optional[int] = None) -> np.ndarr
     raise ConfigError(f"{what}: expected shape {shape[1:]} or {shape}, got {a.shape}")
 
 
-class EngineRun:
+class EngineRun(_Copies):
     """N engine copies (one trace each) advanced in pieces: the one driver behind ``simulate``, the
     Gymnasium envs and controlled replays (decision epochs) and tuning. ``advance`` stops each copy
     at the first iteration boundary at or after ``until_ns``; ``advance_to_decision`` at its next
@@ -237,20 +241,6 @@ class EngineRun:
         self.tier = np.zeros((C, R), np.int8)
         self.score = np.zeros((C, R), np.float64)
         self._rec_emitted = np.zeros(C, np.int64)  # per copy: requests [0, n) handed to record_sink
-
-    @property
-    def n_copies(self) -> int:
-        return len(self.traces)
-
-    @property
-    def profile(self) -> Profile:
-        """The copies' profile (resolved), when they share one."""
-        return _shared(self.profiles, "profile")
-
-    @property
-    def config(self) -> EngineConfig:
-        """The copies' engine config, when they share one."""
-        return _shared(self.configs, "engine config")
 
     def set_policy_params(self, theta=None, shed_margin=None) -> None:
         """Per-copy policy parameters ([NP] or [C, NP]; shed margin scalar or [C], None/inf/<0 = off)."""
