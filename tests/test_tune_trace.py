@@ -56,11 +56,11 @@ def test_rows_are_tuned_on_train_kept_on_validation_judged_on_test(tuned):
         s = rep["studies"][row]
         cands = s["validation"]["candidates"]
         # kept: the best warm start, unless a candidate beats it on validation with a CI above 0
-        warm = max((c for c in cands if c["warm_start"]), key=lambda c: c["validation_goodput"])
+        warm = max((c for c in cands if c["named_member"]), key=lambda c: c["validation_goodput"])
         better = [c for c in cands if c.get("vs_best_warm_start", {}).get("ci95", [0])[0] > 0]
         want = max(better, key=lambda c: c["validation_goodput"]) if better else warm
         assert s["best"]["number"] == want["number"]
-        assert all("vs_best_warm_start" in c for c in cands if not c["warm_start"])
+        assert all("vs_best_warm_start" in c for c in cands if not c["named_member"])
         # the 2 best on train first, then the warm starts not among them (each row's 3 trials are 3 of
         # its warm starts: all replayed)
         top = [c["train_goodput"] for c in cands[:2]]
@@ -159,11 +159,14 @@ def test_validation_keeps_the_best_warm_start_unless_clearly_beaten():
     from optuna.distributions import FloatDistribution
     from optuna.trial import create_trial
 
+    quarter = {"max_num_batched_tokens": 512, "max_num_seqs": 256, "long_prefill_token_threshold": 0}
+
     def study_of():
         st = optuna.create_study(direction="maximize")
-        for i, (val, warm) in enumerate([(0.50, True), (0.49, True), (0.60, False), (0.55, False)]):
+        for i, (val, warm) in enumerate([(0.50, True), (0.49, True), (0.60, False), (0.55, False), (0.7, True)]):
+            conf = {"x": i, **({"engine": quarter} if i == 4 else {})}   # 4: the quarter-budget warm start
             st.add_trial(create_trial(params={"x": float(i)}, distributions={"x": FloatDistribution(0, 10)},
-                                      value=val, user_attrs={"config": {"x": i}, "warm_start": warm}))
+                                      value=val, user_attrs={"config": conf, "warm_start": warm}))
         return st
 
     class FakeValidation:
@@ -181,13 +184,17 @@ def test_validation_keeps_the_best_warm_start_unless_clearly_beaten():
 
     rng = np.random.default_rng(0)
     base = rng.uniform(0.3, 0.7, 8)
-    noisy = np.stack([base, base - 0.01, base + rng.normal(0, 0.05, 8) + 0.002, base - 0.02])
+    # trial 4, a warm start with levers, is not a named member: its noisy gain does not protect it
+    noisy = np.stack([base, base - 0.01, base + rng.normal(0, 0.05, 8) + 0.002, base - 0.02,
+                      base + rng.normal(0, 0.05, 8) + 0.004])
     summary = {"row": "edf+shed", "best": None}
-    kept = T.keep_best_on_validation(study_of(), summary, FakeValidation(noisy), top=2)
+    kept = T.keep_best_on_validation(study_of(), summary, FakeValidation(noisy), top=3)
     assert kept["best"]["number"] == 0                     # the best warm start: the gain is noise
     clear = noisy.copy()
     clear[3] = base + 0.03                                 # better on every window
-    kept = T.keep_best_on_validation(study_of(), summary, FakeValidation(clear), top=2)
+    kept = T.keep_best_on_validation(study_of(), summary, FakeValidation(clear), top=3)
     assert kept["best"]["number"] == 3
     c3 = next(c for c in kept["validation"]["candidates"] if c["number"] == 3)
     assert c3["vs_best_warm_start"]["ci95"][0] > 0 and not c3["warm_start"]
+    c4 = next(c for c in kept["validation"]["candidates"] if c["number"] == 4)
+    assert c4["warm_start"] and not c4["named_member"] and "vs_best_warm_start" in c4

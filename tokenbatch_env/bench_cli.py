@@ -54,8 +54,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "request's SLOs and priority (default: a trace's own; default-3class for the columns a "
                         "trace file lacks)")
     p.add_argument("--slo-seed", default="0", help="seed of the SLO rule's class draw (default 0)")
-    from .engine.flags import add_engine_flags
+    from .engine.flags import add_budget_flags, add_engine_flags
     add_engine_flags(p)
+    add_budget_flags(p, bench=True)
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
 
 
@@ -103,10 +104,13 @@ def config_from_args(args):
     from .evaluate import BenchConfig
     from .params import load_deployment, load_levers, load_params_file, load_weights
 
-    from .engine.flags import engine_config, resolve_with_flags
+    from .engine.flags import budget_overrides, engine_config, resolve_with_flags
     engine = engine_config(args)
     resolve_with_flags(engine, load_profile(args.profile), args)  # unknown profile: one line listing the valid ones
     kw = {}
+    guard = budget_overrides(args)
+    if guard:   # a <row>+tpot-guard row beside every row
+        kw["tpot_guard"] = (guard.get("budget_u", 0.0), guard.get("budget_bmin", 0.0))
     if args.params:
         params, margins = load_params_file(args.params)
         kw.update(index_params=params, shed_margins=margins, params_source=args.params,

@@ -203,9 +203,10 @@ def check_row_levers(levers) -> tuple:
     out = []
     for label, lv in sorted(items):
         base = label[:-len(FLAGS_SUFFIX)] if label.endswith(FLAGS_SUFFIX) else label.removesuffix("+shed")
-        if base not in BASELINES or (label.endswith(FLAGS_SUFFIX) and base not in ("fcfs", "priority")):
-            raise ConfigError(f"levers: {label!r} is not a row with levers: <policy>, <policy>+shed, "
-                              f"fcfs{FLAGS_SUFFIX} or priority{FLAGS_SUFFIX}")
+        if base not in BASELINES or (label.endswith(FLAGS_SUFFIX) and base not in ("fcfs", "priority")) \
+                or label in ("fcfs", "priority"):   # (vLLM's rows at the profile's flags: the reference rows)
+            raise ConfigError(f"levers: {label!r} is not a row with levers: <policy> (not fcfs or priority), "
+                              f"<policy>+shed, fcfs{FLAGS_SUFFIX} or priority{FLAGS_SUFFIX}")
         lv = check_levers(dict(lv), f"levers[{label!r}]")
         if lv:
             out.append((label, lv))

@@ -1133,8 +1133,12 @@ def keep_best_on_validation(study, summary: dict, validation: "TrainObjective", 
     per_unit = validation.goodput_per_unit(summary["row"], [t.user_attrs["config"] for t in cands])
     val = per_unit.mean(axis=1)
     order = lambda j: (val[j], cands[j].value, -cands[j].number)  # noqa: E731
-    warm = [j for j, t in enumerate(cands) if t.user_attrs.get("warm_start")]
+    # the protected named members: the warm starts at the profile's flags (not the quarter-budget one)
     cfg = validation.cfg
+    space = cfg.lever_space(summary["row"])
+    ref = None if space is None else {k: v[2] for k, v in space.items()}
+    warm = [j for j, t in enumerate(cands) if t.user_attrs.get("warm_start")
+            and t.user_attrs["config"].get("engine", ref) == ref]
     gains = {}
     if warm:
         w = max(warm, key=order)
@@ -1150,9 +1154,12 @@ def keep_best_on_validation(study, summary: dict, validation: "TrainObjective", 
     return {**summary, "best": {"number": t.number, "train_goodput": t.value, "config": t.user_attrs["config"],
                                 "evidence_id": t.user_attrs.get("evidence_id"),
                                 "validation_goodput": float(val[best])},
-            "validation": {"rule": "the best warm start unless a candidate beats it with a paired 95% CI above 0",
+            "validation": {"rule": "the best named member (a warm start at the profile's flags) unless a candidate "
+                                   "beats it with a paired 95% CI above 0",
                            "candidates": [{"number": c.number, "train_goodput": c.value,
-                                           "validation_goodput": float(v), "warm_start": bool(j in warm),
+                                           "validation_goodput": float(v),
+                                           "warm_start": bool(c.user_attrs.get("warm_start")),
+                                           "named_member": bool(j in warm),
                                            **({"vs_best_warm_start": {"diff": gains[j][0],
                                                                       "ci95": [gains[j][1], gains[j][2]]}}
                                               if j in gains else {})}

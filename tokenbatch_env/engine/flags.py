@@ -58,6 +58,44 @@ def add_engine_flags(p) -> None:
     a.add_argument("--sync", dest="async_scheduling", action="store_false", help="synchronous scheduling")
 
 
+def add_budget_flags(p, bench: bool = False) -> None:
+    """The budget rule's flags (docs/design.md section 11, beyond vLLM), in an argument group. On
+    ``bench`` the rule adds a ``<row>+tpot-guard`` row beside every row."""
+    g = p.add_argument_group("iteration budget (beyond vLLM)")
+    g.add_argument("--budget-rule", default=None, choices=("none", "tpot-guard"),
+                   help="token budget of each iteration: none (B, vLLM's) or tpot-guard (lowered so that the "
+                        "running requests keep their TPOT SLOs)"
+                        + ("; on bench, adds a <row>+tpot-guard row beside every row" if bench else ""))
+    g.add_argument("--budget-u", default=None, metavar="U",
+                   help="tpot-guard's slack factor u in [-0.5, 2] (default 0)")
+    g.add_argument("--budget-bmin", default=None, metavar="F",
+                   help="tpot-guard's floor B_min in [0, 1], a share of B (default 0; 1 = never lowered)")
+
+
+def budget_overrides(args) -> dict:
+    """The ``EngineConfig`` fields of the budget flags; a bad value is one line naming its flag."""
+    rule = getattr(args, "budget_rule", None)
+    kw = {}
+    for flag, field in (("--budget-u", "budget_u"), ("--budget-bmin", "budget_bmin")):
+        text = getattr(args, field, None)
+        if text is None:
+            continue
+        if rule != "tpot-guard":
+            raise ConfigError(f"{flag}: a parameter of --budget-rule tpot-guard")
+        try:
+            kw[field] = float(str(text).strip())
+        except ValueError:
+            raise ConfigError(f"{flag}: must be a number, got {text!r}") from None
+    if rule == "tpot-guard":
+        kw["budget_rule"] = rule
+    from .state import EngineConfig
+    try:
+        EngineConfig(**kw)
+    except ConfigError as e:
+        raise ConfigError(f"--{str(e).replace('_', '-', 1)}") from None
+    return kw
+
+
 def engine_config(args, base=None):
     """``base`` (default ``EngineConfig()``) with the flags given in ``args``."""
     from .state import EngineConfig

@@ -37,9 +37,15 @@ MODE_FCFS, MODE_PRIORITY, MODE_SCORE = 0, 1, 2
 (C_BUDGET, C_MAX_SEQS, C_BS, C_USABLE, C_WATERMARK, C_MAX_LEN, C_PREFIX, C_ASYNC, C_MODE, C_JUMPS,
  C_MAX_WAIT, C_TIMEOUT_RUNNING, C_SKIP_HOL, C_MAX_ITERS,
  C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, C_WAIT_PREEMPT, C_ADMISSION,
- C_SWAP, C_HOST_BLOCKS, C_SWAP_PS_PER_BLOCK, C_REC_STREAM, C_DECIDE, C_THRESHOLD, N_CFG) = range(31)
-# float cfg vector indices: ms per prefill / decode token at a full batch (docs/design.md section 4)
-(F_U_P, F_U_D, N_FCFG) = range(3)
+ C_SWAP, C_HOST_BLOCKS, C_SWAP_PS_PER_BLOCK, C_REC_STREAM, C_DECIDE, C_THRESHOLD, C_BUDGET_RULE, N_CFG) = range(32)
+# float cfg vector indices: ms per prefill / decode token at a full batch (docs/design.md section 4);
+# the tpot-guard rule's u and B_min (section 11)
+(F_U_P, F_U_D, F_GUARD_U, F_GUARD_BMIN, N_FCFG) = range(5)
+# budget rules (``cfg[C_BUDGET_RULE]``, docs/design.md section 11)
+BUDGET_NONE, BUDGET_TPOT_GUARD = 0, 1
+BUDGET_RULES = ("none", "tpot-guard")
+#: a TPOT SLO at or above this many ns is none (requests without SLOs hold NEVER // 4): not guarded
+NO_TPOT_SLO_NS = 10**15
 
 # decision epochs (docs/design.md section 5), ``EngineArrays.epoch`` columns: the episode start, the epoch
 # length (ns), the scored requests [s0, s1), the first scored request not yet seen ended (end states
@@ -66,6 +72,7 @@ class EngineArrays(NamedTuple):
     prio: np.ndarray             # vLLM priority (lower is served first)
     capped: np.ndarray           # bool: output was capped (end state length_capped)
     t1: np.ndarray               # TTFT SLO (ns); used by in-engine scores and shedding
+    t2: np.ndarray               # TPOT SLO (ns); used by the tpot-guard budget rule
     est: np.ndarray              # output-length estimate at arrival (float; NaN: use residual life)
     chain_off: np.ndarray        # [C, R+1] CSR offsets into chain_val
     chain_val: np.ndarray        # [C, H] dense shared-block ids (per copy)
@@ -621,6 +628,87 @@ def _head_fits(c, r, prompt, gen, hash_head, chain_off, chain_val, uniq_base, re
     return _gate(num_tokens, hits, evictable, watermark, n_free[c], bs, bsh), hits
 
 
+# ---------------------------------------------------------------------------------- tpot-guard
+@helper
+def guard_chunk(slack_ps, b_ps, c2_ps, cap):
+    """p_t of the tpot-guard rule (docs/design.md section 11): the largest p in [0, cap] with
+    ``b_ps * p + c2_ps * p**2 <= slack_ps`` (all integers, b_ps and c2_ps >= 0): a prefill chunk of p
+    tokens that fits the time left in the iteration. The float root is corrected to the exact one."""
+    if slack_ps <= 0:
+        return 0
+    if c2_ps == 0:
+        if b_ps == 0:
+            return cap
+        p = slack_ps // b_ps
+        return p if p < cap else cap
+    x = (np.sqrt(float(b_ps) * float(b_ps) + 4.0 * float(c2_ps) * float(slack_ps)) - float(b_ps)) / (2.0 * c2_ps)
+    p = np.int64(x) if x < float(cap) else cap
+    while p < cap and b_ps * (p + 1) + c2_ps * (p + 1) * (p + 1) <= slack_ps:
+        p += 1
+    while p > 0 and b_ps * p + c2_ps * p * p > slack_ps:
+        p -= 1
+    return p
+
+
+@helper
+def tpot_guard_budget(c, B, run_ids, n_run, status, prompt, gen, computed, first_token, t2, t_now, pending, head_cb,
+                      cfg, u, bmin, bs):
+    """The token budget B_t of the next iteration under the tpot-guard rule (docs/design.md section
+    11; before vLLM's schedule, which then runs unchanged with it). D decoding requests with contexts
+    summing to ctx take ``tau_dec = c0 + c_decode D + c_kv ctx``; a decoding request with a TPOT SLO
+    T2 > tau_dec is guarded, with credit ``T2 (g + 1) - e`` (g tokens after its first, e the time
+    since its first token: in the engine's clock a token is emitted at its iteration's end, the
+    next iteration's start, so a token in flight under async scheduling is already in g); the
+    iteration may last ``tau_t = max(tau_dec, (1 + u) min credit)``, which leaves room for a prefill
+    chunk of p_t tokens (``guard_chunk``, priced at the largest computed-before ``cb*`` among the
+    running partial prefills and the waiting head's cached tokens ``head_cb``). While a prefill or
+    recompute is pending (``pending``: requests wait or are swapped; or a running one is mid-prefill),
+    ``B_t = min(B, max(D + max(p_t, bs), ceil(bmin B)))``: every iteration makes progress. Otherwise,
+    or with nothing guarded, B."""
+    D = 0
+    ctx = 0
+    cb_max = head_cb
+    for i in range(n_run[c]):
+        r = run_ids[c, i]
+        if status[c, r] == ENDED:   # async: finished, not schedulable
+            continue
+        if gen[c, r] > 0 and computed[c, r] == prompt[c, r] + gen[c, r] - 1:
+            D += 1
+            ctx += computed[c, r]
+        else:
+            pending = True
+            if computed[c, r] > cb_max:
+                cb_max = computed[c, r]
+    if not pending or D == 0:
+        return B
+    tau_dec = cfg[C_PS0] + cfg[C_PS_DECODE] * D + cfg[C_PS_KV] * ctx   # ps
+    min_credit = 0.0
+    guarded = False
+    for i in range(n_run[c]):
+        r = run_ids[c, i]
+        if status[c, r] == ENDED or gen[c, r] == 0 or computed[c, r] != prompt[c, r] + gen[c, r] - 1:
+            continue
+        T2 = t2[c, r]
+        if T2 >= NO_TPOT_SLO_NS or T2 * 1000 <= tau_dec:
+            continue
+        credit = (float(T2) * float(gen[c, r]) - float(t_now - first_token[c, r])) * 1000.0   # ps
+        if not guarded or credit < min_credit:
+            min_credit = credit
+            guarded = True
+    if not guarded:
+        return B
+    slack = (1.0 + u) * min_credit - float(tau_dec)
+    slack_ps = np.int64(0)
+    if slack > 0.0:
+        slack_ps = np.int64(slack) if slack < 4e18 else np.int64(4e18)
+    p = guard_chunk(slack_ps, cfg[C_PS_PREFILL] + cfg[C_PS_ATTN] * cb_max, cfg[C_PS_C2], B)
+    floor = np.int64(np.ceil(bmin * B))
+    x = D + (p if p > bs else bs)
+    if x < floor:
+        x = floor
+    return x if x < B else B
+
+
 # ---------------------------------------------------------------------------------- decision epochs
 @helper
 def _next_epoch(epoch, c, t):
@@ -894,7 +982,7 @@ def _prefetch_copy(c, hi, n, ref, bhash, hnext, fq_prev, fq_next, arrival, promp
 @njit
 def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, tier, score, active, claim, mine,
                       max_steps, until_ns,
-                      n_req, arrival, prompt, out_len, prio, capped, t1, est, chain_off, chain_val,
+                      n_req, arrival, prompt, out_len, prio, capped, t1, t2, est, chain_off, chain_val,
                       uniq_base, now, it, next_arr, n_ended, key_hi, key_lo, n_run,
                       n_wait, n_free, n_slot_free, n_pend, n_iter_rec, status, end_state, computed,
                       gen, qkey, slot_of, held, n_cached, first_sched, first_token, first_token_it,
@@ -933,6 +1021,7 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
     prio = borrow(prio)
     capped = borrow(capped)
     t1 = borrow(t1)
+    t2 = borrow(t2)
     est = borrow(est)
     chain_off = borrow(chain_off)
     chain_val = borrow(chain_val)
@@ -1437,6 +1526,19 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                         continue
 
             budget = cfg[C_BUDGET]
+            if cfg[C_BUDGET_RULE] == BUDGET_TPOT_GUARD:
+                # the iteration's token budget B_t (docs/design.md section 11). (A jump never needs it:
+                # it runs decode-only iterations with no prefill to admit, where B_t > D admits the
+                # same as B.)
+                head_cb = 0
+                if n_wait[c] > 0 and prefix_on:
+                    rh = wait_ids[c, _queue_head(c, n_wait[c], wait_ids, resumed, resume_first, qkey, prio, arrival,
+                                                 mode, tier, score)]
+                    head_cb = prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, rh, prompt[c, rh] + gen[c, rh],
+                                          bs, bsh) * bs
+                budget = tpot_guard_budget(c, budget, run_ids, n_run, status, prompt, gen, computed, first_token, t2,
+                                           t_now, n_wait[c] + n_swap[c] > 0, head_cb, cfg, fcfg[F_GUARD_U],
+                                           fcfg[F_GUARD_BMIN], bs)
             ns = 0
             preempted = 0
             acc[2] = 0  # blocks swapped out or in during this iteration
@@ -1812,7 +1914,7 @@ def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_s
 KERNEL_CALL_ARGS = ("cfg_rows", "fcfg_rows", "theta", "shed_margin", "mrl", "nan_score", "tier", "score", "active",
                     "claim", "mine", "max_steps", "until_ns")
 KERNEL_STATE_ARGS = (
-    "n_req", "arrival", "prompt", "out_len", "prio", "capped", "t1", "est", "chain_off", "chain_val", "uniq_base",
+    "n_req", "arrival", "prompt", "out_len", "prio", "capped", "t1", "t2", "est", "chain_off", "chain_val", "uniq_base",
     "now", "it", "next_arr", "n_ended", "key_hi", "key_lo", "n_run", "n_wait", "n_free", "n_slot_free", "n_pend",
     "n_iter_rec", "status", "end_state", "computed", "gen", "qkey", "slot_of", "held", "n_cached", "first_sched",
     "first_token", "first_token_it", "finish", "finish_it", "n_preempt", "recomputed", "resumed", "run_ids",

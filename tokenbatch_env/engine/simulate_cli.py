@@ -13,7 +13,7 @@ import numpy as np
 
 from .._io import atomic_path
 from ..config_cli import LazyChoices
-from .flags import add_engine_flags, engine_overrides, resolve_with_flags
+from .flags import add_budget_flags, add_engine_flags, budget_overrides, engine_overrides, resolve_with_flags
 from ..errors import ConfigError, TraceError
 
 
@@ -42,6 +42,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
     add_engine_flags(p)
+    add_budget_flags(p)
 
 
 def _csv_sink(stack: contextlib.ExitStack, path: str, names=None, convert=None):
@@ -106,7 +107,7 @@ def run(args) -> int:
         raise ConfigError(f"--slo-seed must be an integer >= 0, got {args.sla_seed}")
     if args.max_wait_ms is not None and not (np.isfinite(args.max_wait_ms) and args.max_wait_ms > 0):
         raise ConfigError(f"--max-wait-ms must be a positive number of ms, got {args.max_wait_ms}")
-    overrides = engine_overrides(args)
+    overrides = {**engine_overrides(args), **budget_overrides(args)}
     # per-iteration records stream to disk through a bounded buffer (any trace length)
     config = EngineConfig(max_wait_ms=args.max_wait_ms, record_iterations=65_536 if args.iterations else 0,
                           **overrides)

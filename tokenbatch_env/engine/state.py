@@ -48,10 +48,17 @@ class EngineConfig:
     max_model_len: Optional[int] = None       # vLLM's --max-model-len (the model's context limit)
     # vLLM's --long-prefill-token-threshold (docs/design.md section 11): None or 0 = off
     long_prefill_token_threshold: Optional[int] = None
+    # beyond vLLM (docs/design.md section 11): the token budget of each iteration, "none" (B) or
+    # "tpot-guard" (B_t from the running requests' TPOT credits), with its u in [-0.5, 2] (default 0)
+    # and B_min in [0, 1] (default 0; 1 = the budget is never lowered)
+    budget_rule: Optional[str] = None
+    budget_u: Optional[float] = None
+    budget_bmin: Optional[float] = None
 
     #: fields added after evidence ids were first published: they enter ``to_dict`` only when set,
     #: so that every earlier configuration keeps its id
-    OPTIONAL_FIELDS = ("block_size", "max_model_len", "long_prefill_token_threshold")
+    OPTIONAL_FIELDS = ("block_size", "max_model_len", "long_prefill_token_threshold", "budget_rule", "budget_u",
+                       "budget_bmin")
 
     def __post_init__(self):
         if self.max_wait_ms is not None and not (np.isfinite(self.max_wait_ms) and self.max_wait_ms > 0):
@@ -72,6 +79,16 @@ class EngineConfig:
         t = self.long_prefill_token_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
             raise ConfigError(f"long_prefill_token_threshold must be an integer >= 0 (0: off) or None, got {t!r}")
+        if self.budget_rule is not None and self.budget_rule not in K.BUDGET_RULES:
+            raise ConfigError(f"budget_rule: unknown {self.budget_rule!r}; valid: {', '.join(K.BUDGET_RULES)}")
+        for f, lo, hi in (("budget_u", -0.5, 2.0), ("budget_bmin", 0.0, 1.0)):
+            v = getattr(self, f)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= float(v) <= hi):
+                raise ConfigError(f"{f} must be a number in [{lo:g}, {hi:g}], got {v!r}")
+            if self.budget_rule != "tpot-guard":
+                raise ConfigError(f"{f}: a parameter of budget_rule tpot-guard (budget_rule is {self.budget_rule!r})")
 
     def resolve(self, profile: Profile) -> Profile:
         """The profile with this config's overrides applied."""
@@ -105,6 +122,14 @@ class EngineConfig:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the KV pool: {out.usable_blocks} usable "
                               f"blocks x {out.block_size} tokens = {out.usable_blocks * out.block_size}")
         return out
+
+    @property
+    def guard(self) -> tuple:
+        """(rule id, u, B_min) of the budget rule in force (``kernel.BUDGET_*``)."""
+        if self.budget_rule != "tpot-guard":
+            return K.BUDGET_NONE, 0.0, 1.0
+        return (K.BUDGET_TPOT_GUARD, 0.0 if self.budget_u is None else float(self.budget_u),
+                0.0 if self.budget_bmin is None else float(self.budget_bmin))
 
     @property
     def threshold(self) -> int:
@@ -159,6 +184,7 @@ def make_cfg(profile: Profile, config: EngineConfig, mode: int, pid: int = 0,
         raise ConfigError(f"long_prefill_token_threshold {config.threshold} exceeds max_model_len "
                           f"{profile.max_model_len}")
     cfg[K.C_THRESHOLD] = config.threshold
+    cfg[K.C_BUDGET_RULE] = config.guard[0]
     block_bytes = profile.block_size * profile.kv_bytes_per_token
     cfg[K.C_HOST_BLOCKS] = int(config.swap_space_gib * 2**30 // block_bytes)
     # copy time at the profile's PCIe bandwidth: bytes / (GB/s) = ns, in ps per block
@@ -200,7 +226,9 @@ def make_cfg_rows(profiles: Sequence[Profile], configs: Sequence[EngineConfig], 
     for c, (p, e) in enumerate(zip(profiles, configs)):
         key = (id(p), id(e))
         if key not in done:
-            done[key] = (make_cfg(p, e, mode, pid, stream_records), make_fcfg(p, e.threshold))
+            f = make_fcfg(p, e.threshold)
+            f[K.F_GUARD_U], f[K.F_GUARD_BMIN] = e.guard[1:]
+            done[key] = (make_cfg(p, e, mode, pid, stream_records), f)
         cfg[c], fcfg[c] = done[key]
     return cfg, fcfg
 
@@ -287,6 +315,7 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
     prio = pad(lambda t: t.priority)
     # traces without SLOs: deadlines never bind (in-engine scores and shedding need T1)
     t1 = pad(lambda t: t.ttft_slo_ns if t.has_slos else np.full(len(t), NEVER // 4), NEVER // 4)
+    t2 = pad(lambda t: t.tpot_slo_ns if t.has_slos else np.full(len(t), NEVER // 4), NEVER // 4)
     est = np.full((C, R), np.nan)
     if estimates is not None:
         if len(estimates) != C:
@@ -331,7 +360,7 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
                    for p, e in zip(profiles, configs)]
     rec = max(configs[0].record_iterations, 1)
     return K.EngineArrays(
-        n_req=n_req, arrival=arrival, prompt=prompt, out_len=out_len, prio=prio, capped=capped, t1=t1, est=est,
+        n_req=n_req, arrival=arrival, prompt=prompt, out_len=out_len, prio=prio, capped=capped, t1=t1, t2=t2, est=est,
         chain_off=chain_off, chain_val=chain_val, uniq_base=uniq_base,
         now=np.where(n_req > 0, arrival[:, 0], 0).astype(i64), it=z(C), next_arr=z(C), n_ended=z(C),
         key_hi=z(C, fill=1), key_lo=z(C, fill=-1), n_run=z(C), n_wait=z(C),

@@ -93,12 +93,12 @@ _GROW_FILL = {"hash_head": -1, "chain_val": 0}
 #: the engine fields a new episode's window sets (``EpisodeTable.columns``); ``lay_out_rows`` resets
 #: every other field but ``table`` (never read above a request's held blocks) and ``hash_head`` (-1
 #: except at the ids the copy's blocks hold: cleared there) to the fresh values of a batch as built
-TRACE_FIELDS = ("n_req", "arrival", "prompt", "out_len", "prio", "capped", "t1", "est", "chain_off", "chain_val",
-                "uniq_base", "now")
+TRACE_FIELDS = ("n_req", "arrival", "prompt", "out_len", "prio", "capped", "t1", "t2", "est", "chain_off",
+                "chain_val", "uniq_base", "now")
 
 
 @njit
-def lay_out_rows(A, F, rows, src, n_req, arrival, prompt, out_len, prio, capped, t1, est, chain_off, chain_val,
+def lay_out_rows(A, F, rows, src, n_req, arrival, prompt, out_len, prio, capped, t1, t2, est, chain_off, chain_val,
                  uniq_base, now, extent):
     """New episodes into rows ``rows`` of ``A``: row ``src[i]`` of the window columns into row
     ``rows[i]``, every other field (but ``table``) from ``F``'s row 0; ``chain_val``: the window's
@@ -166,6 +166,7 @@ def lay_out_rows(A, F, rows, src, n_req, arrival, prompt, out_len, prio, capped,
         A.prio[r] = prio[s]
         A.capped[r] = capped[s]
         A.t1[r] = t1[s]
+        A.t2[r] = t2[s]
         A.est[r] = est[s]
         A.chain_off[r] = chain_off[s]
         own = chain_off[s, chain_off.shape[1] - 1]
@@ -273,7 +274,7 @@ class EpisodeTable:
         arrival = scale_rows(arrival, factors)
         cols = dict(
             n_req=np.full(len(units), n, i64), arrival=arrival, prompt=prompt, out_len=out_len, prio=prio,
-            capped=capped, t1=t1, est=est, chain_off=off, chain_val=chain_val, uniq_base=uniq_base,
+            capped=capped, t1=t1, t2=t2, est=est, chain_off=off, chain_val=chain_val, uniq_base=uniq_base,
             now=arrival[:, 0].copy(), ids=ids)
         return cols, t2, h_best
 

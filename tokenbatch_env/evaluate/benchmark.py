@@ -14,7 +14,7 @@ import numpy as np
 
 from ..engine.flags import FLAGS_SUFFIX
 from ..workload import prepare_workload
-from .config import BASELINE_ROWS, PRIMARY_LOAD, PRIMARY_SPLIT, SHED_SUFFIX, BenchConfig
+from .config import BASELINE_ROWS, GUARD_SUFFIX, PRIMARY_LOAD, PRIMARY_SPLIT, SHED_SUFFIX, BenchConfig
 from .definitions import DEFINITIONS
 from .evidence import evidence_id, evidence_inputs, num_or_str
 from .outcomes import pooled_metrics, prompt_quintile_edges, request_outcomes, unit_metrics
@@ -107,6 +107,10 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                         f"workload's own would be {wl.t_ref_ms:.1f} ms")
         wl.t_ref_ms = cfg.t_ref_ms
     rows = build_rows(cfg)
+    unused = sorted(set(dict(cfg.levers)) - {r.label for r in rows})
+    if unused:
+        wl.notes.append(f"tuned levers for rows not on this leaderboard: {', '.join(unused)} (add them with "
+                        "--policies and --shed)")
     inputs = evidence_inputs(cfg, wl, profile, rows)
     eid = evidence_id(inputs)
     loads = list(cfg.loads)
@@ -195,7 +199,13 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
             if r.label == "index" + SHED_SUFFIX:   # against every other tuned row (shed rows, vLLM's flags)
                 vs += tuple(x.label for x in rows if (x.label.endswith(SHED_SUFFIX) or x.label.endswith(FLAGS_SUFFIX))
                             and x.label not in vs)
-            if r.levers:   # the levers' gain: against the same row at the profile's flags
+            if r.guard:   # the rule's gain: against the same row without it
+                d["tpot_guard"] = {"u": cfg.tpot_guard[0], "bmin": cfg.tpot_guard[1]}
+                vs += (r.label[:-len(GUARD_SUFFIX)],)
+            if r.label == "index" + SHED_SUFFIX + GUARD_SUFFIX:   # against every other shed row with the rule
+                vs += tuple(x.label for x in rows if x.label.endswith(SHED_SUFFIX + GUARD_SUFFIX)
+                            and x.label not in vs)
+            if r.levers and r.twin:   # the levers' gain: against the same row at the profile's flags
                 d["levers"], d["profile_flags_row"] = dict(r.levers), r.twin
                 vs += (r.twin,)
             d["vs"] = {b: _paired(g, unit_good[b][li], cfg, block) for b in vs if b != r.label and b in unit_good}

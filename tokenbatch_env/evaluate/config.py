@@ -16,6 +16,7 @@ DEFAULT_POLICIES = ("fcfs", "sjf", "edf", "llf", "index")
 BASELINE_ROWS = ("fcfs", "edf+shed")
 PRIMARY_SUITE, PRIMARY_SPLIT, PRIMARY_LOAD = "seed-200", "test", 1.2
 SHED_SUFFIX = "+shed"
+GUARD_SUFFIX = "+tpot-guard"
 
 
 def _finite_pos(x, what: str) -> float:
@@ -79,6 +80,7 @@ class BenchConfig:
     t_ref_ms: Optional[float] = None            # T_ref of a t_ref_mode "fixed" parameters file
     params_deployment: Optional[dict] = None    # the deployment its parameters were tuned on (warnings)
     levers: tuple = ()                          # ((row label, ((flag, value), ...)), ...): tuned levers
+    tpot_guard: Optional[tuple] = None          # (u, B_min): a <row>+tpot-guard row beside every policy row
 
     def __post_init__(self):
         from ..engine.state import EngineConfig
@@ -171,6 +173,13 @@ class BenchConfig:
             load_slo_rule(self.slo_rule)   # (a bad rule: one line naming file and field, before any run)
         from ..params import check_row_levers
         set_("levers", check_row_levers(self.levers))
+        if self.tpot_guard is not None:
+            try:
+                u, bmin = self.tpot_guard
+                EngineConfig(budget_rule="tpot-guard", budget_u=u, budget_bmin=bmin)
+            except (TypeError, ValueError):
+                raise ConfigError(f"tpot_guard: expected (u, B_min), got {self.tpot_guard!r}") from None
+            set_("tpot_guard", (float(u), float(bmin)))
 
     def shed_margin(self, policy: str) -> float:
         """The +shed row's margin for ``policy`` (default 0.0)."""

@@ -32,6 +32,8 @@ def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
              "estimates": "oracle" if r.reference else "predictor"}
         if r.levers:
             d["levers"] = dict(r.levers)
+        if r.guard:
+            d["budget_rule"] = {"rule": "tpot-guard", "u": cfg.tpot_guard[0], "bmin": cfg.tpot_guard[1]}
         if r.policy == "index":
             d["index_params"] = dataclasses.asdict(cfg.index_params)
             d["t_ref_ms"] = wl.t_ref_ms

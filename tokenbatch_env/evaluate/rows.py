@@ -8,7 +8,7 @@ import dataclasses
 from typing import Optional
 
 from ..engine.flags import FLAGS_SUFFIX, PROFILE_FLAGS_SUFFIX, with_levers
-from .config import PRIMARY_SUITE, SHED_SUFFIX, BenchConfig
+from .config import GUARD_SUFFIX, PRIMARY_SUITE, SHED_SUFFIX, BenchConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +22,7 @@ class Row:
     added: bool = False              # added as a required baseline / primary-endpoint row
     levers: tuple = ()               # its tuned iteration-size levers ((flag, value), ...; docs/design.md s. 11)
     twin: Optional[str] = None       # a levered row: the label of the same row at the profile's flags
+    guard: bool = False              # runs with the tpot-guard budget rule (``BenchConfig.tpot_guard``)
 
 
 def build_rows(cfg: BenchConfig) -> list:
@@ -54,6 +55,11 @@ def build_rows(cfg: BenchConfig) -> list:
     add("edf", True, True)
     if is_primary_suite(cfg):
         add("index", True, True)
+    if cfg.tpot_guard is not None:   # beside every policy row, as +shed (docs/design.md section 11)
+        for r in list(rows):
+            if r.label.endswith(PROFILE_FLAGS_SUFFIX):
+                continue
+            rows.append(dataclasses.replace(r, label=r.label + GUARD_SUFFIX, added=True, guard=True, twin=None))
     for policy in ("fcfs", "priority"):   # vLLM's own orders with tuned flags
         label = policy + FLAGS_SUFFIX
         if label in levers:
@@ -94,5 +100,13 @@ def run_row(row: Row, wl, traces: list, est: list, profile, cfg: BenchConfig):
                         weights=cfg.weights, shed_margin=row.shed_margin, t_ref_ms=wl.t_ref_ms)
     # (``profile`` is resolved with ``cfg.engine`` already; resolving again with the row's levers on top
     # changes only what they set)
-    return simulate(traces, profile, pol, with_levers(cfg.engine, row.levers), estimates=est,
-                    residual_life=wl.residual_life)
+    return simulate(traces, profile, pol, row_engine(row, cfg), estimates=est, residual_life=wl.residual_life)
+
+
+def row_engine(row: Row, cfg: BenchConfig):
+    """The engine configuration a row runs with: the benchmark's, its tuned levers, its budget rule."""
+    engine = with_levers(cfg.engine, row.levers)
+    if row.guard:
+        u, bmin = cfg.tpot_guard
+        engine = dataclasses.replace(engine, budget_rule="tpot-guard", budget_u=u, budget_bmin=bmin)
+    return engine
