@@ -11,7 +11,8 @@ Prints, see docs/benchmarks.md for the definitions:
       iteration count;
   (c) memory per copy (sum of the EngineArrays' nbytes / copies) for (a) and (b), and per request:
       average (per copy / requests) and, for (b), marginal (whole trace vs its first half);
-  (d) compile time from a cold numba cache (a subprocess with NUMBA_CACHE_DIR set to a temp dir).
+  (d) compile time from a cold numba cache (a subprocess with NUMBA_CACHE_DIR set to a temp dir);
+  (e) with --rule-overhead only: the tpot-guard budget rule's time per iteration, jumps on and off.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _state_bytes(trace, profile: str) -> int:
     return sum(a.nbytes for a in EngineRun(trace, profile).arrays)
 
 
-def bench_copies(copies: int, rho: float = 1.2, profile: str = "stress-512", n_sat: int = 4) -> dict:
+def bench_copies(copies: int, rho: float = 1.2, profile: str = "stress-512", n_sat: int = 4, config=None) -> dict:
     from tokenbatch_env.engine.saturation import measure_lambda_sat
     from tokenbatch_env.engine.simulate import simulate
     from tokenbatch_env.traces.suites import load_suite
@@ -64,7 +65,7 @@ def bench_copies(copies: int, rho: float = 1.2, profile: str = "stress-512", n_s
     scaled = [scale_to_rate(t, rho * lam) for t in train]
     traces = list(itertools.islice(itertools.cycle(scaled), copies))
     t0 = time.perf_counter()
-    res = simulate(traces, profile, "fcfs")
+    res = simulate(traces, profile, "fcfs", config)
     wall = time.perf_counter() - t0
     it = res.arrays.it
     return dict(copies=copies, lambda_sat=lam, rate=rho * lam, wall_s=wall, iterations=int(it.sum()),
@@ -103,13 +104,37 @@ def cold_compile_seconds() -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def rule_overhead(copies: int, rounds: int = 3) -> int:
+    """(e) The tpot-guard rule's cost (docs/design.md section 11): (a)'s copies with and without the
+    rule, with jumps on and off, alternated ``rounds`` times; wall time per iteration (the rule
+    changes iteration counts), best of the rounds."""
+    from tokenbatch_env.engine.state import EngineConfig
+    _warm()
+    best = {}
+    for _ in range(rounds):
+        for jumps in (True, False):
+            for rule in (None, "tpot-guard"):
+                a = bench_copies(copies, config=EngineConfig(jumps=jumps, budget_rule=rule))
+                key = (jumps, rule or "none")
+                best[key] = min(best.get(key, float("inf")), a["wall_s"] / a["iterations"])
+    for jumps in (True, False):
+        base, on = best[(jumps, "none")], best[(jumps, "tpot-guard")]
+        print(f"(e) jumps {'on ' if jumps else 'off'}: {base * 1e9:.1f} ns/iteration without the rule, "
+              f"{on * 1e9:.1f} with tpot-guard ({(on / base - 1) * 100:+.1f}%)")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--copies", type=int, default=None, help="copies for (a) (default 1024; 128 with --quick)")
     ap.add_argument("--quick", action="store_true", help="fewer copies, skip the cold-compile measurement")
     ap.add_argument("--no-azure", action="store_true", help="skip (b)")
+    ap.add_argument("--rule-overhead", action="store_true",
+                    help="only (e): the tpot-guard rule's time per iteration, jumps on and off")
     args = ap.parse_args(argv)
     copies = args.copies or (128 if args.quick else 1024)
+    if args.rule_overhead:
+        return rule_overhead(copies)
 
     print(f"warm-up (cached compile load): {_warm():.2f} s")
     a = bench_copies(copies)

@@ -177,3 +177,11 @@ def test_simulate_takes_the_rule(tmp_path):
         import csv
         out[rule] = [float(row["tpot_ns"]) for row in csv.DictReader(rec.open())][0]
     assert out["none"] > 8 * MS >= out["tpot-guard"]
+
+
+def test_report_prints_the_rule_table():
+    from tokenbatch_env.evaluate import BenchConfig, run_benchmark
+    rep = run_benchmark(BenchConfig(policies=("fcfs",), loads=(1.2,), max_traces=2, bootstrap_b=200,
+                                    upper_bound=False, tpot_guard=(0.0, 0.0)))
+    assert "tpot-guard at rho 1.2" in rep.summary_text() and "fcfs+tpot-guard" in rep.summary_text()
+    assert "## The tpot-guard budget rule at rho 1.2" in rep.to_markdown()

@@ -226,6 +226,22 @@ def lever_lines(entry: dict) -> list:
 LEVER_HEADER = ["row", "tuned levers", "gain vs profile flags [95% CI]", "win rate"]
 
 
+def guard_lines(entry: dict) -> list:
+    """The tpot-guard rule's gain at one load (docs/design.md section 11): each ``+tpot-guard`` row
+    against the same row without the rule, paired."""
+    out = []
+    for d in entry["rows"]:
+        if "tpot_guard" not in d:
+            continue
+        gain = d["vs"].get(d["label"].removesuffix("+tpot-guard"))
+        out.append([d["label"], f"u {d['tpot_guard']['u']:g}, B_min {d['tpot_guard']['bmin']:g}", _diff(gain),
+                    _f(gain["win_rate"], 2) if gain else "-", str(d.get("tpot_only_missed", "-"))])
+    return out
+
+
+GUARD_HEADER = ["row", "tpot-guard", "gain vs the row without it [95% CI]", "win rate", "TPOT-only misses"]
+
+
 def console_summary(data: dict) -> str:
     lines = primary_lines(data)
     if lines:
@@ -244,6 +260,10 @@ def console_summary(data: dict) -> str:
     if lev:
         lines += ["", f"tuned levers at rho {rho:g} (each row against itself at the profile's flags):"]
         lines += _text_table(LEVER_HEADER, lev)
+    gl = guard_lines(e)
+    if gl:
+        lines += ["", f"tpot-guard at rho {rho:g} (each row against itself without the rule):"]
+        lines += _text_table(GUARD_HEADER, gl)
     lines += ["", "goodput by load:"]
     labels = [d["label"] for d in data["loads"][0]["rows"]]
     hdr = ["rho"] + labels + (["UB"] if "upper_bound" in data["loads"][0] else [])
@@ -287,6 +307,11 @@ def report_markdown(data: dict) -> str:
         L += ["", f"## Tuned levers at rho {rho:g}", "",
               "Each row with its tuned vLLM flags against the same row at the profile's flags (paired).", ""]
         L += _table(LEVER_HEADER, lev)
+    gl = guard_lines(e)
+    if gl:
+        L += ["", f"## The tpot-guard budget rule at rho {rho:g}", "",
+              "Each +tpot-guard row against the same row without the rule (paired).", ""]
+        L += _table(GUARD_HEADER, gl)
     L += ["", "## Goodput by load (mean [95% CI])", ""]
     labels = [d["label"] for d in data["loads"][0]["rows"]]
     hdr = ["rho"] + labels + (["upper bound"] if "upper_bound" in data["loads"][0] else [])
