@@ -171,7 +171,7 @@ def test_validation_keeps_the_best_warm_start_unless_clearly_beaten():
 
     class FakeValidation:
         cfg = T.TuneConfig(bootstrap_b=500)
-        wl = type("W", (), {"block": None})()
+        wl = type("W", (), {"block": None, "units": [None] * 8})()
 
         def __init__(self, table):
             self.table = table

@@ -1131,6 +1131,9 @@ def keep_best_on_validation(study, summary: dict, validation: "TrainObjective", 
     cands = sorted(done, key=lambda t: (-t.value, t.number))[:top]
     cands += [t for t in sorted(done, key=lambda t: t.number) if t.user_attrs.get("warm_start") and t not in cands]
     per_unit = validation.goodput_per_unit(summary["row"], [t.user_attrs["config"] for t in cands])
+    W = len(validation.wl.units)
+    if per_unit.shape[1] > W and per_unit.shape[1] % W == 0:   # several loads: one value per window
+        per_unit = per_unit.reshape(len(cands), -1, W).mean(axis=1)
     val = per_unit.mean(axis=1)
     order = lambda j: (val[j], cands[j].value, -cands[j].number)  # noqa: E731
     # the protected named members: the warm starts at the profile's flags (not the quarter-budget one)

@@ -108,6 +108,10 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
         wl.t_ref_ms = cfg.t_ref_ms
     rows = build_rows(cfg)
     unused = sorted(set(dict(cfg.levers)) - {r.label for r in rows})
+    ctl = [r.label for r in rows if r.policy == CONTROLLED]
+    if cfg.levers and ctl:
+        wl.notes.append(f"{', '.join(ctl)}: at the profile's flags (a controller switches parameters mid-run; vLLM's "
+                        "flags are static), beside rows with tuned flags")
     if unused:
         wl.notes.append(f"tuned levers for rows not on this leaderboard: {', '.join(unused)} (add them with "
                         "--policies and --shed)")
@@ -252,9 +256,11 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
         if PRIMARY_LOAD in loads:
             li = loads.index(PRIMARY_LOAD)
             p = _paired(unit_good["index+shed"][li], unit_good["edf+shed"][li], cfg, block)
+            lv = dict(cfg.levers)
             primary = {
                 "definition": ("paired difference in mean goodput, index with shedding minus EDF with "
                                "shedding, seed-200/test at rho = 1.2, 95% paired percentile bootstrap CI"),
+                **({"levers": {k: dict(lv[k]) for k in ("index+shed", "edf+shed") if k in lv}} if lv else {}),
                 "split": cfg.split, "rho": PRIMARY_LOAD, "units": U,
                 "is_primary_split": cfg.split == PRIMARY_SPLIT and cfg.max_traces is None,
                 "index_plus_shed": float(unit_good["index+shed"][li].mean()),
