@@ -192,3 +192,15 @@ def test_tpot_only_misses_are_counted():
     o = request_outcomes(rec, tr)
     assert o["tpot_only_miss"].tolist() == [True, False, False]
     assert pooled_metrics([o], [1, 2, 3, 4], ["c"])["tpot_only_missed"] == 1
+
+
+def test_levers_beyond_the_profile_are_refused(tmp_path):
+    """A hand-written budget above B_max (the upper bound's) or max_num_seqs above the profile's: one
+    line naming the row."""
+    from tokenbatch_env.evaluate import BenchConfig, run_benchmark
+    from tokenbatch_env.params import load_levers
+    for lv, msg in [({"edf+shed": {"max_num_batched_tokens": 4096}}, "exceeds the profile's B_max 2048"),
+                    ({"edf+shed": {"max_num_seqs": 512}}, "max_num_seqs 512 exceeds the profile's 256")]:
+        with pytest.raises(ConfigError, match=msg):
+            run_benchmark(BenchConfig(loads=(1.2,), max_traces=1, bootstrap_b=200, upper_bound=False,
+                                      levers=load_levers(_params_file(tmp_path, lv))))

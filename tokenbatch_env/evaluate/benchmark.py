@@ -13,6 +13,7 @@ from typing import Optional
 import numpy as np
 
 from ..engine.flags import FLAGS_SUFFIX
+from ..errors import ConfigError
 from ..workload import prepare_workload
 from .config import BASELINE_ROWS, GUARD_SUFFIX, PRIMARY_LOAD, PRIMARY_SPLIT, SHED_SUFFIX, BenchConfig
 from .definitions import DEFINITIONS
@@ -107,6 +108,15 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                         f"workload's own would be {wl.t_ref_ms:.1f} ms")
         wl.t_ref_ms = cfg.t_ref_ms
     rows = build_rows(cfg)
+    for label, lv in cfg.levers:   # (the upper bound holds for budgets up to B_max)
+        lv = dict(lv)
+        B = lv.get("max_num_batched_tokens", profile.max_num_batched_tokens)
+        if B > profile.budget_max:
+            raise ConfigError(f"levers[{label!r}]: max_num_batched_tokens {B} exceeds the profile's B_max "
+                              f"{profile.budget_max} (profile {profile.name})")
+        if lv.get("max_num_seqs", 0) > profile.max_num_seqs:
+            raise ConfigError(f"levers[{label!r}]: max_num_seqs {lv['max_num_seqs']} exceeds the profile's "
+                              f"{profile.max_num_seqs}")
     unused = sorted(set(dict(cfg.levers)) - {r.label for r in rows})
     ctl = [r.label for r in rows if r.policy == CONTROLLED]
     if cfg.levers and ctl:
