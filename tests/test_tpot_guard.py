@@ -145,8 +145,8 @@ def test_bench_adds_a_tpot_guard_row_beside_every_row(tmp_path):
     prow = {d["label"]: d for d in plain["loads"][0]["rows"]}
     assert rows["sjf+shed"]["goodput_per_unit"] == prow["sjf+shed"]["goodput_per_unit"]
     assert rep["evidence_id"] != plain["evidence_id"]
-    for argv, msg in [(["--budget-u", "0.5"], "--budget-u: a parameter of --budget-rule tpot-guard"),
-                      (["--budget-rule", "tpot-guard", "--budget-bmin", "2"], "--budget-bmin must be a number in"),
+    for argv, msg in [(["--budget-u", "0.5"], "--budget-u: requires --budget-rule tpot-guard"),
+                      (["--budget-rule", "tpot-guard", "--budget-bmin", "2"], "--budget-bmin: must be a number in"),
                       (["--budget-rule", "tpot-guard", "--budget-u", "x"], "--budget-u: must be a number")]:
         import contextlib
         import io

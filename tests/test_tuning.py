@@ -210,7 +210,13 @@ def test_tokenbatch_tune_writes_the_scripts_report_and_says_when_it_resumes(tmp_
     cmd = [sys.executable, "-m", "tokenbatch_env.cli", "tune", *flags, "--out", str(tmp_path / "command")]
     c = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert c.returncode == 0, c.stderr[-2000:]
-    assert "evaluate again: tokenbatch bench --params" in c.stdout and "resuming" not in r.stderr + c.stderr
+    assert "evaluate again: tokenbatch bench " in c.stdout and "resuming" not in r.stderr + c.stderr
+    # the printed command reproduces the test report (same evidence id)
+    line = next(ln for ln in c.stdout.splitlines() if ln.startswith("evaluate again: "))
+    from tokenbatch_env import cli
+    assert cli.main([*line.split()[3:], "--out", str(tmp_path / "again"), "--quiet"]) == 0
+    assert (json.loads((tmp_path / "again" / "report.json").read_text())["evidence_id"]
+            == json.loads((tmp_path / "command" / "test" / "report.json").read_text())["evidence_id"])
     for name in ("report.json", "best_params.json", "test/report.json"):
         assert (tmp_path / "script" / name).read_bytes() == (tmp_path / "command" / name).read_bytes(), name
     again = subprocess.run([*cmd, "--quiet"], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)

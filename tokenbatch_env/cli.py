@@ -28,7 +28,7 @@ COMMANDS = {
                  "compare the engine with vLLM's real scheduler on a trace (needs the vllm extra)"),
     "bench": ("tokenbatch_env.bench_cli", "benchmark policies x traces x loads with CIs (docs/design.md section 6)"),
     "tune": ("tokenbatch_env.tune_cli",
-             "tune the index, shed margins and comparators with Optuna (needs the tune extra)"),
+             "tune the index, shed margins, comparators and vLLM flags with Optuna (needs the tune extra)"),
     "train": ("tokenbatch_env.agents.train", "train a PPO agent on TokenBatch-v0 (needs the rl extra)"),
     "evaluate-agent": ("tokenbatch_env.agents.evaluate",
                        "judge a trained agent on the test split with the evaluator (needs the rl extra)"),

@@ -207,6 +207,8 @@ def check_row_levers(levers) -> tuple:
                 or label in ("fcfs", "priority"):   # (vLLM's rows at the profile's flags: the reference rows)
             raise ConfigError(f"levers: {label!r} is not a row with levers: <policy> (not fcfs or priority), "
                               f"<policy>+shed, fcfs{FLAGS_SUFFIX} or priority{FLAGS_SUFFIX}")
+        if not isinstance(lv, (dict, tuple)):
+            raise ConfigError(f"levers[{label!r}]: expected an object {{flag: value}}, got {lv!r}")
         lv = check_levers(dict(lv), f"levers[{label!r}]")
         if lv:
             out.append((label, lv))

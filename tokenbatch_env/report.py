@@ -223,7 +223,7 @@ def lever_lines(entry: dict) -> list:
     return out
 
 
-LEVER_HEADER = ["row", "tuned levers", "gain vs profile flags [95% CI]", "win rate"]
+LEVER_HEADER = ["row", "tuned levers", "gain vs untuned flags [95% CI]", "win rate"]
 
 
 def guard_lines(entry: dict) -> list:
@@ -233,13 +233,19 @@ def guard_lines(entry: dict) -> list:
     for d in entry["rows"]:
         if "tpot_guard" not in d:
             continue
-        gain = d["vs"].get(d["label"].removesuffix("+tpot-guard"))
-        out.append([d["label"], f"u {d['tpot_guard']['u']:g}, B_min {d['tpot_guard']['bmin']:g}", _diff(gain),
-                    _f(gain["win_rate"], 2) if gain else "-", str(d.get("tpot_only_missed", "-"))])
+        base = d["label"].removesuffix("+tpot-guard")
+        gain = d["vs"].get(base)
+        before = next((x.get("tpot_only_missed", "-") for x in entry["rows"] if x["label"] == base), "-")
+        flags = ""
+        if "levers" in d:
+            flags = f" (tuned flags: B {d['levers'].get('max_num_batched_tokens', '-')})"
+        out.append([d["label"], f"u {d['tpot_guard']['u']:g}, B_min {d['tpot_guard']['bmin']:g}{flags}", _diff(gain),
+                    _f(gain["win_rate"], 2) if gain else "-", f"{before} -> {d.get('tpot_only_missed', '-')}"])
     return out
 
 
-GUARD_HEADER = ["row", "tpot-guard", "gain vs the row without it [95% CI]", "win rate", "TPOT-only misses"]
+GUARD_HEADER = ["row", "tpot-guard", "gain vs the row without it [95% CI]", "win rate",
+                "TPOT-only misses (without -> with)"]
 
 
 def console_summary(data: dict) -> str:
@@ -258,7 +264,8 @@ def console_summary(data: dict) -> str:
     lines += mlperf_lines(e)
     lev = lever_lines(e)
     if lev:
-        lines += ["", f"tuned levers at rho {rho:g} (each row against itself at the profile's flags):"]
+        lines += ["", f"tuned levers at rho {rho:g} (each row against itself at the untuned flags: the profile's, "
+                      "with any engine flags given):"]
         lines += _text_table(LEVER_HEADER, lev)
     gl = guard_lines(e)
     if gl:
@@ -305,7 +312,8 @@ def report_markdown(data: dict) -> str:
     lev = lever_lines(e)
     if lev:
         L += ["", f"## Tuned levers at rho {rho:g}", "",
-              "Each row with its tuned vLLM flags against the same row at the profile's flags (paired).", ""]
+              "Each row with its tuned vLLM flags against the same row at the untuned flags (the profile's, with "
+              "any engine flags given on the command line; paired).", ""]
         L += _table(LEVER_HEADER, lev)
     gl = guard_lines(e)
     if gl:

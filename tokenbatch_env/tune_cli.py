@@ -17,8 +17,9 @@ DESCRIPTION = ("Tune the index, the baselines' shed margins and the comparators 
 
 EPILOG = """\
 The Gittins-barrier index and, with the same budget, the baselines' shed margins and the comparators
-weights+shed and index-scheduled; then the best parameters are evaluated once on the held-out TEST
-split.
+weights+shed and index-scheduled; every row but index-scheduled also tunes vLLM's iteration-size flags
+(--no-levers: none does), and FCFS and priority tune only them; then the best parameters are
+evaluated once on the held-out TEST split.
 
     {cmd}                       # the newcomer's run (~35-45 s on 2 cores, compiled)
     {cmd} --trials 200 --max-train-traces all --timeout 1800
@@ -98,12 +99,21 @@ def run(args, prog: str = "tokenbatch") -> int:
         print(f"\nwrote {', '.join(str(p) for p in res['paths'][:5])} and {cfg.out}/test/  "
               f"(search {m['search_wall_s']:.1f} s, test evaluation {m['test_eval_wall_s']:.1f} s, "
               f"total {m['wall_time_s']:.1f} s)")
-        where = "" if cfg.trace is None else (
+        from .tuning import test_policies
+        extra = (f" --policies {','.join(test_policies(cfg))}"
+                 + (f" --max-traces {cfg.max_test_traces}" if cfg.max_test_traces is not None else "")
+                 + (f" --bootstrap-b {cfg.bootstrap_b}" if cfg.bootstrap_b != 10_000 else "")
+                 + (f" --bootstrap-seed {cfg.seed}" if cfg.seed != 0 else ""))
+        where = (f" --suite {cfg.suite} --split {cfg.test_split} --profile {cfg.profile} --loads "
+                 f"{','.join(f'{x:g}' for x in cfg.eval_loads)}" if cfg.trace is None else (
             f" --trace {cfg.trace} --split test --windows {cfg.windows} --warmup {cfg.warmup} --cooldown "
             f"{cfg.cooldown} --profile {cfg.profile} --loads {','.join(str(x) for x in cfg.eval_loads)}"
             + (f" --rate-scale {cfg.rate_scale:g}" if cfg.rate_scale != 1.0 else "")
-            + (f" --slo-rule {cfg.slo_rule}" if cfg.slo_rule else ""))
-        print(f"evaluate again: tokenbatch bench{where} --params {res['paths'][0]} --shed")
+            + (f" --slo-rule {cfg.slo_rule}" if cfg.slo_rule else "")))
+        if cfg.trace is None and cfg.slo_rule:
+            where += f" --slo-rule {cfg.slo_rule}"
+        print(f"evaluate again: tokenbatch bench{where}{extra} --params {res['paths'][0]} --shed"
+              + ("  (the test report's rows but index-scheduled)" if cfg.comparators else ""))
     return 0
 
 

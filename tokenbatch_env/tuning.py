@@ -195,8 +195,8 @@ class TuneConfig:
         metavar="FILE|NAME")
     levers: bool = option(
         True, "do not tune vLLM's iteration-size flags (max_num_batched_tokens, max_num_seqs, "
-        "long_prefill_token_threshold) with each row's parameters, nor the rows fcfs/priority (tuned vLLM flags): "
-        "every row runs at the profile's flags", flags=("--no-levers",), sets=False)
+        "long_prefill_token_threshold) with each row's parameters, and leave out the rows 'fcfs (tuned vLLM flags)' "
+        "and 'priority (tuned vLLM flags)': every row runs at the profile's flags", flags=("--no-levers",), sets=False)
 
     def __post_init__(self):
         from .policies import BASELINES
@@ -912,8 +912,10 @@ def open_studies(cfg: TuneConfig, storage=None, *, write_attrs: bool = True, wor
         if old is not None and old != new:
             diff = ", ".join(f"{k} {old.get(k)!r} there, {new.get(k)!r} now" for k in sorted({*old, *new})
                              if old.get(k) != new.get(k))
+            hint = (" (one was made with --no-levers and one without: give the same)"
+                    if ("levers" in old) != ("levers" in new) else "")
             raise ConfigError(f"study {st.study_name!r} in {cfg.storage_url} was created for another "
-                              f"objective ({diff}); use another --study-name or --storage")
+                              f"objective ({diff}){hint}; use another --study-name or --storage")
         if write_attrs:
             trials = st.get_trials(deepcopy=False)
             # a new study (or one holding only warm starts, resumed with a larger cap) gets the warm
@@ -1327,6 +1329,13 @@ def comparator_lines(cfg: dict, in_test: bool) -> list:
                if in_test else "written to best_params.json; this evaluator has no index-scheduled row yet")]
 
 
+def test_policies(cfg: TuneConfig) -> tuple:
+    """The policies of the test report (each with a +shed row; rows with tuned levers add their own)."""
+    pols = ("fcfs", "sjf", "edf", "llf", "index")
+    pols += tuple(b for b in cfg.baselines if b not in pols)
+    return pols + (("weights",) if cfg.comparators else ())
+
+
 def run_tuning(cfg: TuneConfig) -> dict:
     """Search, then evaluate the best parameters on the held-out test split and write everything
     into ``cfg.out``. Returns {"paths": [...], "data": report dict, "meta": {...}, "summary": text}."""
@@ -1376,11 +1385,9 @@ def run_tuning(cfg: TuneConfig) -> dict:
     params, margins = load_params_file(str(params_path))   # the evaluator's reader: must load
 
     t1 = time.time()
-    pols = ("fcfs", "sjf", "edf", "llf", "index")
-    pols += tuple(b for b in cfg.baselines if b not in pols)
+    pols = test_policies(cfg)
     extra = {}
     if cfg.comparators:
-        pols += ("weights",)
         extra["weights"] = load_weights(str(params_path))
         extra["schedule"] = load_schedule(str(params_path))
     if cfg.agents:

@@ -65,9 +65,10 @@ def add_budget_flags(p, bench: bool = False) -> None:
     g.add_argument("--budget-rule", default=None, choices=("none", "tpot-guard"),
                    help="token budget of each iteration: none (B, vLLM's) or tpot-guard (lowered so that the "
                         "running requests keep their TPOT SLOs)"
-                        + ("; on bench, adds a <row>+tpot-guard row beside every row" if bench else ""))
+                        + ("; on bench, adds a <row>+tpot-guard row beside every policy row" if bench else ""))
     g.add_argument("--budget-u", default=None, metavar="U",
-                   help="tpot-guard's slack factor u in [-0.5, 2] (default 0)")
+                   help="tpot-guard's slack factor u in [-0.5, 2] (default 0): the iteration may last (1 + u) times "
+                        "the tightest TPOT credit; a smaller u lowers the budget more")
     g.add_argument("--budget-bmin", default=None, metavar="F",
                    help="tpot-guard's floor B_min in [0, 1], a share of B (default 0; 1 = never lowered)")
 
@@ -81,7 +82,7 @@ def budget_overrides(args) -> dict:
         if text is None:
             continue
         if rule != "tpot-guard":
-            raise ConfigError(f"{flag}: a parameter of --budget-rule tpot-guard")
+            raise ConfigError(f"{flag}: requires --budget-rule tpot-guard")
         try:
             kw[field] = float(str(text).strip())
         except ValueError:
@@ -92,7 +93,8 @@ def budget_overrides(args) -> dict:
     try:
         EngineConfig(**kw)
     except ConfigError as e:
-        raise ConfigError(f"--{str(e).replace('_', '-', 1)}") from None
+        field, _, rest = str(e).partition(" ")
+        raise ConfigError(f"--{field.replace('_', '-')}: {rest}") from None
     return kw
 
 
@@ -106,12 +108,16 @@ def resolve_with_flags(config, profile, args):
     """``config.resolve(profile)``; an error (a combination, e.g. a block size beyond the KV pool)
     names the flags given."""
     from ..errors import ProfileError
+    given = " ".join(f"{f} {getattr(args, fld)}" for f, fld, _ in ENGINE_FLAGS if getattr(args, fld, None) is not None)
     try:
-        return config.resolve(profile)
+        out = config.resolve(profile)
     except (ConfigError, ProfileError) as e:
-        given = " ".join(f"{f} {getattr(args, fld)}" for f, fld, _ in ENGINE_FLAGS
-                         if getattr(args, fld, None) is not None)
         raise ConfigError(f"{given}: {e}" if given else str(e)) from None
+    if given and out.max_num_batched_tokens < out.max_num_seqs:   # (vLLM refuses to start)
+        raise ConfigError(f"{given}: max_num_batched_tokens {out.max_num_batched_tokens} is below max_num_seqs "
+                          f"{out.max_num_seqs}; vLLM requires max_num_batched_tokens >= max_num_seqs (give "
+                          "--max-num-seqs too)")
+    return out
 
 
 # ---------------------------------------------------------------------------------- levers

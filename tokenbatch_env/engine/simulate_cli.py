@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import hashlib
 import json
 import os
@@ -75,7 +76,9 @@ def _engine_summary(engine, config) -> dict:
     return {"max_num_batched_tokens": engine.max_num_batched_tokens, "max_num_seqs": engine.max_num_seqs,
             "num_blocks": engine.num_blocks, "block_size": engine.block_size, "max_model_len": engine.max_model_len,
             "prefix_caching": config.prefix_caching, "async_scheduling": engine.async_scheduling,
-            "long_prefill_token_threshold": config.threshold}
+            "long_prefill_token_threshold": config.threshold,
+            **({"budget_rule": "tpot-guard", "budget_u": config.guard[1], "budget_bmin": config.guard[2]}
+               if config.budget_rule == "tpot-guard" else {})}
 
 
 def run(args) -> int:
@@ -133,7 +136,10 @@ def run(args) -> int:
     lam = None
     if args.rho is not None:
         from .saturation import measure_lambda_sat
-        lam = measure_lambda_sat(trace, profile, config)
+        # at the deployment's flags without the budget rule (docs/design.md section 10: loads and SLOs
+        # at the reference configuration; the rule changes only the run)
+        lam = measure_lambda_sat(trace, profile, dataclasses.replace(config, budget_rule=None, budget_u=None,
+                                                                      budget_bmin=None))
         try:
             trace = scale_to_rate(trace, args.rho * lam)
         except (ConfigError, TraceError) as e:   # (its times stretched beyond the engine's int64 ns)
@@ -177,6 +183,8 @@ def run(args) -> int:
           f"{'on' if e['prefix_caching'] else 'off'}  {'async' if e['async_scheduling'] else 'sync'}"
           + (f"  long_prefill_token_threshold {e['long_prefill_token_threshold']}"
              if e["long_prefill_token_threshold"] else "")
+          + (f"  budget rule tpot-guard (u {e['budget_u']:g}, B_min {e['budget_bmin']:g})"
+             if "budget_rule" in e else "")
           + (f"  (given: {', '.join(sorted(overrides))})" if overrides else ""))
     a = s["admission"]
     print(f"admission rejected {a['rejected_share']:.1%}, length-capped {a['capped_share']:.1%} of the arrivals "

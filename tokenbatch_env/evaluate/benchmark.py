@@ -114,9 +114,15 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
         if B > profile.budget_max:
             raise ConfigError(f"levers[{label!r}]: max_num_batched_tokens {B} exceeds the profile's B_max "
                               f"{profile.budget_max} (profile {profile.name})")
-        if lv.get("max_num_seqs", 0) > profile.max_num_seqs:
-            raise ConfigError(f"levers[{label!r}]: max_num_seqs {lv['max_num_seqs']} exceeds the profile's "
-                              f"{profile.max_num_seqs}")
+        seqs = lv.get("max_num_seqs", profile.max_num_seqs)
+        if seqs > profile.max_num_seqs:
+            raise ConfigError(f"levers[{label!r}]: max_num_seqs {seqs} exceeds the profile's {profile.max_num_seqs}")
+        if seqs > B:   # (vLLM refuses it)
+            raise ConfigError(f"levers[{label!r}]: max_num_seqs {seqs} exceeds max_num_batched_tokens {B} (vLLM "
+                              "requires max_num_batched_tokens >= max_num_seqs)")
+        if lv.get("long_prefill_token_threshold", 0) > profile.max_model_len:
+            raise ConfigError(f"levers[{label!r}]: long_prefill_token_threshold {lv['long_prefill_token_threshold']} "
+                              f"exceeds max_model_len {profile.max_model_len} (vLLM refuses it)")
     unused = sorted(set(dict(cfg.levers)) - {r.label for r in rows})
     ctl = [r.label for r in rows if r.policy == CONTROLLED]
     if cfg.levers and ctl:

@@ -14,7 +14,8 @@ DEFINITIONS = {
     "tpot_only_missed": ("completed requests with their first token within the TTFT SLO that missed the TPOT SLO "
                          "(pooled): the misses the iteration's size decides"),
     "levers": ("a row's tuned vLLM flags; its twin '<row> (profile flags)' (FCFS's and priority's: the plain row) "
-               "runs the same parameters at the profile's flags, and vs[twin] is the levers' paired gain"),
+               "runs the same parameters at the untuned flags (the profile's, with the command line's engine flags), "
+               "and vs[twin] is the levers' paired gain"),
     "max_wait": "max over scheduled requests of first_scheduled - arrival; never-scheduled requests counted apart",
     "relative_goodput": "goodput / FCFS goodput - 1 at the same load (attainment ratio, not capacity)",
     "upper_bound": "bounds.upper_bound per unit (valid for any policy: a relaxation of the engine that ignores "
