@@ -185,3 +185,23 @@ def test_report_prints_the_rule_table():
                                     upper_bound=False, tpot_guard=(0.0, 0.0)))
     assert "tpot-guard at rho 1.2" in rep.summary_text() and "fcfs+tpot-guard" in rep.summary_text()
     assert "## The tpot-guard budget rule at rho 1.2" in rep.to_markdown()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "sjf"])
+def test_bmin_one_equals_no_rule_on_a_real_workload(policy):
+    """With B_min = 1 the rule never lowers the budget, but it still runs every step (the guarded set,
+    the waiting head and its cache hits): the run equals one without the rule, request by request, on
+    seed-200 traces with shared prefixes at rho 1.5 (stress-512 prices attention, so the head is read)."""
+    from tokenbatch_env.engine.profiles import load_profile
+    from tokenbatch_env.policies import engine_policy
+    from tokenbatch_env.traces.suites import load_suite
+    from tokenbatch_env.traces.windows import scale_to_rate
+    assert load_profile("stress-512").cost.ps[3] > 0
+    trs = [scale_to_rate(t, 3.8) for t in load_suite("seed-200").traces("test")[:3]]
+    assert sum(t.prefix_hashes.size for t in trs) > 0
+    pol = policy if policy != "sjf" else engine_policy("sjf", shed_margin=0.3, t_ref_ms=250.0)
+    off = simulate(trs, "stress-512", pol, EngineConfig())
+    one = simulate(trs, "stress-512", pol, EngineConfig(budget_rule="tpot-guard", budget_bmin=1.0, budget_u=2.0))
+    for c in range(3):
+        for k in ("end_state", "first_token_ns", "finish_ns", "preemptions"):
+            np.testing.assert_array_equal(off.records(c)[k], one.records(c)[k], err_msg=f"{policy} {c} {k}")

@@ -651,23 +651,19 @@ def guard_chunk(slack_ps, b_ps, c2_ps, cap):
 
 
 @helper
-def tpot_guard_budget(c, B, run_ids, n_run, status, prompt, gen, computed, first_token, t2, t_now, pending, head_cb,
-                      cfg, u, bmin, bs):
-    """The token budget B_t of the next iteration under the tpot-guard rule (docs/design.md section
-    11; before vLLM's schedule, which then runs unchanged with it). D decoding requests with contexts
-    summing to ctx take ``tau_dec = c0 + c_decode D + c_kv ctx``; a decoding request with a TPOT SLO
-    T2 > tau_dec is guarded, with credit ``T2 (g + 1) - e`` (g tokens after its first, e the time
-    since its first token: in the engine's clock a token is emitted at its iteration's end, the
-    next iteration's start, so a token in flight under async scheduling is already in g); the
-    iteration may last ``tau_t = max(tau_dec, (1 + u) min credit)``, which leaves room for a prefill
-    chunk of p_t tokens (``guard_chunk``, priced at the largest computed-before ``cb*`` among the
-    running partial prefills and the waiting head's cached tokens ``head_cb``). While a prefill or
-    recompute is pending (``pending``: requests wait or are swapped; or a running one is mid-prefill),
-    ``B_t = min(B, max(D + max(p_t, bs), ceil(bmin B)))``: every iteration makes progress. Otherwise,
-    or with nothing guarded, B."""
+def guard_slack(c, run_ids, n_run, status, prompt, gen, computed, first_token, t2, t_now, pending, cfg, u):
+    """The tpot-guard rule's state before an iteration (docs/design.md section 11): ``(D, cb, slack)``.
+    D decoding requests with contexts summing to ctx take ``tau_dec = c0 + c_decode D + c_kv ctx``; a
+    decoding request with a TPOT SLO T2 > tau_dec is guarded, with credit ``T2 (g + 1) - e`` (g
+    tokens after its first, e the time since its first token: in the engine's clock a token is
+    emitted at its iteration's end, the next iteration's start, so a token in flight under async
+    scheduling is already in g); the iteration may last ``tau_t = max(tau_dec, (1 + u) min credit)``.
+    ``slack = tau_t - tau_dec`` (ps), or -1 when the budget stays B: nothing pending (``pending``:
+    requests wait or are swapped; or a running one is mid-prefill or mid-recompute) or nothing
+    guarded. ``cb``: the largest computed-before among the running partial prefills."""
     D = 0
     ctx = 0
-    cb_max = head_cb
+    cb_max = 0
     for i in range(n_run[c]):
         r = run_ids[c, i]
         if status[c, r] == ENDED:   # async: finished, not schedulable
@@ -680,7 +676,7 @@ def tpot_guard_budget(c, B, run_ids, n_run, status, prompt, gen, computed, first
             if computed[c, r] > cb_max:
                 cb_max = computed[c, r]
     if not pending or D == 0:
-        return B
+        return D, cb_max, np.int64(-1)
     tau_dec = cfg[C_PS0] + cfg[C_PS_DECODE] * D + cfg[C_PS_KV] * ctx   # ps
     min_credit = 0.0
     guarded = False
@@ -696,12 +692,20 @@ def tpot_guard_budget(c, B, run_ids, n_run, status, prompt, gen, computed, first
             min_credit = credit
             guarded = True
     if not guarded:
-        return B
+        return D, cb_max, np.int64(-1)
     slack = (1.0 + u) * min_credit - float(tau_dec)
-    slack_ps = np.int64(0)
-    if slack > 0.0:
-        slack_ps = np.int64(slack) if slack < 4e18 else np.int64(4e18)
-    p = guard_chunk(slack_ps, cfg[C_PS_PREFILL] + cfg[C_PS_ATTN] * cb_max, cfg[C_PS_C2], B)
+    if slack <= 0.0:
+        return D, cb_max, np.int64(0)
+    return D, cb_max, (np.int64(slack) if slack < 4e18 else np.int64(4e18))
+
+
+@helper
+def guard_budget(B, D, slack_ps, cb, cfg, bmin, bs):
+    """B_t of the tpot-guard rule from ``guard_slack``'s D and slack: p_t, the largest prefill chunk
+    that fits the slack (``guard_chunk``, priced at computed-before ``cb``: the largest among the
+    running partial prefills and the waiting queue head's cached tokens), then
+    ``B_t = min(B, max(D + max(p_t, bs), ceil(bmin B)))``: every iteration makes progress."""
+    p = guard_chunk(slack_ps, cfg[C_PS_PREFILL] + cfg[C_PS_ATTN] * cb, cfg[C_PS_C2], B)
     floor = np.int64(np.ceil(bmin * B))
     x = D + (p if p > bs else bs)
     if x < floor:
@@ -1530,15 +1534,23 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                 # the iteration's token budget B_t (docs/design.md section 11). (A jump never needs it:
                 # it runs decode-only iterations with no prefill to admit, where B_t > D admits the
                 # same as B.)
-                head_cb = 0
-                if n_wait[c] > 0 and prefix_on:
-                    rh = wait_ids[c, _queue_head(c, n_wait[c], wait_ids, resumed, resume_first, qkey, prio, arrival,
-                                                 mode, tier, score)]
-                    head_cb = prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, rh, prompt[c, rh] + gen[c, rh],
-                                          bs, bsh) * bs
-                budget = tpot_guard_budget(c, budget, run_ids, n_run, status, prompt, gen, computed, first_token, t2,
-                                           t_now, n_wait[c] + n_swap[c] > 0, head_cb, cfg, fcfg[F_GUARD_U],
-                                           fcfg[F_GUARD_BMIN], bs)
+                g_d, g_cb, g_slack = guard_slack(c, run_ids, n_run, status, prompt, gen, computed, first_token, t2,
+                                                 t_now, n_wait[c] + n_swap[c] > 0, cfg, fcfg[F_GUARD_U])
+                if g_slack >= 0:
+                    if n_wait[c] > 0 and prefix_on and cfg[C_PS_ATTN] != 0:   # the waiting head's cached tokens
+                        if mode != MODE_FCFS or fbest < 0:
+                            bh = _queue_head(c, n_wait[c], wait_ids, resumed, resume_first, qkey, prio, arrival,
+                                             mode, tier, score)
+                            if mode == MODE_FCFS:
+                                fbest = bh   # (the admission's own head: its cache, exact in FCFS)
+                        else:
+                            bh = fbest
+                        rh = wait_ids[c, bh]
+                        hb = prefix_hits(hash_head, chain_off, chain_val, uniq_base, c, rh, prompt[c, rh] + gen[c, rh],
+                                         bs, bsh) * bs
+                        if hb > g_cb:
+                            g_cb = hb
+                    budget = guard_budget(budget, g_d, g_slack, g_cb, cfg, fcfg[F_GUARD_BMIN], bs)
             ns = 0
             preempted = 0
             acc[2] = 0  # blocks swapped out or in during this iteration
