@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     p.add_argument("--default-run", action="store_true", help="also time the default script end to end")
     p.add_argument("--default-run-only", action="store_true", help="only time the default script")
+    p.add_argument("--no-levers", action="store_true", help="the index's own parameters only (vLLM's flags fixed)")
     p.add_argument("--no-comparators-too", action="store_true",
                    help="with --default-run: also time the script with --no-comparators")
     a = p.parse_args(argv)
@@ -51,7 +52,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = T.TuneConfig(trials=a.trials, k=a.k, max_train_traces=a.max_train_traces, loads=(a.load,),
-                           baselines=(), out=tmp, threads=a.threads, progress=False, comparators=False)
+                           baselines=(), out=tmp, threads=a.threads, progress=False, comparators=False,
+                           levers=not a.no_levers)
         obj = T.TrainObjective(cfg)
         T.open_studies(cfg)                       # a new study: the warm starts are enqueued, as in the script
         t = time.perf_counter()
