@@ -223,6 +223,23 @@ def test_jumps_equal_single_steps(trace, policy, cfg):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(max_n=70, max_gap_ns=4_000_000), st.sampled_from(["fcfs", "priority"]), st.integers(22, 45),
+       st.booleans(), st.booleans())
+def test_jumps_past_long_blocked_queues_equal_single_steps(trace, policy, num_blocks, prefix, async_on):
+    """vLLM's orders with no shed rule and no time-out look at the queue's head alone during a jump
+    (kernel: ``scan_only``): long queues blocked on a small pool, with shared prefixes, give the same
+    records, iterations and block state with and without jumps."""
+    cfg = {"num_blocks": num_blocks, "prefix_caching": prefix, "async_scheduling": async_on, "max_num_seqs": 64}
+    jumped, stepped = (_run(trace, policy, cfg, jumps=j) for j in (True, False))
+    for k, v in jumped.records(0).items():
+        assert np.array_equal(v, stepped.records(0)[k]), k
+    for k, v in jumped.iterations(0).items():
+        assert np.array_equal(v, stepped.iterations(0)[k]), k
+    for f in ("now", "it", "n_free", "ref", "bhash", "fq_next", "hash_head"):
+        assert np.array_equal(getattr(jumped.arrays, f), getattr(stepped.arrays, f)), f
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), policies, configs, st.sampled_from([5.0, 30.0, 100.0]), st.booleans())
 def test_jumps_equal_single_steps_at_decision_epochs(trace, policy, cfg, interval_ms, shed_on):
     """Run to decision epochs (docs/design.md section 5) with and without jumps: the same stops, at the

@@ -525,7 +525,7 @@ def _hits_evictable(hash_head, chain_off, chain_val, uniq_base, ref, c, r, num_t
 @helper
 def _waiting_blocked(c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val, uniq_base, ref,
                      n_free, ev_blocks, prefix_on, can_admit, watermark, max_wait, sm, budget, ps, dec_one, bs, bsh,
-                     full, w_hits):
+                     full, w_hits, only):
     """A jump's view of the waiting requests (docs/design.md section 3, "Jumps"): how many pass the
     admission gate now (``n_fit``; without ``full`` the scan stops at the first, since a normal step
     may admit it), the first iteration start at which one would be shed or timed out (``lim_w``),
@@ -533,14 +533,16 @@ def _waiting_blocked(c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain
     one changes that request's hits) and, with ``dec_one`` (deciding, one waiting request, shedding
     on), its deadline and idle prefill for the decision rule. Returns (n_fit, lim_w, n_ev, dec_on,
     dec_base, dec_idle); n_ev > len(ev_blocks) means the evictions cannot be followed. The hits of
-    ``wait_ids[c, q]`` go to ``w_hits[q]`` (all of them with ``full``)."""
+    ``wait_ids[c, q]`` go to ``w_hits[q]`` (all of them with ``full``). ``only`` >= 0: look at
+    ``wait_ids[c, only]`` alone (the head, when nothing else can decide the jump)."""
     n_fit = 0
     lim_w = _FOREVER
     n_ev = 0
     dec_on = False
     dec_base = 0
     dec_idle = 0.0
-    for q in range(nw):
+    q_lo, q_hi = (only, only + 1) if only >= 0 else (0, nw)
+    for q in range(q_lo, q_hi):
         r = wait_ids[c, q]
         num_tokens = prompt[c, r] + gen[c, r]
         hits = 0
@@ -1347,18 +1349,27 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                 dec_one = decide and nw == 1 and epoch[c, EP_SHED] != 0
                 hol_full = can_admit and not skip_hol   # only the head must fail the gate
                 hol = False   # ... and others pass it
+                scan_only = -1   # the waiting request the jump's view looks at alone (-1: all of them)
                 if all_decoding and k_done >= k_min and nw > 0:
+                    hb = -1
+                    if hol_full:
+                        hb = _queue_head(c, nw, wait_ids, resumed, resume_first, qkey, prio, arrival, mode, tier,
+                                         score)
                     if hol_full and _head_fits(
-                            c, wait_ids[c, _queue_head(c, nw, wait_ids, resumed, resume_first, qkey, prio, arrival,
-                                                       mode, tier, score)],
+                            c, wait_ids[c, hb],
                             prompt, gen, hash_head, chain_off, chain_val, uniq_base, ref, n_free, ev_blocks,
                             prefix_on, cfg[C_WATERMARK], bs, bsh)[0]:
                         all_decoding = False   # admission takes it: step normally
                     else:
+                        # vLLM's orders (static during a jump: no arrival inside it) with no shed rule and
+                        # no time-out: only the head decides the jump (it can only get further from
+                        # fitting), so the others are not looked at: a long blocked queue costs O(1)
+                        if hol_full and mode != MODE_SCORE and sm < 0.0 and max_wait < 0 and not dec_one:
+                            scan_only = hb
                         n_fit, lim_w, n_ev, dec_on, dec_base, dec_idle = _waiting_blocked(
                             c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val, uniq_base,
                             ref, n_free, ev_blocks, prefix_on, can_admit, cfg[C_WATERMARK], max_wait, sm, chunk_cap,
-                            ps, dec_one, bs, bsh, hol_full, w_hits)
+                            ps, dec_one, bs, bsh, hol_full, w_hits, scan_only)
                         hol = n_fit > 0
                         all_decoding = n_ev <= nb and (n_fit == 0 or hol_full)
                 hol_rescore = hol and score_inkernel and all_decoding and k_done >= k_min
@@ -1465,7 +1476,7 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                             n_fit, lim_w, n_ev, dec_on, dec_base, dec_idle = _waiting_blocked(
                                 c, nw, wait_ids, prompt, gen, arrival, t1, hash_head, chain_off, chain_val,
                                 uniq_base, ref, n_free, ev_blocks, prefix_on, can_admit, cfg[C_WATERMARK],
-                                max_wait, sm, chunk_cap, ps, dec_one, bs, bsh, hol_full, w_hits)
+                                max_wait, sm, chunk_cap, ps, dec_one, bs, bsh, hol_full, w_hits, scan_only)
                             if hol_rescore:   # their hits may have changed
                                 _waiting_statics(c, nw, wait_ids, w_hits, w_st, prompt, gen, est, mrl, theta[c], pid,
                                                  bs, bsh, chunk_cap, ps, u_p, u_d)
