@@ -229,7 +229,6 @@ class EngineRun(_Copies):
                                             stream_records=iteration_sink is not None)
         self._cfg_decide = self.cfg.copy()
         self._cfg_decide[:, K.C_DECIDE] = 1
-        self._max_iterations = np.array([c.max_iterations for c in self.configs], np.int64)
         R = A.arrival.shape[1]
         self.theta = np.zeros((C, N_THETA))
         self.shed_margin = np.full(C, -1.0)
@@ -254,7 +253,7 @@ class EngineRun(_Copies):
     @property
     def done(self) -> np.ndarray:
         A = self.arrays
-        return (A.n_ended >= A.n_req) | (A.it >= self._max_iterations)
+        return (A.n_ended >= A.n_req) | (A.it >= self.cfg[:, K.C_MAX_ITERS])
 
     def advance(self, until_ns=None, active=None, *, chunk_steps: int = 20_000, bar=None) -> int:
         """Run the ``active`` copies until each has ended or reached ``until_ns`` (scalar or [C]).
@@ -453,7 +452,7 @@ class EngineRun(_Copies):
         """Outcomes so far; requests still open at the iteration cap are marked ``unfinished``."""
         A = self.arrays
         R = A.arrival.shape[1]
-        capped = (A.it >= self._max_iterations)[:, None]
+        capped = (A.it >= self.cfg[:, K.C_MAX_ITERS])[:, None]
         unfinished = capped & (A.end_state == K.E_NONE) & (np.arange(R)[None, :] < A.n_req[:, None])
         A.end_state[unfinished] = K.E_UNFINISHED
         if self.record_sink is not None:

@@ -186,10 +186,15 @@ def make_cfg(profile: Profile, config: EngineConfig, mode: int, pid: int = 0,
     cfg[K.C_THRESHOLD] = config.threshold
     cfg[K.C_BUDGET_RULE] = config.guard[0]
     block_bytes = profile.block_size * profile.kv_bytes_per_token
-    cfg[K.C_HOST_BLOCKS] = int(config.swap_space_gib * 2**30 // block_bytes)
+    cfg[K.C_HOST_BLOCKS] = host_blocks(profile, config)
     # copy time at the profile's PCIe bandwidth: bytes / (GB/s) = ns, in ps per block
     cfg[K.C_SWAP_PS_PER_BLOCK] = int(round(block_bytes / profile.pcie_gb_per_s * 1000))
     return cfg
+
+
+def host_blocks(profile: Profile, config: EngineConfig) -> int:
+    """Host-memory blocks for swapped KV blocks: ``config.swap_space_gib`` at the profile's block bytes."""
+    return int(config.swap_space_gib * 2**30 // (profile.block_size * profile.kv_bytes_per_token))
 
 
 def copies_of(value, n: int, kind: type, what: str) -> list:
@@ -356,8 +361,6 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
     slot_free = np.zeros((C, slots), i64)
     for c in range(C):
         slot_free[c, :slots_c[c]] = np.arange(slots_c[c] - 1, -1, -1)
-    host_blocks = [int(e.swap_space_gib * 2**30 // (p.block_size * p.kv_bytes_per_token))
-                   for p, e in zip(profiles, configs)]
     rec = max(configs[0].record_iterations, 1)
     return K.EngineArrays(
         n_req=n_req, arrival=arrival, prompt=prompt, out_len=out_len, prio=prio, capped=capped, t1=t1, t2=t2, est=est,
@@ -380,7 +383,7 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
         iter_rec=z(C, rec, K.N_ITER_COLS),
         jump_ids=z(C, S), jump_off=z(C, bs + 1), emit_it=z(C, R, fill=-1),
         swapped=z(C, R), swap_ids=z(C, R), n_swap=z(C),
-        host_free=np.array(host_blocks, i64),
+        host_free=np.array([host_blocks(p, e) for p, e in zip(profiles, configs)], i64),
         epoch=z(C, K.N_EP),
     )
 
