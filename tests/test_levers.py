@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from tokenbatch_env.engine.flags import FLAGS_SUFFIX, LEVERS, check_levers, with_levers
+from tokenbatch_env.engine.levers import FLAGS_SUFFIX, LEVERS, check_levers, with_levers
 from tokenbatch_env.engine.state import EngineConfig
 from tokenbatch_env.errors import ConfigError
 

@@ -35,7 +35,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", default=None,
                    help='JSON file {"index": {IndexParams fields}, "shed_margin": x, "edf": {"shed_margin": y}, '
                         '"levers": {"edf+shed": {"max_num_batched_tokens": 512}}} (tokenbatch tune writes it); a row '
-                        'with levers runs with them, beside itself at the profile\'s flags')
+                        'with levers runs with them, beside itself at the profile\'s flags; a file tuned with '
+                        '--budget-rule tpot-guard adds the +tpot-guard rows with their own tuned parameters')
     p.add_argument("--max-traces", default=None, help="use only the first N traces (or windows)")
     p.add_argument("--bootstrap-seed", default="0", help="bootstrap seed (enters the evidence id)")
     p.add_argument("--bootstrap-b", default="10000", help="bootstrap resamples (default 10000, at least 100)")
@@ -102,7 +103,7 @@ def parse_policies(text: str) -> tuple:
 def config_from_args(args):
     from .engine.profiles import load_profile
     from .evaluate import BenchConfig
-    from .params import load_deployment, load_levers, load_params_file, load_weights
+    from .params import load_deployment, load_guard_params, load_levers, load_params_file, load_weights
 
     from .engine.flags import budget_overrides, engine_config, resolve_with_flags
     engine = engine_config(args)
@@ -115,6 +116,10 @@ def config_from_args(args):
         params, margins = load_params_file(args.params)
         kw.update(index_params=params, shed_margins=margins, params_source=args.params,
                   weights=load_weights(args.params), levers=load_levers(args.params))
+        tuned = load_guard_params(args.params)
+        if tuned is not None:   # tuned with the rule: its +tpot-guard rows (u, B_min: their own, else the flags')
+            kw.update(guard_index_params=tuned[0], guard_shed_margins=tuned[1])
+            kw.setdefault("tpot_guard", (0.0, 0.0))
         dep = load_deployment(args.params)
         if dep is not None:
             kw["params_deployment"] = dep

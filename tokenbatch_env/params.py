@@ -7,6 +7,7 @@ sections 6 and 7).
      "weights": {"w": {feature: weight}, "shed_margin": z},   # the weights policy
      "index-scheduled": IndexSchedule.to_dict(),              # the index-scheduled comparator
      "levers": {"<row label>": {flag: value}},                # tuned vLLM flags per row (section 11)
+     "tpot-guard": {"index": {...}, "shed_margin": x, ...},   # the +tpot-guard rows' own policy parameters
      "meta": {...}, "tuned": {...}, ...}                      # informational (PARAMS_INFO_KEYS)
 
 ``meta`` carries the units the parameters were tuned in (docs/design.md section 10): ``t_ref_mode``
@@ -23,9 +24,9 @@ from typing import Optional
 
 from .errors import ConfigError, PolicyError
 
-__all__ = ["LEVERS_KEY", "PARAMS_INFO_KEYS", "SCHEDULE_KEY", "T_REF_MODES", "check_row_levers", "deployment_of",
-           "deployment_warnings", "load_deployment", "load_levers", "load_params_file", "load_schedule", "load_weights",
-           "profile_sha256"]
+__all__ = ["GUARD_KEY", "LEVERS_KEY", "PARAMS_INFO_KEYS", "SCHEDULE_KEY", "T_REF_MODES", "check_row_levers",
+           "deployment_of", "deployment_warnings", "load_deployment", "load_guard_params", "load_levers",
+           "load_params_file", "load_schedule", "load_weights", "profile_sha256"]
 
 #: how a parameters file's T_ref is set (docs/design.md section 10, "Units travel with parameters"):
 #: "fixed" = the T_ref of the deployment it was tuned on, in the file; "trace" = the median T1 of the
@@ -38,6 +39,9 @@ PARAMS_INFO_KEYS = ("meta", "provenance", "source", "tuned", "comment")
 SCHEDULE_KEY = "index-scheduled"
 #: the params-file key of the rows' tuned levers (docs/design.md section 11): row label -> {flag: value}
 LEVERS_KEY = "levers"
+#: the params-file key of the ``<row>+tpot-guard`` rows' own policy parameters, tuned with u and B_min
+#: (docs/design.md section 11): the index's and the shed margins, in the top level's shape
+GUARD_KEY = "tpot-guard"
 
 
 def load_params_file(path: str, what: str = "--params") -> tuple:
@@ -45,7 +49,7 @@ def load_params_file(path: str, what: str = "--params") -> tuple:
     {"shed_margin": y}, ...}`` -> (IndexParams, ((policy, margin), ...)). ``shed_margin`` at top
     level is the index's; other policies' margins default to 0.0. ``what``: the option or field
     that gave the path, named in errors."""
-    from .policies import BASELINES, IndexParams, check_shed_margin
+    from .policies import BASELINES
 
     p = Path(path)
     if not p.is_file():
@@ -57,18 +61,39 @@ def load_params_file(path: str, what: str = "--params") -> tuple:
         raise ConfigError(f"{what} {path}: invalid JSON: {e}") from None
     if not isinstance(d, dict):
         raise ConfigError(f"{what} {path}: expected a JSON object")
-    valid = ["index", "shed_margin", *[b for b in BASELINES if b != "index"], SCHEDULE_KEY, LEVERS_KEY,
+    valid = ["index", "shed_margin", *[b for b in BASELINES if b != "index"], SCHEDULE_KEY, LEVERS_KEY, GUARD_KEY,
              *PARAMS_INFO_KEYS]
     unknown = sorted(k for k in d if k not in valid and not k.startswith("_"))
     if unknown:
         raise ConfigError(f"{what} {path}: unknown key(s) {unknown}; valid: {', '.join(valid)}")
+    params, margins = _policy_parameters(d, f"{what} {path}")
+    if GUARD_KEY in d:
+        g = d[GUARD_KEY]
+        gvalid = ["index", "shed_margin", *[b for b in BASELINES if b not in ("index", "weights")]]
+        if not isinstance(g, dict) or set(g) - set(gvalid):
+            raise ConfigError(f"{what} {path}: {GUARD_KEY!r} must be an object with keys among {', '.join(gvalid)}")
+        _policy_parameters(g, f"{what} {path}: {GUARD_KEY}")
+    if LEVERS_KEY in d:
+        try:
+            check_row_levers(d[LEVERS_KEY] if isinstance(d[LEVERS_KEY], dict) else ())
+        except ConfigError as e:
+            raise ConfigError(f"{what} {path}: {e}") from None
+        if not isinstance(d[LEVERS_KEY], dict):
+            raise ConfigError(f"{what} {path}: {LEVERS_KEY!r} must be an object: row label -> {{flag: value}}")
+    return params, margins
+
+
+def _policy_parameters(d: dict, where: str) -> tuple:
+    """The index's parameters and the shed margins of a parameters document (or of its ``GUARD_KEY``
+    part) -> (IndexParams, ((policy, margin), ...)); an error names ``where``."""
+    from .policies import BASELINES, IndexParams, check_shed_margin
     idx = d.get("index", {})
     if not isinstance(idx, dict):
-        raise ConfigError(f"{what} {path}: 'index' must be an object of IndexParams fields")
+        raise ConfigError(f"{where}: 'index' must be an object of IndexParams fields")
     try:
         params = IndexParams.from_dict(idx)
     except (TypeError, ValueError) as e:
-        raise PolicyError(f"{what} {path}: {e}") from None
+        raise PolicyError(f"{where}: {e}") from None
     margins = {}
 
     def margin(v, who):
@@ -77,7 +102,7 @@ def load_params_file(path: str, what: str = "--params") -> tuple:
         try:
             check_shed_margin(v)
         except PolicyError as e:
-            raise PolicyError(f"{what} {path}: {who}: {e}") from None
+            raise PolicyError(f"{where}: {who}: {e}") from None
         return float(v)
 
     if "shed_margin" in d:
@@ -88,18 +113,19 @@ def load_params_file(path: str, what: str = "--params") -> tuple:
         v = d[b]
         allowed = {"shed_margin", "w"} if b == "weights" else {"shed_margin"}
         if not isinstance(v, dict) or set(v) - allowed:
-            raise ConfigError(f"{what} {path}: {b!r} must be {{\"shed_margin\": x}}"
+            raise ConfigError(f"{where}: {b!r} must be {{\"shed_margin\": x}}"
                               + (" with optional \"w\": {feature: weight}" if b == "weights" else ""))
         if "shed_margin" in v:
             margins[b] = margin(v["shed_margin"], f"{b}.shed_margin")
-    if LEVERS_KEY in d:
-        try:
-            check_row_levers(d[LEVERS_KEY] if isinstance(d[LEVERS_KEY], dict) else ())
-        except ConfigError as e:
-            raise ConfigError(f"{what} {path}: {e}") from None
-        if not isinstance(d[LEVERS_KEY], dict):
-            raise ConfigError(f"{what} {path}: {LEVERS_KEY!r} must be an object: row label -> {{flag: value}}")
     return params, tuple(sorted(margins.items()))
+
+
+def load_guard_params(path: str, what: str = "--params"):
+    """The ``<row>+tpot-guard`` rows' own parameters in a ``--params`` file (its ``GUARD_KEY`` part,
+    tuned with u and B_min): (IndexParams, ((policy, margin), ...)), or None when it has none."""
+    load_params_file(path, what)
+    d = json.loads(Path(path).read_text())
+    return None if GUARD_KEY not in d else _policy_parameters(d[GUARD_KEY], f"{what} {path}: {GUARD_KEY}")
 
 
 def load_levers(path: str, what: str = "--params") -> tuple:
@@ -197,19 +223,22 @@ def check_row_levers(levers) -> tuple:
     """Rows' tuned levers (docs/design.md section 11; a dict or its items: row label -> {flag: value})
     as sorted, validated items. A levered row is a tuned row: ``<policy>``, ``<policy>+shed`` or
     ``fcfs``/``priority`` with the ``FLAGS_SUFFIX``."""
-    from .engine.flags import FLAGS_SUFFIX, check_levers
+    from .engine.levers import FLAGS_SUFFIX, GUARD_SUFFIX, check_levers
     from .policies import BASELINES
     items = dict(levers).items() if not isinstance(levers, dict) else levers.items()
     out = []
     for label, lv in sorted(items):
-        base = label[:-len(FLAGS_SUFFIX)] if label.endswith(FLAGS_SUFFIX) else label.removesuffix("+shed")
-        if base not in BASELINES or (label.endswith(FLAGS_SUFFIX) and base not in ("fcfs", "priority")) \
+        guard = label.endswith(GUARD_SUFFIX)
+        plain = label.removesuffix(GUARD_SUFFIX)
+        base = plain[:-len(FLAGS_SUFFIX)] if plain.endswith(FLAGS_SUFFIX) else plain.removesuffix("+shed")
+        if base not in BASELINES or (plain.endswith(FLAGS_SUFFIX) and (base not in ("fcfs", "priority") or guard)) \
                 or label in ("fcfs", "priority"):   # (vLLM's rows at the profile's flags: the reference rows)
             raise ConfigError(f"levers: {label!r} is not a row with levers: <policy> (not fcfs or priority), "
-                              f"<policy>+shed, fcfs{FLAGS_SUFFIX} or priority{FLAGS_SUFFIX}")
+                              f"<policy>+shed, either with {GUARD_SUFFIX}, fcfs{FLAGS_SUFFIX} or "
+                              f"priority{FLAGS_SUFFIX}")
         if not isinstance(lv, (dict, tuple)):
             raise ConfigError(f"levers[{label!r}]: expected an object {{flag: value}}, got {lv!r}")
-        lv = check_levers(dict(lv), f"levers[{label!r}]")
+        lv = check_levers(dict(lv), f"levers[{label!r}]", guard=guard)
         if lv:
             out.append((label, lv))
     return tuple(out)

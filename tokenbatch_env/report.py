@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .engine.levers import GUARD_SUFFIX
+
 JSON_NAME, MD_NAME, META_NAME = "report.json", "report.md", "run_meta.json"
 PNG_GOODPUT, PNG_TTFT = "goodput_vs_load.png", "ttft_cdf.png"
 #: a report's files, in the order they move into place (the JSON last)
@@ -215,7 +217,7 @@ def lever_lines(entry: dict) -> list:
     same row at the profile's flags, paired."""
     out = []
     for d in entry["rows"]:
-        if "levers" not in d:
+        if "profile_flags_row" not in d:
             continue
         flags = ", ".join(f"--{k.replace('_', '-')} {'off' if v == 0 else v}" for k, v in sorted(d["levers"].items()))
         gain = d["vs"].get(d["profile_flags_row"])
@@ -233,12 +235,12 @@ def guard_lines(entry: dict) -> list:
     for d in entry["rows"]:
         if "tpot_guard" not in d:
             continue
-        base = d["label"].removesuffix("+tpot-guard")
+        base = d["label"].removesuffix(GUARD_SUFFIX)
         gain = d["vs"].get(base)
         before = next((x.get("tpot_only_missed", "-") for x in entry["rows"] if x["label"] == base), "-")
         flags = ""
-        if "levers" in d:
-            flags = f" (tuned flags: B {d['levers'].get('max_num_batched_tokens', '-')})"
+        if "max_num_batched_tokens" in d.get("levers", {}):
+            flags = f" (tuned flags: B {d['levers']['max_num_batched_tokens']})"
         out.append([d["label"], f"u {d['tpot_guard']['u']:g}, B_min {d['tpot_guard']['bmin']:g}{flags}", _diff(gain),
                     _f(gain["win_rate"], 2) if gain else "-", f"{before} -> {d.get('tpot_only_missed', '-')}"])
     return out

@@ -16,6 +16,12 @@ What it does
   ``max_num_seqs`` and ``long_prefill_token_threshold`` (``suggest_levers``, ranges
   ``TuneConfig.lever_space``: up to the profile's B_max), the trial config's ``"engine"``; the rows
   ``FLAGS_ROWS`` (FCFS and priority) tune only them. Loads and SLOs stay at the profile's flags.
+* **The tpot-guard budget rule** (docs/design.md section 11, ``budget_rule="tpot-guard"`` /
+  ``--budget-rule tpot-guard``): the index's and each baseline's +shed row get a twin study
+  ``<row>+tpot-guard`` that runs with the rule and tunes its u in [-0.5, 2] and B_min in [0, 1]
+  with the rest (the levers' ``"engine"``), with the same trial budget; the parameters file keeps
+  their policy parameters under ``"tpot-guard"`` and their levers (u and B_min included) under
+  ``"levers"``, and the test report runs every row with and without the rule.
 * **Comparators** (docs/design.md section 8, on by default, ``comparators=False`` /
   ``--no-comparators`` to skip): ``<name>.weights+shed`` tunes the ``weights`` policy (8 weights in
   ``policies.WEIGHT_RANGE`` over ``engine.scoring.LINEAR_FEATURES`` and the shed margin; warm
@@ -77,7 +83,7 @@ from typing import Optional
 import numpy as np
 
 from .config_cli import option
-from .engine.flags import FLAGS_SUFFIX
+from .engine.levers import FLAGS_SUFFIX, GUARD_LEVERS, GUARD_SUFFIX
 from .errors import ConfigError, TokenBatchError
 from .policies import policy_names
 from .util import NATIVE, available_cores, canonical_json, parse_loads, split_native
@@ -86,6 +92,7 @@ from .util import NATIVE, available_cores, canonical_json, parse_loads, split_na
 TUNABLE_BASELINES = policy_names(tuned="margin")   # the registry's rows whose shed margin is tuned
 DEFAULT_BASELINES = ("edf", "sjf", "llf")
 SAMPLERS = ("tpe", "cmaes", "random")
+BUDGET_RULES = ("none", "tpot-guard")
 PRUNERS = ("none", "median")
 INDEX_ROW = "index+shed"
 WEIGHTS_ROW = "weights+shed"         # comparator: tuned constant weights (weights-static)
@@ -197,6 +204,10 @@ class TuneConfig:
         True, "do not tune vLLM's iteration-size flags (max_num_batched_tokens, max_num_seqs, "
         "long_prefill_token_threshold) with each row's parameters, and leave out the rows 'fcfs (tuned vLLM flags)' "
         "and 'priority (tuned vLLM flags)': every row runs at the profile's flags", flags=("--no-levers",), sets=False)
+    budget_rule: str = option(
+        "none", "none (default) or tpot-guard: also tune a <row>+tpot-guard twin of the index's and each baseline's "
+        "+shed row, with the rule's u and B_min in its search space and the same trial budget (docs/design.md "
+        "section 11)", metavar="RULE")
 
     def __post_init__(self):
         from .policies import BASELINES
@@ -267,6 +278,8 @@ class TuneConfig:
             from .agents.load import agent_labels
             agent_labels(ag)   # (distinct agents, distinct labels)
         set_("agents", ag)
+        if self.budget_rule not in BUDGET_RULES:
+            raise ConfigError(f"budget_rule: unknown {self.budget_rule!r}; valid: {', '.join(BUDGET_RULES)}")
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"sampler: unknown {self.sampler!r}; valid: {', '.join(SAMPLERS)}")
         if self.pruner not in PRUNERS:
@@ -306,10 +319,14 @@ class TuneConfig:
 
     @property
     def rows(self) -> tuple:
-        """The tuned rows, in turn order: the index first, then each baseline's +shed row, FCFS and
-        priority with tuned vLLM flags (``levers``), then (with ``comparators``) weights+shed and the
-        index-scheduled bucket studies (low load first)."""
-        rows = (INDEX_ROW, *[f"{b}+shed" for b in self.baselines], *(FLAGS_ROWS if self.levers else ()))
+        """The tuned rows, in turn order: the index first, then each baseline's +shed row, with
+        ``budget_rule`` tpot-guard their +tpot-guard twins, FCFS and priority with tuned vLLM flags
+        (``levers``), then (with ``comparators``) weights+shed and the index-scheduled bucket studies
+        (low load first)."""
+        rows = (INDEX_ROW, *[f"{b}+shed" for b in self.baselines])
+        if self.budget_rule == "tpot-guard":
+            rows += tuple(r + GUARD_SUFFIX for r in rows)
+        rows += FLAGS_ROWS if self.levers else ()
         if self.comparators:
             rows += (WEIGHTS_ROW, *self.bucket_rows)
         return rows
@@ -352,6 +369,8 @@ class TuneConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        if self.budget_rule == "none":   # (absent, as before the rule existed: the same evidence ids)
+            del d["budget_rule"]
         d["loads"], d["eval_loads"], d["baselines"] = list(self.loads), list(self.eval_loads), list(self.baselines)
         return d
 
@@ -384,16 +403,22 @@ class TuneConfig:
     def lever_space(self, row: str) -> Optional[dict]:
         """The row's lever ranges (docs/design.md section 11), None for a row without levers (the
         index-scheduled buckets: its controller switches parameters mid-run, the flags are static):
-        ``{lever: [lo, hi, reference]}``, bounded by the profile's B_max and max_num_seqs; the
-        reference is the profile's own setting (threshold: off)."""
-        if not self.levers or row.startswith(BUCKET_PREFIX):
+        ``{lever: [lo, hi, reference]}``: vLLM's flags (with ``levers``), bounded by the profile's
+        B_max and max_num_seqs, the reference the profile's own setting (threshold: off); for a
+        +tpot-guard row also u and B_min in their ranges, the reference the rule's defaults (0, 0)."""
+        if row.startswith(BUCKET_PREFIX):
             return None
-        from .engine.profiles import load_profile
-        prof = load_profile(self.profile)
-        b_max = prof.budget_max
-        return {"max_num_batched_tokens": [min(LEVER_MIN_BUDGET, b_max), b_max, prof.max_num_batched_tokens],
-                "max_num_seqs": [min(LEVER_MIN_SEQS, prof.max_num_seqs), prof.max_num_seqs, prof.max_num_seqs],
-                "long_prefill_token_threshold": [min(LEVER_MIN_THRESHOLD, b_max), b_max, 0]}
+        space = {}
+        if self.levers:
+            from .engine.profiles import load_profile
+            prof = load_profile(self.profile)
+            b_max = prof.budget_max
+            space = {"max_num_batched_tokens": [min(LEVER_MIN_BUDGET, b_max), b_max, prof.max_num_batched_tokens],
+                     "max_num_seqs": [min(LEVER_MIN_SEQS, prof.max_num_seqs), prof.max_num_seqs, prof.max_num_seqs],
+                     "long_prefill_token_threshold": [min(LEVER_MIN_THRESHOLD, b_max), b_max, 0]}
+        if row.endswith(GUARD_SUFFIX):
+            space.update({k: [lo, hi, 0.0] for k, (lo, hi) in GUARD_LEVERS.items()})
+        return space or None
 
 
 # ------------------------------------------------------------------------------------ search space
@@ -433,8 +458,9 @@ def suggest_weights(trial) -> dict:
 
 
 def row_kind(row: str) -> str:
-    """'index' (index+shed and the index-scheduled bucket studies), 'weights', 'flags' (FCFS or
-    priority with tuned vLLM flags only) or 'margin'."""
+    """'index' (index+shed, its +tpot-guard twin and the index-scheduled bucket studies), 'weights',
+    'flags' (FCFS or priority with tuned vLLM flags only) or 'margin'."""
+    row = row.removesuffix(GUARD_SUFFIX)
     if row == INDEX_ROW or row.startswith(BUCKET_PREFIX):
         return "index"
     if row in FLAGS_ROWS:
@@ -444,10 +470,13 @@ def row_kind(row: str) -> str:
 
 def suggest_levers(trial, space: dict) -> dict:
     """vLLM's three iteration-size flags (docs/design.md section 11), log-uniform integers in the
-    row's ``space`` (``TuneConfig.lever_space``). As vLLM requires, max_num_seqs <= the budget (the
-    drawn value is capped at it); a threshold at or above the budget changes nothing and is written
-    as off (0)."""
-    lv = {k: trial.suggest_int(k, lo, hi, log=True) for k, (lo, hi, _) in space.items()}
+    row's ``space`` (``TuneConfig.lever_space``), and a +tpot-guard row's u and B_min, uniform. As
+    vLLM requires, max_num_seqs <= the budget (the drawn value is capped at it); a threshold at or
+    above the budget changes nothing and is written as off (0)."""
+    lv = {k: trial.suggest_float(k, lo, hi) if k in GUARD_LEVERS else trial.suggest_int(k, lo, hi, log=True)
+          for k, (lo, hi, _) in space.items()}
+    if "max_num_batched_tokens" not in lv:
+        return lv
     B = lv["max_num_batched_tokens"]
     lv["max_num_seqs"] = min(lv["max_num_seqs"], B)
     if lv["long_prefill_token_threshold"] >= B:
@@ -471,19 +500,26 @@ def suggest_config(row: str, trial, space: Optional[dict] = None) -> dict:
 
 
 def reference_levers(space: dict) -> dict:
-    """The optuna params of the profile's own flags (threshold off: drawn at the top of its range)."""
-    return {k: (ref if ref > 0 else hi) for k, (lo, hi, ref) in space.items()}
+    """The optuna params of the profile's own flags (threshold off: drawn at the top of its range)
+    and of the tpot-guard rule's defaults."""
+    return {k: (ref if ref > 0 or k in GUARD_LEVERS else hi) for k, (lo, hi, ref) in space.items()}
 
 
 def warm_starts(row: str, space: Optional[dict] = None) -> list:
     """Trials enqueued first in a new study (part of its budget). With a lever ``space``: each
     policy warm start at the profile's flags, then the first one with a quarter of the budget (where
     TPOT binds, the iteration's size decides most); a flags row: the profile's flags, a quarter of
-    the budget, and the budget with a threshold of a quarter of it."""
+    the budget, and the budget with a threshold of a quarter of it. A +tpot-guard row's warm starts
+    run the rule at its defaults, and the last one has B_min 1 (the rule never lowers the budget:
+    the first warm start of the row without it)."""
     base = _policy_warm_starts(row)
     if space is None:
         return base
     ref = reference_levers(space)
+    if row.endswith(GUARD_SUFFIX):
+        return warm_starts(row.removesuffix(GUARD_SUFFIX), space) + [{**base[0], **ref, "budget_bmin": 1.0}]
+    if "max_num_batched_tokens" not in space:
+        return [{**ws, **ref} for ws in base]
     lo_b, hi_b = space["max_num_batched_tokens"][:2]
     quarter = {**ref, "max_num_batched_tokens": max(lo_b, ref["max_num_batched_tokens"] // 4)}
     if row_kind(row) == "flags":
@@ -820,10 +856,11 @@ class TrainObjective:
         est = [est[i] for i in idx]
         wl, prof, eng = self.wl, self.profile, self.bench_config.engine
         kind = row_kind(row)
+        row = row.removesuffix(GUARD_SUFFIX)   # (a +tpot-guard row: the rule is in its levers)
         # each config's levers (docs/design.md section 11): the k configs' copies in one batch
         engines = None
         if any("engine" in c for c in configs):
-            from .engine.flags import with_levers
+            from .engine.levers import with_levers
             engines = [with_levers(eng, c.get("engine")) for c in configs]
         from .evaluate import evaluate_param_vectors
         if kind in ("margin", "flags"):
@@ -1192,6 +1229,19 @@ def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_
             notes[b] = "no completed trial: shed margin left at the default 0.0"
             continue
         doc[b] = {"shed_margin": best["config"]["shed_margin"]}
+    if cfg.budget_rule == "tpot-guard":   # the +tpot-guard rows' own parameters (their u and B_min: levers)
+        from .params import GUARD_KEY
+        guard = {}
+        best = summaries[INDEX_ROW + GUARD_SUFFIX]["best"]
+        if best is None:
+            notes[INDEX_ROW + GUARD_SUFFIX] = "no completed trial: the rule's rows use index+shed's parameters"
+        else:
+            guard.update(index=dict(best["config"]["index"]), shed_margin=best["config"]["shed_margin"])
+        for b in cfg.baselines:
+            best = summaries[f"{b}+shed{GUARD_SUFFIX}"]["best"]
+            if best is not None:
+                guard[b] = {"shed_margin": best["config"]["shed_margin"]}
+        doc[GUARD_KEY] = guard
     if cfg.comparators:
         best = summaries[WEIGHTS_ROW]["best"]
         if best is None:
@@ -1282,7 +1332,7 @@ def tuning_markdown(data: dict, bench_md: str) -> str:
           f"- budget: {cfg['trials']} trials per study, k = {cfg['k']} trials per engine run, sampler "
           f"{cfg['sampler']} (seed {cfg['seed']}), pruner {cfg['pruner']}",
           "- the baselines' shed margins get the same budget; aging is not implemented (no aging baseline)",
-          *lever_lines(cfg),
+          *lever_lines(cfg), *guard_lines(cfg),
           *comparator_lines(cfg, data.get("index_scheduled_in_test", False)),
           f"- objective evidence id `{data['objective_evidence_id']}`", ""]
     L += ["| row | study | trials (by state) | best trial | train goodput | best config |", "|---|---|---|---|---|---|"]
@@ -1310,6 +1360,16 @@ def lever_lines(cfg: dict) -> list:
             "max_num_seqs; load and SLOs stay at the profile's flags), with the same trial budget; "
             f"{' and '.join(FLAGS_ROWS)} tune only the flags. The test report runs each levered row beside "
             "itself at the profile's flags"]
+
+
+def guard_lines(cfg: dict) -> list:
+    """The report's line on the tpot-guard budget rule (docs/design.md section 11)."""
+    if cfg.get("budget_rule", "none") == "none":
+        return []
+    return [f"- tpot-guard: the index's and each baseline's +shed row have a {GUARD_SUFFIX} twin tuned with the "
+            "rule's u in [-0.5, 2] and B_min in [0, 1] beside their other parameters, with the same trial budget "
+            "(warm starts: the row's at the rule's defaults u 0, B_min 0, and one with B_min 1, the rule off). The "
+            f"test report runs every row also with the rule (rows without tuned values at u 0, B_min 0)"]
 
 
 def comparator_lines(cfg: dict, in_test: bool) -> list:
@@ -1345,7 +1405,7 @@ def run_tuning(cfg: TuneConfig) -> dict:
     from . import __version__
     from ._io import check_writable, write_text_atomic, write_with
     from .evaluate import BenchConfig, run_benchmark
-    from .params import load_levers, load_params_file, load_schedule, load_weights
+    from .params import load_guard_params, load_levers, load_params_file, load_schedule, load_weights
     from .report import report_json
 
     t0 = time.time()
@@ -1390,6 +1450,9 @@ def run_tuning(cfg: TuneConfig) -> dict:
     if cfg.comparators:
         extra["weights"] = load_weights(str(params_path))
         extra["schedule"] = load_schedule(str(params_path))
+    guard = load_guard_params(str(params_path))
+    if guard is not None:   # every row also with the rule; the tuned ones with their own parameters
+        extra.update(tpot_guard=(0.0, 0.0), guard_index_params=guard[0], guard_shed_margins=guard[1])
     if cfg.agents:
         from .agents.load import agent_labels, agent_spec
         extra["controllers"] = tuple(agent_spec(a, label=lab, option="agents:")

@@ -78,7 +78,7 @@ def judge(name: str, rep: dict, wall_s: float) -> dict:
     ref = rows[twin] if twin else rows[best_base]
     levers = {lab: {"levers": d["levers"], "with": d["goodput"]["mean"],
                     "without": rows[d["profile_flags_row"]]["goodput"]["mean"], "gain": d["vs"][d["profile_flags_row"]]}
-              for lab, d in rows.items() if "levers" in d}
+              for lab, d in rows.items() if "profile_flags_row" in d}
     return {"cell": name, "rho": entry["rho"], "windows": test["workload"]["units"],
             "tpot_only_share": ref["tpot_only_missed"] / ref["arrived"],
             "tpot_binds": ref["tpot_only_missed"] / ref["arrived"] >= TPOT_BINDS,

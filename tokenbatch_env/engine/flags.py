@@ -118,35 +118,3 @@ def resolve_with_flags(config, profile, args):
                           f"{out.max_num_seqs}; vLLM requires max_num_batched_tokens >= max_num_seqs (give "
                           "--max-num-seqs too)")
     return out
-
-
-# ---------------------------------------------------------------------------------- levers
-#: vLLM's iteration-size flags, the levers a tuned row may choose (docs/design.md section 11)
-LEVERS = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold")
-#: the label suffix of FCFS's and priority's rows with tuned levers ("what an engineer can do today
-#: with vLLM's own flags")
-FLAGS_SUFFIX = " (tuned vLLM flags)"
-#: the label suffix of a levered row's twin run at the profile's flags
-PROFILE_FLAGS_SUFFIX = " (profile flags)"
-
-
-def check_levers(levers, what: str) -> tuple:
-    """``{lever: value}`` -> its sorted items, validated: known levers, integers (>= 1; a threshold
-    >= 0, 0 = off). A bad entry is one line naming ``what`` and the lever."""
-    if not isinstance(levers, dict):
-        raise ConfigError(f"{what}: expected an object of levers ({', '.join(LEVERS)}), got {levers!r}")
-    out = []
-    for k, v in sorted(levers.items()):
-        if k not in LEVERS:
-            raise ConfigError(f"{what}: unknown lever {k!r}; valid: {', '.join(LEVERS)}")
-        lo = 0 if k == "long_prefill_token_threshold" else 1
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ConfigError(f"{what}: {k} must be an integer >= {lo}, got {v!r}")
-        out.append((k, int(v)))
-    return tuple(out)
-
-
-def with_levers(config, levers):
-    """``config`` (an ``EngineConfig``) with a row's levers (``{lever: value}`` or its items) set."""
-    levers = dict(levers or ())
-    return dataclasses.replace(config, **levers) if levers else config

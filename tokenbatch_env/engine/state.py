@@ -81,7 +81,8 @@ class EngineConfig:
             raise ConfigError(f"long_prefill_token_threshold must be an integer >= 0 (0: off) or None, got {t!r}")
         if self.budget_rule is not None and self.budget_rule not in K.BUDGET_RULES:
             raise ConfigError(f"budget_rule: unknown {self.budget_rule!r}; valid: {', '.join(K.BUDGET_RULES)}")
-        for f, lo, hi in (("budget_u", -0.5, 2.0), ("budget_bmin", 0.0, 1.0)):
+        from .levers import GUARD_LEVERS
+        for f, (lo, hi) in GUARD_LEVERS.items():
             v = getattr(self, f)
             if v is None:
                 continue

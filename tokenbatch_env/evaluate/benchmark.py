@@ -12,14 +12,14 @@ from typing import Optional
 
 import numpy as np
 
-from ..engine.flags import FLAGS_SUFFIX
+from ..engine.levers import FLAGS_SUFFIX
 from ..errors import ConfigError
 from ..workload import prepare_workload
 from .config import BASELINE_ROWS, GUARD_SUFFIX, PRIMARY_LOAD, PRIMARY_SPLIT, SHED_SUFFIX, BenchConfig
 from .definitions import DEFINITIONS
 from .evidence import evidence_id, evidence_inputs, num_or_str
 from .outcomes import pooled_metrics, prompt_quintile_edges, request_outcomes, unit_metrics
-from .rows import CONTROL_COMPARATORS, CONTROLLED, build_rows, is_primary_suite, run_row
+from .rows import CONTROL_COMPARATORS, CONTROLLED, build_rows, is_primary_suite, row_guard, run_row
 from .slo_capacity import capacity_summary, row_capacity
 
 
@@ -220,13 +220,16 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                 vs += tuple(x.label for x in rows if (x.label.endswith(SHED_SUFFIX) or x.label.endswith(FLAGS_SUFFIX))
                             and x.label not in vs)
             if r.guard:   # the rule's gain: against the same row without it
-                d["tpot_guard"] = {"u": cfg.tpot_guard[0], "bmin": cfg.tpot_guard[1]}
+                u, bmin = row_guard(r, cfg)
+                d["tpot_guard"] = {"u": u, "bmin": bmin}
                 vs += (r.label[:-len(GUARD_SUFFIX)],)
             if r.label == "index" + SHED_SUFFIX + GUARD_SUFFIX:   # against every other shed row with the rule
                 vs += tuple(x.label for x in rows if x.label.endswith(SHED_SUFFIX + GUARD_SUFFIX)
                             and x.label not in vs)
+            if r.levers:
+                d["levers"] = dict(r.levers)
             if r.levers and r.twin:   # the levers' gain: against the same row at the profile's flags
-                d["levers"], d["profile_flags_row"] = dict(r.levers), r.twin
+                d["profile_flags_row"] = r.twin
                 vs += (r.twin,)
             d["vs"] = {b: _paired(g, unit_good[b][li], cfg, block) for b in vs if b != r.label and b in unit_good}
             if ub_mean is not None:

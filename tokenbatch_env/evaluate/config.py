@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..engine.levers import GUARD_SUFFIX  # noqa: F401  (the label suffix of a +tpot-guard row)
 from ..errors import ConfigError, PolicyError
 
 DEFAULT_LOADS = (0.6, 0.8, 1.0, 1.2, 1.5, 2.0)
@@ -16,7 +17,6 @@ DEFAULT_POLICIES = ("fcfs", "sjf", "edf", "llf", "index")
 BASELINE_ROWS = ("fcfs", "edf+shed")
 PRIMARY_SUITE, PRIMARY_SPLIT, PRIMARY_LOAD = "seed-200", "test", 1.2
 SHED_SUFFIX = "+shed"
-GUARD_SUFFIX = "+tpot-guard"
 
 
 def _finite_pos(x, what: str) -> float:
@@ -81,6 +81,8 @@ class BenchConfig:
     params_deployment: Optional[dict] = None    # the deployment its parameters were tuned on (warnings)
     levers: tuple = ()                          # ((row label, ((flag, value), ...)), ...): tuned levers
     tpot_guard: Optional[tuple] = None          # (u, B_min): a <row>+tpot-guard row beside every policy row
+    guard_index_params: object = None           # IndexParams of index+tpot-guard rows (None: index_params)
+    guard_shed_margins: Optional[tuple] = None  # ((policy, margin), ...) of +tpot-guard rows (None: shed_margins)
 
     def __post_init__(self):
         from ..engine.state import EngineConfig
@@ -117,12 +119,17 @@ class BenchConfig:
             raise ConfigError("loads: need at least one rho > 0")
         set_("loads", tuple(sorted(set(loads))))
         from ..policies import check_shed_margin
-        sm = dict(self.shed_margins)
-        for p, m in sm.items():
-            if p not in BASELINES:
-                raise PolicyError(f"shed margin for unknown policy {p!r}; valid: {', '.join(BASELINES)}")
-            check_shed_margin(m)
-        set_("shed_margins", tuple(sorted(sm.items())))
+        for f in ("shed_margins", "guard_shed_margins"):
+            if getattr(self, f) is None:
+                continue
+            sm = dict(getattr(self, f))
+            for p, m in sm.items():
+                if p not in BASELINES:
+                    raise PolicyError(f"shed margin for unknown policy {p!r}; valid: {', '.join(BASELINES)}")
+                check_shed_margin(m)
+            set_(f, tuple(sorted(sm.items())))
+        if self.guard_index_params is not None and not isinstance(self.guard_index_params, IndexParams):
+            raise ConfigError("guard_index_params must be an IndexParams")
         from ..control import ControlSpec
         from ..policies import IndexSchedule
         if self.schedule is not None and not isinstance(self.schedule, IndexSchedule):
@@ -181,8 +188,9 @@ class BenchConfig:
                 raise ConfigError(f"tpot_guard: expected (u, B_min), got {self.tpot_guard!r}") from None
             set_("tpot_guard", (float(u), float(bmin)))
 
-    def shed_margin(self, policy: str) -> float:
-        """The +shed row's margin for ``policy`` (default 0.0)."""
-        return float(dict(self.shed_margins).get(policy, 0.0))
+    def shed_margin(self, policy: str, guard: bool = False) -> float:
+        """The +shed row's margin for ``policy`` (default 0.0); ``guard``: of its +tpot-guard row."""
+        sm = self.guard_shed_margins if guard and self.guard_shed_margins is not None else self.shed_margins
+        return float(dict(sm).get(policy, 0.0))
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..util import canonical_json
 from .config import BenchConfig
-from .rows import CONTROLLED, control_specs
+from .rows import CONTROLLED, control_specs, row_guard, row_index_params
 
 
 def num_or_str(x):
@@ -33,9 +33,10 @@ def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
         if r.levers:
             d["levers"] = dict(r.levers)
         if r.guard:
-            d["budget_rule"] = {"rule": "tpot-guard", "u": cfg.tpot_guard[0], "bmin": cfg.tpot_guard[1]}
+            u, bmin = row_guard(r, cfg)
+            d["budget_rule"] = {"rule": "tpot-guard", "u": u, "bmin": bmin}
         if r.policy == "index":
-            d["index_params"] = dataclasses.asdict(cfg.index_params)
+            d["index_params"] = dataclasses.asdict(row_index_params(r, cfg))
             d["t_ref_ms"] = wl.t_ref_ms
         if r.policy == "weights":
             d["weights"] = cfg.weights.to_dict()["w"]

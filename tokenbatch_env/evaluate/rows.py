@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..engine.flags import FLAGS_SUFFIX, PROFILE_FLAGS_SUFFIX, with_levers
+from ..engine.levers import FLAGS_SUFFIX, PROFILE_FLAGS_SUFFIX, with_levers
 from .config import GUARD_SUFFIX, PRIMARY_SUITE, SHED_SUFFIX, BenchConfig
 
 
@@ -23,6 +23,7 @@ class Row:
     levers: tuple = ()               # its tuned iteration-size levers ((flag, value), ...; docs/design.md s. 11)
     twin: Optional[str] = None       # a levered row: the label of the same row at the profile's flags
     guard: bool = False              # runs with the tpot-guard budget rule (``BenchConfig.tpot_guard``)
+    index_params: object = None      # a +tpot-guard index row's own IndexParams (None: the config's)
 
 
 def build_rows(cfg: BenchConfig) -> list:
@@ -59,7 +60,11 @@ def build_rows(cfg: BenchConfig) -> list:
         for r in list(rows):
             if r.label.endswith(PROFILE_FLAGS_SUFFIX):
                 continue
-            rows.append(dataclasses.replace(r, label=r.label + GUARD_SUFFIX, added=True, guard=True, twin=None))
+            label = r.label + GUARD_SUFFIX   # its own tuned parameters and levers when it has them
+            rows.append(dataclasses.replace(
+                r, label=label, added=True, guard=True, twin=None, levers=levers.get(label, r.levers),
+                shed_margin=None if r.shed_margin is None else cfg.shed_margin(r.policy, guard=True),
+                index_params=cfg.guard_index_params if r.policy == "index" else None))
     for policy in ("fcfs", "priority"):   # vLLM's own orders with tuned flags
         label = policy + FLAGS_SUFFIX
         if label in levers:
@@ -96,17 +101,30 @@ def run_row(row: Row, wl, traces: list, est: list, profile, cfg: BenchConfig):
         spec = next(s for s in control_specs(cfg) if s.label == row.label)
         return run_controlled(traces, profile, cfg.engine, spec, estimates=est, residual_life=wl.residual_life,
                               t_ref_ms=wl.t_ref_ms, lambda_sat=wl.lambda_sat)
-    pol = engine_policy(row.policy, params=cfg.index_params if row.policy == "index" else None,
+    pol = engine_policy(row.policy, params=row_index_params(row, cfg) if row.policy == "index" else None,
                         weights=cfg.weights, shed_margin=row.shed_margin, t_ref_ms=wl.t_ref_ms)
     # (``profile`` is resolved with ``cfg.engine`` already; resolving again with the row's levers on top
     # changes only what they set)
     return simulate(traces, profile, pol, row_engine(row, cfg), estimates=est, residual_life=wl.residual_life)
 
 
+def row_index_params(row: Row, cfg: BenchConfig):
+    """The IndexParams an index row runs with: its own (a tuned +tpot-guard row) or the config's."""
+    return row.index_params if row.index_params is not None else cfg.index_params
+
+
+def row_guard(row: Row, cfg: BenchConfig) -> Optional[tuple]:
+    """(u, B_min) of a +tpot-guard row: its tuned levers', else the benchmark's; None for other rows."""
+    if not row.guard:
+        return None
+    lv = dict(row.levers)
+    return (lv.get("budget_u", cfg.tpot_guard[0]), lv.get("budget_bmin", cfg.tpot_guard[1]))
+
+
 def row_engine(row: Row, cfg: BenchConfig):
     """The engine configuration a row runs with: the benchmark's, its tuned levers, its budget rule."""
     engine = with_levers(cfg.engine, row.levers)
     if row.guard:
-        u, bmin = cfg.tpot_guard
+        u, bmin = row_guard(row, cfg)
         engine = dataclasses.replace(engine, budget_rule="tpot-guard", budget_u=u, budget_bmin=bmin)
     return engine
