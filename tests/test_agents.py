@@ -422,3 +422,22 @@ def test_tokenbatch_train_and_evaluate_agent_commands(trained, tmp_path, capsys)
     cap = capsys.readouterr()
     assert "tokenbatch: warning: ppo:best was trained on seed-200/train" in cap.err
     assert f"wrote {tmp_path / 'e'}/" in cap.out and (tmp_path / "e" / "agent_vs.json").is_file()
+
+
+def test_v1_agent_trains_and_its_controller_sets_the_budget(tmp_path):
+    """``--tpot-guard`` trains on TokenBatch-v1 (the set extractor takes its TPOT state); the saved agent's
+    controller returns (theta, margin, (u, B_min)) within the rule's ranges around the base (0, 1)."""
+    from tokenbatch_env.agents.load import agent_spec
+    from tokenbatch_env.envs import TokenBatchVectorEnv
+    out = tmp_path / "run"
+    assert train_ppo.main(TINY + ["--timesteps", "256", "--eval-every", "256", "--out", str(out), "--tpot-guard",
+                                  "--policy", "set"]) == 0
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    assert cfg["env"]["tpot_guard"] is True
+    spec = agent_spec(str(out / "final"))
+    assert spec.guard == (0.0, 1.0)
+    env = TokenBatchVectorEnv(3, **{k: v for k, v in cfg["env"].items() if k != "rho"})
+    obs, _ = env.reset(seed=0)
+    theta, margin, (u, b) = spec.make(1000.0)(obs)
+    assert theta.shape == (3, 9) and margin.shape == (3,)
+    assert ((-0.5 <= u) & (u <= 2.0)).all() and ((0.0 <= b) & (b <= 1.0)).all()

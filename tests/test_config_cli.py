@@ -209,14 +209,14 @@ SCRIPT_FLAGS = {
         "-h --help --suite --train-split --test-split --profile --loads --eval-loads --trials --n-trials --k "
         "--max-train-traces --max-test-traces --timeout --sampler --pruner --seed --baselines --storage "
         "--study-name --workers --threads --out --bootstrap-b --no-warm-start --no-comparators --agent --quiet "
-        "--trace --format --windows --warmup --cooldown --rate-scale --val-top --slo-rule --no-levers"),
+        "--trace --format --windows --warmup --cooldown --rate-scale --val-top --slo-rule --no-levers --budget-rule"),
     "agents/train_ppo.py": (
         "tokenbatch_env.agents.train",
         "-h --help --suite --split --val-split --profile --rho --action-mode --policy --base-params --window "
         "--warmup --cooldown --decision-interval-ms --k --reward-mode --shed-action --no-shed-action --n-envs "
         "--timesteps --n-steps --batch-size --n-epochs --learning-rate --gamma --gae-lambda --clip-range "
         "--ent-coef --log-std-init --net-arch --normalize --no-normalize --eval-every --eval-traces --eval-loads "
-        "--seed --out --progress --no-progress"),
+        "--seed --out --progress --no-progress --tpot-guard --no-tpot-guard"),
     "agents/evaluate_agent.py": (
         "tokenbatch_env.agents.evaluate",
         "-h --help --model --params --suite --split --loads --max-traces --bootstrap-b --seed --out --pool "

@@ -982,9 +982,10 @@ def test_without_the_shed_action_the_margin_stays_at_the_base(mode):
     assert np.array_equal(theta, np.tile(short.core.theta_star, (2, 1))) and (margin == short.core.base_margin).all()
     with pytest.raises(ActionError, match="kappa|w_"):
         short.step(np.zeros((4, d)))
+    env = gym.make("TokenBatch-v1", shed_action=False, action_mode=mode, **SMALL).unwrapped
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_env(gym.make("TokenBatch-v0", shed_action=False, action_mode=mode, **SMALL).unwrapped)
+        check_env(env)
     with pytest.raises(ConfigError, match="shed_action"):
         TokenBatchVectorEnv(1, shed_action="no", **SMALL)
 

@@ -1,8 +1,8 @@
 """TokenBatch: an open lab for LLM-serving request scheduling.
 
 Importing this package is light: numpy and gymnasium only (no torch, stable-baselines3 or Optuna).
-It registers the Gymnasium environment ``TokenBatch-v0`` (``tokenbatch_env.envs``, imported lazily
-by ``gym.make`` / ``gym.make_vec``).
+It registers the Gymnasium environments ``TokenBatch-v0`` and ``TokenBatch-v1`` (``tokenbatch_env.envs``,
+imported lazily by ``gym.make`` / ``gym.make_vec``).
 """
 
 __version__ = "0.2.0.dev0"
@@ -22,6 +22,9 @@ def _register_envs() -> None:
     if "TokenBatch-v0" not in registry:
         register(id="TokenBatch-v0", entry_point="tokenbatch_env.envs:TokenBatchEnv",
                  vector_entry_point="tokenbatch_env.envs:make_vector_env")
+    if "TokenBatch-v1" not in registry:   # v0 with the tpot-guard budget rule (docs/design.md section 11)
+        register(id="TokenBatch-v1", entry_point="tokenbatch_env.envs:TokenBatchEnv",
+                 vector_entry_point="tokenbatch_env.envs:make_vector_env", kwargs={"tpot_guard": True})
 
 
 _register_envs()

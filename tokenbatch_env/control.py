@@ -24,7 +24,9 @@ class ControlSpec:
     ``obs [m, D] -> (theta [m, N_THETA], shed margin [m], -1 = off)``. ``action_mode`` names the
     in-engine policy the parameters are for (``index`` or ``weights``); ``base`` is its parameters
     before the first decision (IndexParams or LinearWeights) and ``base_margin`` the shed margin
-    (None = off). ``evidence``: what identifies the controller (enters the evidence id)."""
+    (None = off). ``evidence``: what identifies the controller (enters the evidence id). ``guard``
+    (a TokenBatch-v1 agent): the tpot-guard rule's base (u, B_min); the controller then returns
+    (theta, margin, (u, B_min)) and sees v1's observation."""
 
     label: str
     action_mode: str
@@ -34,6 +36,7 @@ class ControlSpec:
     decision_interval_ms: float
     make: Callable = dataclasses.field(compare=False, repr=False)
     evidence: tuple = ()
+    guard: Optional[tuple] = None
 
 
 def run_controlled(traces, profile, config, spec: ControlSpec, *, estimates=None, residual_life=None,
@@ -47,29 +50,36 @@ def run_controlled(traces, profile, config, spec: ControlSpec, *, estimates=None
     from .envs import obs_dim, obs_scales, observe
     from .policies import engine_policy
 
+    from .engine import kernel as K
     ctrl = spec.make(t_ref_ms)
     kw = {"params": spec.base} if spec.action_mode == "index" else {"weights": spec.base}
     pol = engine_policy(spec.action_mode, shed_margin=spec.base_margin, t_ref_ms=t_ref_ms, **kw)
+    tpot = spec.guard is not None
+    if tpot:   # (v1) the rule, at the base until the first decision
+        config = dataclasses.replace(config, budget_rule="tpot-guard", budget_u=spec.guard[0],
+                                     budget_bmin=spec.guard[1])
     run = EngineRun(traces, profile, pol, config, estimates=estimates, residual_life=residual_life)
     N = run.n_copies
     run.start_epochs(interval_ns=max(1, int(round(spec.decision_interval_ms * 1e6))),
                      shed_on=spec.base_margin is not None)
     ocfg = obs_scales(t_ref_ms, lambda_sat)
-    obs = np.zeros((N, obs_dim(spec.k)), np.float32)
+    obs = np.zeros((N, obs_dim(spec.k, tpot)), np.float32)
     theta, margin = run.theta.copy(), run.shed_margin.copy()
     ask = np.ones(N, bool)
-    observe(run, ask, obs, spec.k, ocfg)
+    observe(run, ask, obs, spec.k, ocfg, tpot)
     while True:
         ask &= ~run.done
         if ask.any():
-            th, m = ctrl(obs[ask].copy())
-            theta[ask], margin[ask] = th, m
+            out = ctrl(obs[ask].copy())
+            theta[ask], margin[ask] = out[0], out[1]
             run.set_policy_params(theta, margin)
+            if tpot:
+                run.fcfg[ask, K.F_GUARD_U], run.fcfg[ask, K.F_GUARD_BMIN] = out[2]
         ask = ~run.done
         if not ask.any():
             return run.result()
         run.advance_to_decision(ask)   # every request is scored: a copy stops at a decision or its end
-        observe(run, ask, obs, spec.k, ocfg)
+        observe(run, ask, obs, spec.k, ocfg, tpot)
 
 
 # ------------------------------------------------------------------------------ index-scheduled
@@ -98,14 +108,22 @@ def schedule_spec(schedule, *, k: int = 8, decision_interval_ms: float = 100.0) 
 
 # ------------------------------------------------------------------------------ action policies
 def policy_spec(label: str, mode: str, base, base_margin, k: int, decision_interval_ms: float,
-                load_predict: Callable, evidence: tuple = (), shed_action: bool = True) -> ControlSpec:
+                load_predict: Callable, evidence: tuple = (), shed_action: bool = True,
+                guard: Optional[tuple] = None) -> ControlSpec:
     """A controller from an action policy: ``load_predict()`` gives ``predict(obs) -> actions`` in
-    the env's action space (``mode``; without the shed-margin column unless ``shed_action``), mapped
-    around ``base`` like the env does (``envs.map_actions``)."""
+    the env's action space (``mode``; with ``guard``, v1's, around the rule's base (u, B_min); without
+    the shed-margin column unless ``shed_action``), mapped around ``base`` like the env does
+    (``envs.map_actions``, ``map_guard_actions``)."""
     def make(t_ref_ms):
         from .envs import map_actions
+        from .envs.actions import map_guard_actions
         ts = base.theta_vector(t_ref_ms)
         predict = load_predict()
-        return lambda obs: map_actions(np.clip(predict(obs), -1.0, 1.0), mode, ts, base_margin, shed_action)
 
-    return ControlSpec(label, mode, base, base_margin, k, decision_interval_ms, make, evidence)
+        def ctrl(obs):
+            a = np.clip(predict(obs), -1.0, 1.0)
+            theta, margin = map_actions(a, mode, ts, base_margin, shed_action)
+            return (theta, margin) if guard is None else (theta, margin, map_guard_actions(a, mode, guard))
+        return ctrl
+
+    return ControlSpec(label, mode, base, base_margin, k, decision_interval_ms, make, evidence, guard)

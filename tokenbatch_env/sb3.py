@@ -189,11 +189,12 @@ def native_env(venv):
 
 
 def request_set_extractor_class():
-    """``RequestSetExtractor``: a set-structured SB3 features extractor for TokenBatch-v0
+    """``RequestSetExtractor``: a set-structured SB3 features extractor for TokenBatch-v0 and -v1
     observations. One encoder (shared weights) embeds each of the K observed waiting requests; a
     masked mean and a masked max pool them (order- and padding-invariant); the pooled vectors and
-    the engine + queue summary go through an MLP. ``features_extractor_kwargs``: ``k`` (the env's
-    K), ``embed`` (per-request width, 32), ``features_dim`` (128)."""
+    the engine + queue summary (and v1's TPOT state) go through an MLP. ``features_extractor_kwargs``:
+    ``k`` (the env's K), ``embed`` (per-request width, 32), ``features_dim`` (128); the version is
+    told by the observation's size."""
     global _EXTRACTOR
     if _EXTRACTOR is not None:
         return _EXTRACTOR
@@ -202,16 +203,19 @@ def request_set_extractor_class():
     from torch import nn
 
     from .envs import F, N_GLOBAL, obs_dim
+    from .envs.observation import N_TPOT
 
     class RequestSetExtractor(BaseFeaturesExtractor):
         def __init__(self, observation_space, k: int = 8, embed: int = 32, features_dim: int = 128):
             super().__init__(observation_space, features_dim)
             self.k, self.g = int(k), N_GLOBAL
-            if observation_space.shape[0] != obs_dim(self.k):
-                raise ValueError(f"RequestSetExtractor(k={k}) does not fit observations of size "
-                                 f"{observation_space.shape[0]} (expected {obs_dim(self.k)})")
+            size = observation_space.shape[0]
+            if size not in (obs_dim(self.k), obs_dim(self.k, True)):
+                raise ValueError(f"RequestSetExtractor(k={k}) does not fit observations of size {size} (expected "
+                                 f"{obs_dim(self.k)}, or {obs_dim(self.k, True)} for TokenBatch-v1)")
+            self.extra = N_TPOT if size == obs_dim(self.k, True) else 0   # v1's TPOT state, after the requests
             self.encoder = nn.Sequential(nn.Linear(F, embed), nn.Tanh(), nn.Linear(embed, embed), nn.Tanh())
-            self.head = nn.Sequential(nn.Linear(self.g + 2 * embed, features_dim), nn.Tanh())
+            self.head = nn.Sequential(nn.Linear(self.g + self.extra + 2 * embed, features_dim), nn.Tanh())
 
         def forward(self, obs):
             g, k = self.g, self.k
@@ -222,7 +226,10 @@ def request_set_extractor_class():
             n = valid.sum(dim=1).clamp(min=1)
             mean = (e * valid).sum(dim=1) / n
             mx = torch.where(valid, e, torch.full_like(e, -1.0)).max(dim=1).values   # tanh >= -1
-            return self.head(torch.cat([glob, mean, mx], dim=1))
+            parts = [glob, mean, mx]
+            if self.extra:
+                parts.insert(1, obs[:, g + k * (F + 1):])
+            return self.head(torch.cat(parts, dim=1))
 
     RequestSetExtractor.__module__ = __name__
     RequestSetExtractor.__qualname__ = "RequestSetExtractor"

@@ -168,4 +168,4 @@ def agent_spec(model_path: str, label: Optional[str] = None, option: str = "--mo
         return load_agent(str(model), None if norm is None else str(norm), obs_space, act_space)
 
     return policy_spec(label or f"ppo:{d.name}", mode, base, base_margin, env_cfg.k, env_cfg.decision_interval_ms,
-                       load, digests, shed_action=env_cfg.shed_action)
+                       load, digests, shed_action=env_cfg.shed_action, guard=core.base_guard)

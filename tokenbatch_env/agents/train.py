@@ -77,6 +77,9 @@ ENV_OPTIONS = {
     "k": {"help": "waiting requests the observation shows"},
     "reward_mode": {"help": "the env's reward (TokenBatchConfig.reward_mode)"},
     "shed_action": {"help": "a shed-margin action (--no-shed-action: the margin stays theta*'s)"},
+    "tpot_guard": {"help": "TokenBatch-v1: the engine runs the tpot-guard budget rule, whose u and B_min join the "
+                           "action (around the base file's tuned +tpot-guard row, else u 0, B_min 1: off) and the "
+                           "TPOT state the observation (docs/design.md section 11)"},
     "seed": {"help": "seed of PPO and the env"},
 }
 
@@ -249,7 +252,7 @@ class Validator:
         mode = self.cfg.env.action_mode
         base = core.base_params if mode == "index" else core.base_weights
         spec = policy_spec("agent", mode, base, core.base_margin, self.cfg.env.k, self.cfg.env.decision_interval_ms,
-                           lambda: predict, shed_action=self.cfg.env.shed_action)
+                           lambda: predict, shed_action=self.cfg.env.shed_action, guard=core.base_guard)
         return self._goodput(run_controlled(self.traces, self.profile, self.engine, spec, estimates=self.est,
                                             residual_life=self.wl.residual_life, t_ref_ms=self.wl.t_ref_ms,
                                             lambda_sat=self.wl.lambda_sat))

@@ -1,7 +1,9 @@
-"""The actions of TokenBatch-v0 (docs/design.md section 5; ``TokenBatchEnv``'s "Action Space"): the
-action modes and their dimensions, and ``map_actions``, which maps [n, A] actions in [-1, 1] to the
-engine's parameters (theta rows and shed margins) around the base vector theta*, ``a = 0`` giving
-theta* exactly. The controlled replay (``control.policy_spec``) maps an agent's actions here too."""
+"""The actions of TokenBatch-v0 and -v1 (docs/design.md section 5; ``TokenBatchEnv``'s "Action
+Space"): the action modes and their dimensions, and ``map_actions``, which maps [n, A] actions in
+[-1, 1] to the engine's parameters (theta rows and shed margins) around the base vector theta*,
+``a = 0`` giving theta* exactly; v1's budget dimensions (the tpot-guard rule's u and B_min, section
+11) map in ``map_guard_actions``. The controlled replay (``control.policy_spec``) maps an agent's
+actions here too."""
 
 from __future__ import annotations
 
@@ -25,6 +27,15 @@ ACTION_MODES = policy_names(parametric=True)   # the registry's policies with pa
 ACTION_NAMES = ("kappa", "slope", "gamma", "theta", "beta", "w_prefix", "a_edf", "shed_margin")
 #: action dimensions of the ``weights`` mode: one weight per linear-score feature, then the shed margin
 WEIGHT_ACTION_NAMES = tuple(f"w_{f}" for f in S.LINEAR_FEATURES) + ("shed_margin",)
+#: TokenBatch-v1's budget dimensions (the tpot-guard rule's u and B_min), before the shed margin
+GUARD_ACTION_NAMES = ("budget_u", "budget_bmin")
+
+
+def action_names(mode: str, guard: bool = False, shed_action: bool = True) -> tuple:
+    """A mode's action dimensions, in order: its parameters, with ``guard`` (v1) u and B_min, then
+    (with ``shed_action``) the shed margin."""
+    names = ACTION_NAMES if mode == "index" else WEIGHT_ACTION_NAMES
+    return names[:-1] + (GUARD_ACTION_NAMES if guard else ()) + (names[-1:] if shed_action else ())
 _THETA_COL = {"kappa": S.I_KAPPA, "slope": S.I_SLOPE, "gamma": S.I_GAMMA, "theta": S.I_THETA,
               "beta": S.I_BETA, "w_prefix": S.I_W_PREFIX, "a_edf": S.I_A_EDF}
 
@@ -100,6 +111,21 @@ def map_actions(a: np.ndarray, mode: str, theta_star: np.ndarray, base_margin: O
         return theta, np.full(x.shape[0], -1.0)
     lo, hi = SHED_RANGE
     return theta, np.where(x == 0.0, base_margin, np.minimum(np.maximum(base_margin + x * (hi - lo), lo), hi))
+
+
+def map_guard_actions(a: np.ndarray, mode: str, base: tuple):
+    """v1's budget dimensions of [n, A] actions -> (u [n], B_min [n]) around ``base`` = (u*, B_min*):
+    ``x* + a (hi - lo)`` clipped to the range (u in [-0.5, 2], B_min in [0, 1]); a = 0 gives the base
+    exactly. The columns follow the mode's parameters (``action_names``)."""
+    from ..engine.levers import GUARD_LEVERS
+    a = np.asarray(a, np.float64)
+    j = len(ACTION_NAMES if mode == "index" else WEIGHT_ACTION_NAMES) - 1
+    out = []
+    for k, (name, star) in enumerate(zip(GUARD_ACTION_NAMES, base)):
+        lo, hi = GUARD_LEVERS[name]
+        x = a[:, j + k]
+        out.append(np.where(x == 0.0, star, np.minimum(np.maximum(star + x * (hi - lo), lo), hi)))
+    return out[0], out[1]
 
 
 def as_numbers(actions) -> np.ndarray:

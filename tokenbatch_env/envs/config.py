@@ -12,7 +12,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from ..errors import ConfigError
-from .actions import ACTION_MODES, ACTION_NAMES, WEIGHT_ACTION_NAMES
+from .actions import ACTION_MODES, action_names
 from .rewards import REWARD_MODES
 
 
@@ -55,7 +55,9 @@ class TokenBatchConfig:
     the base shed margin when the JSON gives none (None or inf = no shedding; the shed action
     dimension is then ignored). ``shed_action``: False drops the shed-margin dimension from the
     action, which then stays at the base margin. ``max_steps``: decision-step cap per episode (truncation);
-    ``max_iterations``: engine iteration cap per episode (truncation)."""
+    ``max_iterations``: engine iteration cap per episode (truncation). ``tpot_guard`` (TokenBatch-v1):
+    the engine runs the tpot-guard budget rule, the action gains its u and B_min, the observation
+    the TPOT state (docs/design.md section 11)."""
 
     suite: str = "seed-200"
     split: str = "train"
@@ -77,6 +79,7 @@ class TokenBatchConfig:
     shed_action: bool = True
     max_steps: int = 20_000
     max_iterations: int = 2_000_000
+    tpot_guard: bool = False
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -120,7 +123,7 @@ class TokenBatchConfig:
             if not is_num(m) or math.isnan(float(m)) or not (0 <= float(m) <= 2 or float(m) == math.inf):
                 raise ConfigError(f"shed_margin: must be None, inf or a number in [0, 2], got {m!r}")
             set_("shed_margin", None if math.isinf(float(m)) else float(m))
-        for f in ("clip_actions", "shed_action"):
+        for f in ("clip_actions", "shed_action", "tpot_guard"):
             if not isinstance(getattr(self, f), (bool, np.bool_)):
                 raise ConfigError(f"{f}: must be a bool, got {getattr(self, f)!r}")
             set_(f, bool(getattr(self, f)))
@@ -140,5 +143,4 @@ class TokenBatchConfig:
 
     @property
     def action_names(self) -> tuple:
-        names = ACTION_NAMES if self.action_mode == "index" else WEIGHT_ACTION_NAMES
-        return names if self.shed_action else names[:-1]
+        return action_names(self.action_mode, self.tpot_guard, self.shed_action)

@@ -21,7 +21,7 @@ from ..engine import kernel as K
 from ..engine._jit import fetch_add, guard_stale_cache, njit
 from ..errors import ConfigError, TraceError
 from . import episodes, observation, rewards
-from .actions import map_actions
+from .actions import map_actions, map_guard_actions
 from .config import TokenBatchConfig, is_int
 from .episodes import EPISODE_COUNTS, RECORD_FIELDS, EpisodeTable, episode_metrics, grow, lay_out
 from .observation import obs_dim, obs_scales, observe, observe_args, observe_kernel
@@ -170,17 +170,24 @@ class Core:
             margin = None if margin is None or math.isinf(margin) else float(margin)
         else:
             params, margin = IndexParams(), cfg.shed_margin
+        self.base_guard = None
+        if cfg.tpot_guard:   # v1: the rule's base (u*, B_min*) and, tuned with it, the index's parameters
+            params, margin, self.base_guard = guard_base(cfg, params, margin)
         self.base_params, self.base_margin, self.base_weights = params, margin, weights
         self.theta_star = (params if cfg.action_mode == "index" else weights).theta_vector(wl.t_ref_ms)
         self.action_names = cfg.action_names
-        # engine
+        # engine (v1: with the rule at the base u and B_min; the workload is prepared without it)
+        run_config = self.engine_config
+        if self.base_guard is not None:
+            run_config = dataclasses.replace(run_config, budget_rule="tpot-guard", budget_u=self.base_guard[0],
+                                             budget_bmin=self.base_guard[1])
         wl.check_load(cfg.rho[0], "rho", usable)   # (the lowest load: if it fits, every draw does)
         w0 = wl.window_at(usable[0], cfg.rho[0], cfg.warmup, cfg.window, cfg.warmup, cfg.cooldown)
         from ..policies import engine_policy
         pol = engine_policy(cfg.action_mode, params=params, weights=weights, shed_margin=margin,
                             t_ref_ms=wl.t_ref_ms)
         est0 = self.estimates[usable[0]][w0.parent_start:w0.parent_start + len(w0.trace)]
-        self.run = EngineRun([w0.trace] * N, profile, pol, self.engine_config,
+        self.run = EngineRun([w0.trace] * N, profile, pol, run_config,
                              estimates=[est0] * N, residual_life=wl.residual_life, threads=threads)
         self.pol = pol
         # the fresh engine state of a copy, as built (the fields a new episode resets that its trace
@@ -194,7 +201,8 @@ class Core:
                                                           self.episodes.max_widths(cfg.n_req))))
         # constants for observations and certain-miss detection
         self.k = cfg.k
-        self.obs_dim = obs_dim(cfg.k)
+        self.tpot = bool(cfg.tpot_guard)
+        self.obs_dim = obs_dim(cfg.k, self.tpot)
         ps = profile.cost.ps
         # the shortest iteration that can emit a token: one decode, or a 1-token (re)compute chunk
         self.t_min_ns = int((int(ps[0]) + min(int(ps[4]), int(ps[1]) + int(ps[2])) + 999) // 1000)
@@ -241,7 +249,12 @@ class Core:
         return len(self.action_names)
 
     def map_actions(self, a: np.ndarray):
+        """[n, A] actions -> (theta, shed margin)."""
         return map_actions(a, self.config.action_mode, self.theta_star, self.base_margin, self.config.shed_action)
+
+    def map_guard(self, a: np.ndarray):
+        """[n, A] actions -> v1's (u, B_min) (None in v0)."""
+        return None if self.base_guard is None else map_guard_actions(a, self.config.action_mode, self.base_guard)
 
     # -------------------------------------------------------------- episodes
     def seed_copies(self, rows: Sequence[int], seeds: Sequence[Optional[int]]) -> None:
@@ -365,21 +378,23 @@ class Core:
         self.observe(mask)
 
     def observe(self, mask: np.ndarray) -> None:
-        self.run.map_groups(lambda g: observe(self.run, g, self.obs, self.k, self.ocfg), mask,
+        self.run.map_groups(lambda g: observe(self.run, g, self.obs, self.k, self.ocfg, self.tpot), mask,
                             min_group=_MIN_GROUP)
 
-    def step(self, live: np.ndarray, theta: np.ndarray, margin: np.ndarray, reset_rows=None):
+    def step(self, live: np.ndarray, theta: np.ndarray, margin: np.ndarray, reset_rows=None, guard=None):
         """Apply the (held) parameters of the ``live`` copies and advance each to its next decision
         epoch (skipping epochs that need no decision) or the end of its episode; the engine threads
         observe and reward the copies as they advance them (``advance_observe``: a batch of copies
         at a time, in one pass over the threads). ``reset_rows`` (copies not live): new episodes
         laid out meanwhile by an engine thread before it joins the others (``reset_copies``, serial
         Python, so the other cores advance the live copies in the meantime; every write is to those
-        rows alone)."""
+        rows alone). ``guard`` (v1): the live copies' (u, B_min), held like the parameters."""
         run = self.run
         self.params_theta[live] = theta
         self.params_margin[live] = margin
         run.set_policy_params(self.params_theta, self.params_margin)
+        if guard is not None:
+            run.fcfg[live, K.F_GUARD_U], run.fcfg[live, K.F_GUARD_BMIN] = guard
         reward = np.zeros(self.n)
         trunc = np.zeros(self.n, bool)
         # (whole: a column view's layout would differ for one copy, and compile twice, ~1 min)
@@ -391,13 +406,13 @@ class Core:
             kargs = K.kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, chunk, max_steps,
                                   until_ns, claim=priv, mine=mine)
             total = advance_observe(kargs, active, claim, chunk, priv, stopped, epoch, self.config.max_steps,
-                                     self.steps, trunc, observe_args(run, self.obs, self.k, self.ocfg), rew_args,
-                                     met_args)
+                                     self.steps, trunc, observe_args(run, self.obs, self.k, self.ocfg, self.tpot),
+                                     rew_args, met_args)
             return K.checked_total(total, kargs)
 
         def after(ran):   # the same work for copies advanced otherwise (the tests' reference epochs)
             _after_stop(0, self.n, ran.copy(), np.zeros_like(ran), epoch, self.config.max_steps, self.steps,
-                        trunc, observe_args(run, self.obs, self.k, self.ocfg), rew_args, met_args)
+                        trunc, observe_args(run, self.obs, self.k, self.ocfg, self.tpot), rew_args, met_args)
         kernel.after = after
 
         meanwhile = None
@@ -481,6 +496,24 @@ class Core:
     def reset_infos(self, rows: np.ndarray) -> dict:
         return {"rho": self.rho[rows].astype(np.float64), "trace_index": self.trace_index[rows].astype(np.int64),
                 "window_start": self.window_start[rows].astype(np.int64)}
+
+
+def guard_base(cfg: TokenBatchConfig, params, margin) -> tuple:
+    """v1's base (docs/design.md section 11): the index's parameters and shed margin tuned with the
+    rule (a ``base_params`` file's ``"tpot-guard"`` part; else ``params``, ``margin``) and (u*,
+    B_min*), the row's tuned levers (``"<mode>+shed+tpot-guard"``), else (0, 1): the rule never
+    lowers the budget, so that a = 0 runs the base policy as v0 does."""
+    from ..engine.levers import GUARD_SUFFIX
+    from ..params import load_guard_params, load_levers
+    u, bmin = 0.0, 1.0
+    if cfg.base_params is not None:
+        tuned = load_guard_params(cfg.base_params, "base_params")
+        if tuned is not None and cfg.action_mode == "index" and "index" in dict(tuned[1]):
+            params, m = tuned[0], dict(tuned[1])["index"]
+            margin = None if m is None or math.isinf(m) else float(m)
+        lv = dict(dict(load_levers(cfg.base_params, "base_params")).get(f"{cfg.action_mode}+shed{GUARD_SUFFIX}", ()))
+        u, bmin = lv.get("budget_u", u), lv.get("budget_bmin", bmin)
+    return params, margin, (float(u), float(bmin))
 
 
 # (last: every compiled function of this module is defined) ``advance_observe`` links the engine's

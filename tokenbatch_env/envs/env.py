@@ -95,7 +95,7 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
         self._needs_reset = np.zeros(self.num_envs, bool)
         self._done = np.ones(self.num_envs, bool)   # copies without a live episode
         self._seeded = False
-        self.obs_names = obs_layout(config.k)
+        self.obs_names = obs_layout(config.k, config.tpot_guard)
 
     # -------------------------------------------------------------- reset
     def reset(self, *, seed: Union[None, int, Sequence[Optional[int]]] = None,
@@ -168,7 +168,7 @@ class TokenBatchVectorEnv(gym.vector.VectorEnv):
         live = ~reset_now & ~self._done
         theta, margin = core.map_actions(a[live])
         rows = np.flatnonzero(reset_now)   # (NEXT_STEP) laid out while the engine advances the live copies
-        reward, term, trunc = core.step(live, theta, margin, reset_rows=rows)
+        reward, term, trunc = core.step(live, theta, margin, reset_rows=rows, guard=core.map_guard(a[live]))
         infos: dict = {}
         ended = np.flatnonzero(term | trunc)
         if ended.size:
@@ -214,7 +214,8 @@ def make_vector_env(num_envs: int = 1, **kwargs) -> TokenBatchVectorEnv:
 
 # ------------------------------------------------------------------ the single env
 class TokenBatchEnv(gym.Env):
-    """TokenBatch-v0: order the requests of a simulated LLM-serving engine to maximise goodput.
+    """TokenBatch-v0 and -v1: order the requests of a simulated LLM-serving engine (and, in v1, size
+    its iterations) to maximise goodput.
 
     ## Description
     One engine (continuous batching, chunked prefill, paged KV cache, preemption, prefix caching;
@@ -244,6 +245,13 @@ class TokenBatchEnv(gym.Env):
     ``base_params``, else -e0: SJF's order), then the shed margin as above. The family contains
     sjf (-e0), edf (-e5), llf (-e6) and the FCFS queue order (-e2). ``shed_action=False``: either
     mode without its last (shed margin) dimension, ``(7,)`` or ``(8,)``; the margin stays at the base.
+    v1 (``tpot_guard=True``, ``gym.make("TokenBatch-v1")``): the engine runs the tpot-guard budget rule
+    (docs/design.md section 11) and two dimensions come before the shed margin, ``budget_u`` and
+    ``budget_bmin``: ``u = u* + 2.5 a`` clipped to [-0.5, 2] and ``B_min = B_min* + a`` clipped to
+    [0, 1], around the base (u*, B_min*): the ``"<mode>+shed+tpot-guard"`` levers of ``base_params``
+    (whose ``"tpot-guard"`` part then also gives the index's theta* and margin), else (0, 1), with
+    which the rule never lowers the budget and a = 0 runs v0's episodes. So ``(10,)`` in ``index`` mode,
+    ``(11,)`` in ``weights`` mode (one fewer without the shed action).
 
     ## Observation Space
     ``Box(-10, 10, (18 + 11*K,), float32)``, K = ``k`` (default 8, so 106 entries), never NaN/inf
@@ -259,7 +267,12 @@ class TokenBatchEnv(gym.Env):
     blocks needed / usable blocks, waited / T1, (deadline - now) / T_ref, ln(T1 / T_ref), first
     token out (0/1); missing rows are 0; then K validity bits. z, S, slack, prefill left, blocks
     needed and the estimates are the index's inputs (docs/design.md section 4) with the suite's
-    predictor.
+    predictor. v1 appends the TPOT state (9; the rule's own quantities, ``observation.TPOT_FEATURES``):
+    decoding requests / max_num_seqs; tau_dec (the decodes' iteration time) / the smallest T2 of the
+    running requests past their first token (0 if none has a TPOT SLO); quantiles 0/25/50/75/100 % of
+    the guarded requests' credits c_i / T2_i as sign(x) ln(1 + |x|) / ln(101), 0 with
+    ``guarded_empty`` = 1 when none is guarded; the share of running requests whose TPOT is lost
+    (credit < 0: their mean time per output token so far exceeds T2). ``Box(-10, 10, (27 + 11*K,))``.
 
     ## Rewards
     [the reward modes: ``rewards.REGISTRY``, as ``rewards.rewards_doc`` states them]
@@ -296,13 +309,16 @@ class TokenBatchEnv(gym.Env):
     warmup (32), cooldown (32), decision_interval_ms (100), k (8), action_mode ("index"),
     predictor (None = the suite's), reward_mode ("certain_miss"), autoreset_mode (NEXT_STEP; used
     by the vector env), seed (None), base_params (None), shed_margin (0.0), clip_actions (False),
-    shed_action (True), max_steps (20000), max_iterations (2000000). ``gym.make_vec("TokenBatch-v0", num_envs=N,
+    shed_action (True), max_steps (20000), max_iterations (2000000), tpot_guard (False; True in
+    TokenBatch-v1). ``gym.make_vec("TokenBatch-v0", num_envs=N,
     vectorization_mode="vector_entry_point", **config)`` gives ``TokenBatchVectorEnv`` (which also
     takes ``threads``, engine threads: same results for any value). Seeding:
     ``reset(seed=s)`` seeds copy i with s + i (like ``SyncVectorEnv``); ``seed`` in the config is
     used for copies never seeded by ``reset``.
 
     ## Version History
+    * v1: the tpot-guard budget rule with its u and B_min as action dimensions and the TPOT state in
+      the observation (``tpot_guard=True``); everything else as v0, which stays registered.
     * v0: initial version (``index`` and ``weights`` action modes; ``certain_miss`` counts a TTFT
       as lost once unreachable on an idle engine). Later added, defaults unchanged: ``shed_action``.
     """

@@ -1,5 +1,5 @@
-"""The observation of TokenBatch-v0 (docs/design.md section 5; ``TokenBatchEnv``'s "Observation
-Space"): its layout and fixed normalisation constants (``OBS_LAYOUT``, ``obs_layout``, ``obs_dim``,
+"""The observation of TokenBatch-v0 and -v1 (docs/design.md sections 5 and 11; ``TokenBatchEnv``'s
+"Observation Space"): its layout and fixed normalisation constants (``OBS_LAYOUT``, ``obs_layout``, ``obs_dim``,
 ``obs_scales``) and ``observe_kernel``, the compiled observation rows the engine threads write as
 they advance the copies; ``observe`` observes the copies of any ``EngineRun`` (the controlled
 replay's too, ``control.run_controlled``)."""
@@ -28,10 +28,16 @@ REQ_FEATURES = ("z", "log_s", "log_prefill_left", "log_decode_left", "prefix_rat
                 "waited_over_t1", "to_deadline_over_tref", "log_t1_over_tref", "first_token_out")
 F = len(REQ_FEATURES)
 NQ = len(QUANTILES)
+#: TokenBatch-v1's TPOT state (docs/design.md section 11), after the request rows
+TPOT_FEATURES = ("decodes_frac", "tau_dec_over_min_t2", *[f"credit_q{int(q * 100)}" for q in QUANTILES],
+                 "guarded_empty", "tpot_lost_frac")
+N_TPOT = len(TPOT_FEATURES)
+CREDIT_SCALE = math.log1p(100.0)   # a credit c_i / T2_i as sign(x) ln(1 + |x|) / ln(101)
 
 
-def obs_layout(k: int) -> list:
-    """Names of the observation entries, in order (see ``TokenBatchEnv``'s docstring)."""
+def obs_layout(k: int, tpot: bool = False) -> list:
+    """Names of the observation entries, in order (see ``TokenBatchEnv``'s docstring); ``tpot``
+    (v1): the TPOT state last."""
     names = ["kv_free_frac", "running_frac", "log_queue_len", "log_queued_tokens", "arrival_rate_rho",
              "budget_demand"]
     names += [f"z_q{int(q * 100)}" for q in QUANTILES] + [f"log_s_q{int(q * 100)}" for q in QUANTILES]
@@ -39,7 +45,7 @@ def obs_layout(k: int) -> list:
     for j in range(k):
         names += [f"req{j}_{f}" for f in REQ_FEATURES]
     names += [f"req{j}_valid" for j in range(k)]
-    return names
+    return names + (list(TPOT_FEATURES) if tpot else [])
 
 
 OBS_LAYOUT = obs_layout(8)
@@ -47,9 +53,9 @@ OBS_LAYOUT = obs_layout(8)
 N_GLOBAL = N_ENGINE + 2 * NQ + 2
 
 
-def obs_dim(k: int) -> int:
-    """Length of the observation with K observed requests (``len(obs_layout(k))``)."""
-    return N_GLOBAL + k * (F + 1)
+def obs_dim(k: int, tpot: bool = False) -> int:
+    """Length of the observation with K observed requests (``len(obs_layout(k, tpot))``)."""
+    return N_GLOBAL + k * (F + 1) + (N_TPOT if tpot else 0)
 
 
 _N_REQ_FEATS = 10  # features per observed request (``observe_kernel``)
@@ -100,13 +106,15 @@ def _argsort_stable(x, out):
 @njit
 def observe_kernel(active, kq, mrl, cfg_rows, fcfg_rows, ocfg, out, now, n_wait, n_run, n_free, next_arr, wait_ids,
                    run_ids, prompt, gen, computed, arrival, t1, est, hash_head, chain_off, chain_val, uniq_base,
-                   epoch, zs_buf, ls_buf, zsort, lsort, order, feats, lo):
+                   epoch, tpot, status, first_token, t2, zs_buf, ls_buf, zsort, lsort, order, feats, cr_buf, cr_sort,
+                   lo):
     """Observation rows of the ``active`` copies (see ``TokenBatchEnv``). The per-request entries are
     the engine's own index inputs (``kernel.request_inputs``); ``cfg_rows``/``fcfg_rows`` are the
     engine's (one row per copy),
     ``ocfg`` = [t_ref_ms, lambda_sat, rate_window_ns]; the episode start is ``epoch[c, EP_T0]``.
-    The last six are scratch (``observe`` allocates them, so that they are borrowed too); copies
-    below ``lo`` are not looked at."""
+    ``tpot`` (v1): also the TPOT state, from ``status``, ``first_token`` and ``t2``. The last eight
+    are scratch (``observe`` allocates them, so that they are borrowed too); copies below ``lo`` are
+    not looked at."""
     # borrowed views (``engine._jit.borrow``): no reference counting per helper call
     zs_buf = borrow(zs_buf)
     ls_buf = borrow(ls_buf)
@@ -114,6 +122,11 @@ def observe_kernel(active, kq, mrl, cfg_rows, fcfg_rows, ocfg, out, now, n_wait,
     lsort = borrow(lsort)
     order = borrow(order)
     feats = borrow(feats)
+    cr_buf = borrow(cr_buf)
+    cr_sort = borrow(cr_sort)
+    status = borrow(status)
+    first_token = borrow(first_token)
+    t2 = borrow(t2)
     active = borrow(active)
     mrl = borrow(mrl)
     cfg_rows = borrow(cfg_rows)
@@ -260,6 +273,9 @@ def observe_kernel(active, kq, mrl, cfg_rows, fcfg_rows, ocfg, out, now, n_wait,
             for f in range(nfeat):
                 row[base_req + j * nfeat + f] = feats[i, f]
             row[base_req + kq * nfeat + j] = 1.0
+        if tpot:
+            _tpot_state(row, base_req + kq * (nfeat + 1), c, cfg, max_seqs, t_now, n_run, run_ids, status, prompt,
+                        gen, computed, first_token, t2, cr_buf, cr_sort)
         for f in range(row.shape[0]):
             v = row[f]
             if v != v:
@@ -270,6 +286,55 @@ def observe_kernel(active, kq, mrl, cfg_rows, fcfg_rows, ocfg, out, now, n_wait,
                 row[f] = -10.0
 
 
+@njit
+def _tpot_state(row, at, c, cfg, max_seqs, t_now, n_run, run_ids, status, prompt, gen, computed, first_token, t2,
+                cr_buf, cr_sort):
+    """v1's TPOT state of copy c into ``row[at:]`` (docs/design.md section 11, the tpot-guard rule's
+    own quantities, ``kernel.guard_slack``): decodes / max_num_seqs; tau_dec / the smallest T2 of the
+    running requests past their first token (0 if none has a TPOT SLO); quantiles of the guarded
+    requests' credits c_i / T2_i as sign(x) ln(1 + |x|) / ln(101), 0 with ``guarded_empty`` = 1 when
+    none is guarded; the share of running requests whose TPOT is lost (credit < 0: their mean time per
+    output token so far exceeds T2)."""
+    D = 0
+    ctx = 0
+    n = 0
+    for j in range(n_run[c]):
+        q = run_ids[c, j]
+        if status[c, q] == K.ENDED:   # async: finished, not schedulable
+            continue
+        n += 1
+        if gen[c, q] > 0 and computed[c, q] == prompt[c, q] + gen[c, q] - 1:
+            D += 1
+            ctx += computed[c, q]
+    tau_dec = cfg[K.C_PS0] + cfg[K.C_PS_DECODE] * D + cfg[K.C_PS_KV] * ctx   # ps
+    t2_min = K.NO_TPOT_SLO_NS
+    ng = 0
+    lost = 0
+    for j in range(n_run[c]):
+        q = run_ids[c, j]
+        g = gen[c, q]
+        T2 = t2[c, q]
+        if status[c, q] == K.ENDED or g == 0 or T2 >= K.NO_TPOT_SLO_NS:
+            continue
+        if T2 < t2_min:
+            t2_min = T2
+        credit = float(T2) * float(g) - float(t_now - first_token[c, q])   # ns
+        if credit < 0.0:
+            lost += 1
+        if computed[c, q] == prompt[c, q] + g - 1 and T2 * 1000 > tau_dec:
+            cr_buf[ng] = credit / T2
+            ng += 1
+    row[at] = D / max_seqs
+    row[at + 1] = tau_dec / 1000.0 / t2_min if t2_min < K.NO_TPOT_SLO_NS else 0.0
+    if ng == 0:
+        row[at + 7] = 1.0
+    else:
+        _sort_small(cr_buf[:ng], cr_sort)
+        for qi in range(5):
+            x = cr_sort[int((0.0, 0.25, 0.5, 0.75, 1.0)[qi] * (ng - 1) + 0.5)]
+            row[at + 2 + qi] = (math.log1p(x) if x >= 0.0 else -math.log1p(-x)) / math.log1p(100.0)
+    row[at + 8] = lost / n if n > 0 else 0.0
+
 
 # ------------------------------------------------------------------ shared with the controlled replay
 def obs_scales(t_ref_ms: float, lambda_sat: float) -> np.ndarray:
@@ -277,27 +342,28 @@ def obs_scales(t_ref_ms: float, lambda_sat: float) -> np.ndarray:
     return np.array([t_ref_ms, lambda_sat, RATE_WINDOW_S * 1e9])
 
 
-def observe(run, mask, obs, k: int, ocfg) -> None:
-    """Observation rows of the ``mask`` copies of an ``EngineRun`` (episode start: ``start_epochs``)."""
-    observe_kernel(mask, *observe_args(run, obs, k, ocfg), 0)
+def observe(run, mask, obs, k: int, ocfg, tpot: bool = False) -> None:
+    """Observation rows of the ``mask`` copies of an ``EngineRun`` (episode start: ``start_epochs``);
+    ``tpot``: v1's, with the TPOT state."""
+    observe_kernel(mask, *observe_args(run, obs, k, ocfg, tpot), 0)
 
 
-def observe_args(run, obs, k: int, ocfg) -> tuple:
+def observe_args(run, obs, k: int, ocfg, tpot: bool = False) -> tuple:
     """``observe_kernel``'s arguments after its mask (with fresh scratch: one set per thread)."""
     A = run.arrays
     return (k, run.mrl, run.cfg, run.fcfg, ocfg, obs, A.now, A.n_wait, A.n_run, A.n_free, A.next_arr, A.wait_ids,
             A.run_ids, A.prompt, A.gen, A.computed, A.arrival, A.t1, A.est, A.hash_head, A.chain_off, A.chain_val,
-            A.uniq_base, A.epoch, *_observe_scratch(A.wait_ids.shape[1]))
+            A.uniq_base, A.epoch, bool(tpot), A.status, A.first_token, A.t2, *_observe_scratch(A.wait_ids.shape[1]))
 
 
 def _observe_scratch(R: int):
     """``observe_kernel``'s scratch for queues of up to R requests (z, ln S and their sorted copies, an
-    order, the per-request features)."""
+    order, the per-request features; v1's credits and their sorted copy)."""
     return (np.empty(R), np.empty(R), np.empty(R), np.empty(R), np.empty(R, np.int64),
-            np.empty((R, _N_REQ_FEATS)))
+            np.empty((R, _N_REQ_FEATS)), np.empty(R), np.empty(R))
 
 
 # (last: every compiled function of this module is defined) ``observe_kernel`` links engine code
 # (``kernel.request_inputs``): flush this module's cached machine code when any engine source changes
 # (the engine's own guard, one implementation)
-guard_stale_cache([_lt, _sort_small, _argsort_stable, observe_kernel], tag="envs.observation")
+guard_stale_cache([_lt, _sort_small, _argsort_stable, _tpot_state, observe_kernel], tag="envs.observation")

@@ -45,7 +45,8 @@ def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
             spec = next(s for s in control_specs(cfg) if s.label == r.label)
             d["controller"] = {"action_mode": spec.action_mode, "k": spec.k,
                                "decision_interval_ms": spec.decision_interval_ms,
-                               "base_margin": num_or_str(spec.base_margin), **dict(spec.evidence)}
+                               "base_margin": num_or_str(spec.base_margin), **dict(spec.evidence),
+                               **({"tpot_guard_base": list(spec.guard)} if spec.guard is not None else {})}
             d["t_ref_ms"] = wl.t_ref_ms
         pol.append(d)
     return {
