@@ -11,11 +11,17 @@ default budget into ``<out>/<cell>/`` and is judged on its test windows:
 * levers (docs/design.md section 11): TPOT binds in a cell where at least 5% of the test requests
   complete with their first token in time and miss on TPOT alone under the best baseline at the
   profile's flags; there every tuned row is reported with and without its tuned levers, and the
-  levers' paired gain for the best baseline.
+  levers' paired gain for the best baseline;
+* with ``--budget-rule tpot-guard`` (docs/design.md section 11) every +shed row is also tuned with the
+  rule (its u and B_min with the rest, the same budget), and two more verdicts: *lever*: the best
+  baseline (validation, among the ``<baseline>+shed`` rows) with the rule minus itself with its tuned
+  static levers >= +0.03 with the CI above 0; *ordering*: index+shed+tpot-guard minus the best
+  ``<baseline>+shed+tpot-guard`` (validation) has a paired CI lower end >= -0.005.
 
     python tools/tune_trace_cells.py                       # every cell below (needs ../shared/traces)
     python tools/tune_trace_cells.py --cells code-a100-1.2 --out runs/cells
     python tools/tune_trace_cells.py --tables runs/trace-cells/cells.json   # the tables again
+    python tools/tune_trace_cells.py --budget-rule tpot-guard --cells ... --out runs/trace-cells-guard
 """
 
 from __future__ import annotations
@@ -40,19 +46,22 @@ LOADS = ("native", "1.2", "2.0")
 HEADROOM = 0.03
 NON_INFERIOR = -0.01
 TPOT_BINDS = 0.05
+GUARD = "+tpot-guard"
+LEVER_GAIN = 0.03          # the rule's lever verdict: gain >= 0.03, CI above 0
+ORDER_NON_INFERIOR = -0.005   # the ordering verdict with the rule
 
 
 def cells() -> dict:
     return {f"{w}-{r}-{x}": (w, r, x) for w in WORKLOADS for r in RULES for x in LOADS}
 
 
-def run_cell(name: str, out: Path) -> dict:
+def run_cell(name: str, out: Path, budget_rule: str = "none") -> dict:
     from tokenbatch_env.tuning import TuneConfig, run_tuning
     w, r, load = cells()[name]
     trace, profile = WORKLOADS[w]
     cfg = TuneConfig(trace=str(TRACES / trace), profile=profile, slo_rule=RULES[r],
                      loads=("native",) if load == "native" else (float(load),), out=str(out / name),
-                     progress=False)
+                     progress=False, budget_rule=budget_rule)
     t0 = time.time()
     res = run_tuning(cfg)
     return judge(name, res["data"], time.time() - t0)
@@ -63,7 +72,7 @@ def judge(name: str, rep: dict, wall_s: float) -> dict:
     entry = test["loads"][0]
     rows = {d["label"]: d for d in entry["rows"]}
     base = {row: s["best"]["validation_goodput"] for row, s in rep["studies"].items()
-            if row != "index+shed" and s["best"] is not None}
+            if row != "index+shed" and not row.endswith(GUARD) and s["best"] is not None}
     best_base = max(base, key=lambda k: (base[k], k))
     g = {lab: d["goodput"]["mean"] for lab, d in rows.items() if not d["reference"]}
     headroom = max(g.values()) - g[best_base]
@@ -87,7 +96,52 @@ def judge(name: str, rep: dict, wall_s: float) -> dict:
             "best_baseline": best_base, "index_shed": g["index+shed"], "baseline": g[best_base],
             "best_row": max(g, key=g.get), "headroom": headroom, "diff": diff, "ci95": vs["ci95"],
             "criterion": rule, "pass": bool(ok), "tuning_evidence_id": rep["evidence_id"],
-            "test_evidence_id": rep["test_evidence_id"], "wall_s": round(wall_s, 1)}
+            "test_evidence_id": rep["test_evidence_id"], "wall_s": round(wall_s, 1),
+            **({"guard": judge_guard(rep, rows)} if "index+shed" + GUARD in rep["studies"] else {})}
+
+
+def judge_guard(rep: dict, rows: dict) -> dict:
+    """The rule's two verdicts (docs/design.md section 11): the lever (the best ``<baseline>+shed``
+    by validation, with the rule against its tuned static levers) and the ordering (index+shed with
+    the rule against the best ``<baseline>+shed`` with the rule, by validation)."""
+    val = {row: s["best"]["validation_goodput"] for row, s in rep["studies"].items() if s["best"] is not None}
+    plain = [r for r in val if r.endswith("+shed") and r != "index+shed"]
+    guarded = [r for r in val if r.endswith("+shed" + GUARD) and r != "index+shed" + GUARD]
+    b = max(plain, key=lambda k: (val[k], k))
+    bg = max(guarded, key=lambda k: (val[k], k))
+    lever = rows[b + GUARD]["vs"][b]
+    order = rows["index+shed" + GUARD]["vs"][bg]
+    g = lambda lab: rows[lab]["goodput"]["mean"]  # noqa: E731
+    return {"best_baseline": b, "with_rule": g(b + GUARD), "without": g(b), "lever": lever,
+            "lever_levers": rows[b + GUARD].get("levers"),
+            "lever_pass": bool(lever["diff"] >= LEVER_GAIN and lever["ci95"][0] > 0),
+            "best_guarded_baseline": bg, "index_guard": g("index+shed" + GUARD), "baseline_guard": g(bg),
+            "order": order, "index_levers": rows["index+shed" + GUARD].get("levers"),
+            "order_pass": bool(order["ci95"][0] >= ORDER_NON_INFERIOR)}
+
+
+def guard_table(results: list) -> str:
+    """The rule's verdicts per cell, then the ordering's pooled mean difference."""
+    out = ["| cell | best baseline | with the rule (u, B_min) | tuned static levers only | gain [95% CI] | lever "
+           "pass | index+shed+tpot-guard | best baseline with the rule | diff [95% CI] | ordering pass |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    diffs = []
+    for r in results:
+        if "guard" not in r:
+            continue
+        x = r["guard"]
+        lv = x["lever_levers"] or {}
+        ul = f"u {lv.get('budget_u', 0):.2f}, B_min {lv.get('budget_bmin', 0):.2f}"
+        lg, og = x["lever"], x["order"]
+        diffs.append(og["diff"])
+        out.append(f"| {r['cell']} | {x['best_baseline']} | {x['with_rule']:.3f} ({ul}) | {x['without']:.3f} | "
+                   f"{lg['diff']:+.4f} [{lg['ci95'][0]:+.4f}, {lg['ci95'][1]:+.4f}] | "
+                   f"{'yes' if x['lever_pass'] else 'NO'} | {x['index_guard']:.3f} | {x['best_guarded_baseline']} "
+                   f"{x['baseline_guard']:.3f} | {og['diff']:+.4f} [{og['ci95'][0]:+.4f}, {og['ci95'][1]:+.4f}] | "
+                   f"{'yes' if x['order_pass'] else 'NO'} |")
+    if diffs:
+        out.append(f"\nordering: mean difference over the {len(diffs)} cells {sum(diffs) / len(diffs):+.4f}")
+    return "\n".join(out)
 
 
 def table(results: list) -> str:
@@ -141,12 +195,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", default=None, help="comma-separated cell names (default: all)")
     ap.add_argument("--out", default="runs/trace-cells", help="output directory (default runs/trace-cells)")
+    ap.add_argument("--budget-rule", default="none", choices=("none", "tpot-guard"),
+                    help="tpot-guard: also tune every +shed row with the rule and judge its two verdicts")
     ap.add_argument("--tables", default=None, metavar="CELLS_JSON",
                     help="print the tables of an earlier run's cells.json and stop")
     args = ap.parse_args(argv)
     if args.tables is not None:
         results = json.loads(Path(args.tables).read_text())
-        print("\n\n".join((table(results), lever_table(results), rows_table(results))))
+        print("\n\n".join((table(results), lever_table(results), rows_table(results), guard_table(results))))
         return 0
     if not TRACES.is_dir():
         print(f"tune_trace_cells.py: error: {TRACES} not found (the shared traces)", file=sys.stderr)
@@ -162,13 +218,13 @@ def main(argv=None) -> int:
     for name in names:
         print(f"{name} ...", file=sys.stderr, flush=True)
         try:
-            results.append(run_cell(name, out))
+            results.append(run_cell(name, out, args.budget_rule))
         except TokenBatchError as e:
             print(f"tune_trace_cells.py: error: {name}: {e}", file=sys.stderr)
             return 2
     out.mkdir(parents=True, exist_ok=True)
     (out / "cells.json").write_text(json.dumps(results, indent=1) + "\n")
-    print("\n\n".join((table(results), lever_table(results), rows_table(results))))
+    print("\n\n".join((table(results), lever_table(results), rows_table(results), guard_table(results))))
     return 0
 
 

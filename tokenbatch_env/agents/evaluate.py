@@ -138,7 +138,7 @@ def evaluate_agents(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict:
     "markdown", "out"}."""
     from .._io import atomic_path
     from ..evaluate import BenchConfig, run_benchmark
-    from ..params import load_params_file, load_schedule, load_weights
+    from ..params import load_guard_params, load_levers, load_params_file, load_schedule, load_weights
     from .load import agent_labels, agent_spec, agent_warnings
     from ..report import check_report_out
 
@@ -151,6 +151,10 @@ def evaluate_agents(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict:
         params, margins = load_params_file(cfg.params)
         kw.update(index_params=params, shed_margins=margins, params_source=cfg.params,
                   weights=load_weights(cfg.params), schedule=load_schedule(cfg.params))
+        guard = load_guard_params(cfg.params)
+        if guard is not None:   # tuned with the budget rule: its +tpot-guard rows, each with its own u, B_min
+            kw.update(tpot_guard=(0.0, 0.0), guard_index_params=guard[0], guard_shed_margins=guard[1],
+                      levers=tuple((k, v) for k, v in load_levers(cfg.params) if k.endswith("+tpot-guard")))
     pols = ("fcfs", "sjf", "edf", "index") + (("weights",) if kw.get("weights") is not None else ())
     m0 = Path(cfg.model[0])
     out = Path(cfg.out) if cfg.out else (m0 if m0.is_dir() else m0.parent) / "test"

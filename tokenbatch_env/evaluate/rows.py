@@ -78,7 +78,8 @@ def build_rows(cfg: BenchConfig) -> list:
 #: ``Row.policy`` of a controller row (``index-scheduled``, trained agents)
 CONTROLLED = "controlled"
 #: what a controller row is also compared with, pairwise (docs/design.md section 8), when present
-CONTROL_COMPARATORS = ("index+shed", "index-scheduled", "weights+shed")
+#: (index+shed+tpot-guard: the tuned index with the budget rule, a TokenBatch-v1 agent's base)
+CONTROL_COMPARATORS = ("index+shed", "index-scheduled", "weights+shed", "index+shed" + GUARD_SUFFIX)
 
 
 def control_specs(cfg: BenchConfig) -> list:
