@@ -189,7 +189,8 @@ def test_bad_policy_file_fails_at_startup(content, match, tmp_path, monkeypatch)
 
 @pytest.mark.parametrize("cfg,match", [
     ({"policy_file": "/nonexistent/tuned.json"}, "not found"),
-    ({"policy": "fcfs"}, "unknown policy"),
+    ({"policy": "fcfs"}, "vLLM's own --scheduling-policy"),
+    ({"policy": "lottery"}, "unknown policy"),
     ({"shed": "sometimes"}, "shed must be"),
     ({"shed": 5}, "shed must be"),
     ({"t_ref_ms": -1}, "t_ref_ms"),
@@ -341,8 +342,8 @@ def test_log_steps_rows_are_the_engine_cost_features_and_fit_back(tmp_path, caps
 
 
 def test_log_steps_async_features_match_the_replay(tmp_path):
-    """Async: the same features per step. (The harness's clock moves when a step is scheduled, so
-    its t_ms is the next step's period there; on a server it is the step's own.)"""
+    """Async: the same features per step, and each step's own time (the harness's clock reads, in
+    ``update_from_output``, the end of the step whose output it is, as on a server)."""
     from tokenbatch_env.engine import fit
     path = tmp_path / "steps.csv"
     v, s = _logged_replay(path, "mix", 0, async_scheduling=True)
@@ -351,7 +352,8 @@ def test_log_steps_async_features_match_the_replay(tmp_path):
     assert s.tokenbatch_stats["logged_steps"] == n >= len(v.iterations["iteration"]) - 1 > 20
     assert (rows["P"] == v.iterations["prefill_tokens"][:n]).all()
     assert (rows["D"] == v.iterations["decodes"][:n]).all()
-    assert (rows["t_ms"] > 0).all()
+    its = v.iterations
+    assert (np.round(rows["t_ms"] * 1e6).astype(np.int64) == (its["end_ns"] - its["start_ns"])[:n]).all()
 
 
 def test_log_steps_bad_paths_fail_at_startup(tmp_path):
@@ -398,3 +400,249 @@ def test_policy_file_levers_are_named_at_startup(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger=PLUGIN):
         _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear", "policy_file": str(p)})   # shed off: "index"
     assert "vLLM flags" not in " ".join(r.getMessage() for r in caplog.records)
+
+
+# ----------------------------------------------------------------------------- tpot-guard budget rule
+#: (u, B_min) per trace kind: the rule's defaults, its most aggressive u, a floor, a generous u
+GUARD_LEVERS = {"mix": (0.0, 0.0), "burst": (-0.5, 0.0), "long": (1.0, 0.25), "hol": (2.0, 0.0),
+                "prefix": (0.3, 0.1)}
+
+
+def _costed_guard_profile(seed, kind):
+    """``linear`` (no c_c2, c_attn, c_kv) or ``stress-512`` (every term: p_t's quadratic root, the
+    computed-before of partial prefills and of the waiting head's cached prefix, the decodes'
+    contexts), alternating over the cases; with TPOT SLOs (us) that bind on it."""
+    if (seed + len(kind)) % 2 == 0:
+        return "stress-512", _costed_profile(), (7_000, 25_000)
+    return "linear", "linear", (4_000, 15_000)
+
+
+def guard_trace(seed, kind, t2_us):
+    """``slo_trace`` with tight TPOT SLOs (``t2_us``: a range in us, near the decodes' own time)."""
+    t = slo_trace(seed, kind)
+    rng = np.random.default_rng(seed + 200)
+    return Trace.build(arrival_ns=t.arrival_ns, prompt_tokens=t.prompt_tokens, output_tokens=t.output_tokens,
+                       ttft_slo_ns=t.ttft_slo_ns, tpot_slo_ns=rng.integers(*t2_us, len(t)) * 1000,
+                       priority=t.priority, prefix_offsets=t.prefix_offsets, prefix_hashes=t.prefix_hashes)
+
+
+def guard_compare(seed, kind, policy, async_scheduling, params_file, *, u=0.0, bmin=0.0, shed=None,
+                  prefix_caching=True, default_tpot_ms=None, cfg_extra=None, engine_params=None):
+    """The plug-in with ``budget_rule=tpot-guard`` against the engine with ``EngineConfig(budget_rule=
+    "tpot-guard", budget_u=u, budget_bmin=bmin)``, and the engine's run without the rule.
+    ``default_tpot_ms``: every request's TPOT SLO, given by the plug-in's ``default_tpot_slo_ms``
+    instead of ``extra_args``. ``cfg_extra``: more plug-in settings (replacing u and B_min if given)."""
+    name, prof, t2_us = _costed_guard_profile(seed, kind)
+    tr = guard_trace(seed, kind, t2_us)
+    if default_tpot_ms is not None:
+        tr = Trace.build(arrival_ns=tr.arrival_ns, prompt_tokens=tr.prompt_tokens, output_tokens=tr.output_tokens,
+                         ttft_slo_ns=tr.ttft_slo_ns, tpot_slo_ns=np.full(len(tr), int(default_tpot_ms * 1e6)),
+                         priority=tr.priority, prefix_offsets=tr.prefix_offsets, prefix_hashes=tr.prefix_hashes)
+    est = estimates(tr, PredictorSpec("noisy", 0.5, seed))
+    xa = extra_args(tr, est)
+    cfg = {"policy": policy, "shed": "off" if shed is None else shed, "profile": name, "t_ref_ms": T_REF_MS,
+           "budget_rule": "tpot-guard", "budget_u": u, "budget_bmin": bmin}
+    if default_tpot_ms is not None:
+        for x in xa:
+            del x["tokenbatch_tpot_slo_ms"]
+        cfg["default_tpot_slo_ms"] = default_tpot_ms
+    if policy not in ("fcfs", "priority"):
+        cfg["policy_file"] = params_file
+        ep = engine_policy(policy, params=(engine_params or PARAMS) if policy == "index" else None,
+                           shed_margin=shed, t_ref_ms=T_REF_MS)
+        vllm_policy, est_arg = "priority", est
+    else:
+        ep, vllm_policy, est_arg = None, policy, None
+    cfg.update(cfg_extra or {})
+    cls = f"{PLUGIN}.{'TokenBatchAsyncScheduler' if async_scheduling else 'TokenBatchScheduler'}"
+    kw = dict(prefix_caching=prefix_caching, async_scheduling=async_scheduling, **budgets(seed))
+    c = H.compare(tr, prof, vllm_policy, engine_policy=ep, estimates=est_arg, scheduler_cls=cls,
+                  scheduler_kwargs={"tokenbatch_config": cfg}, extra_args=xa,
+                  engine_config={"budget_rule": "tpot-guard", "budget_u": u, "budget_bmin": bmin}, **kw)
+    off = H.engine_run(tr, prof, vllm_policy, engine_policy=ep, estimates=est_arg, **kw).records(0)
+    return c, off
+
+
+def _rule_changed(c: H.Comparison, off: dict) -> bool:
+    """The rule's run differs from the one without it (the engine's: vLLM without the rule is the
+    engine without it, ``test_sync_plugin_matches_engine``)."""
+    return any((np.asarray(c.engine_records[f]) != np.asarray(off[f])).any()
+               for f in ("first_token_ns", "finish_ns", "preemptions"))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("policy", ["index", "fcfs", "edf", "priority"])
+@pytest.mark.parametrize("seed", range(3))
+def test_tpot_guard_plugin_matches_engine(seed, policy, async_scheduling, params_file):
+    """budget_rule=tpot-guard: the plug-in's B_t and vLLM's schedule with it give the engine's run,
+    request by request, over every kind at several (u, B_min); the index and EDF also shed."""
+    changed = 0
+    for kind in KINDS:
+        u, bmin = GUARD_LEVERS[kind]
+        shed = 0.5 if policy in ("index", "edf") and kind in ("burst", "prefix") else None
+        c, off = guard_compare(seed, kind, policy, async_scheduling, params_file, u=u, bmin=bmin, shed=shed)
+        assert_identical(c)
+        changed += _rule_changed(c, off)
+    assert changed >= 2   # the SLOs bind: the rule changes the schedule (else this test proves nothing)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tpot_guard_plugin_default_tpot_slo_and_no_prefix_caching(async_scheduling, params_file):
+    """A request without ``tokenbatch_tpot_slo_ms`` takes ``default_tpot_slo_ms``; without prefix
+    caching the waiting head holds no cached tokens."""
+    changed = 0
+    for policy, kind in (("index", "mix"), ("fcfs", "long"), ("edf", "prefix"), ("fcfs", "burst")):
+        c, off = guard_compare(4, kind, policy, async_scheduling, params_file, default_tpot_ms=9.0)
+        assert_identical(c)
+        changed += _rule_changed(c, off)
+        c, off = guard_compare(5, kind, policy, async_scheduling, params_file, u=0.5, prefix_caching=False)
+        assert_identical(c)
+        changed += _rule_changed(c, off)
+    assert changed >= 4
+
+
+GUARD_PARAMS = IndexParams(kappa=2.0, slope=1.0, gamma=10.0, theta=0.3, beta=3.0, w_prefix=0.5, a_edf=1.0)
+
+
+@pytest.fixture(scope="module")
+def guard_params_file(tmp_path_factory):
+    """A tuning file with ``+tpot-guard`` twins: their own index parameters and shed margin under
+    ``"tpot-guard"``, their u and B_min (and one flag) under ``"levers"``."""
+    p = tmp_path_factory.mktemp("tbg") / "tuned_guard.json"
+    p.write_text(json.dumps({
+        "index": PARAMS.__dict__, "shed_margin": 0.5, "edf": {"shed_margin": 0.5},
+        "tpot-guard": {"index": GUARD_PARAMS.__dict__, "shed_margin": 0.25},
+        "levers": {"index+shed+tpot-guard": {"budget_u": 0.6, "budget_bmin": 0.15, "max_num_seqs": 4},
+                   "fcfs+tpot-guard": {"budget_u": -0.25}},
+        "meta": {"t_ref_ms": T_REF_MS}}))
+    return str(p)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tpot_guard_plugin_takes_the_twins_parameters_from_the_policy_file(async_scheduling, guard_params_file):
+    """With the rule on, ``shed=on`` and a file holding the ``index+shed+tpot-guard`` twin, the
+    plug-in runs the twin's index parameters, shed margin, u and B_min: the engine's run with them."""
+    for seed, kind in ((0, "burst"), (1, "prefix"), (2, "mix")):
+        c, off = guard_compare(seed, kind, "index", async_scheduling, guard_params_file, u=0.6, bmin=0.15,
+                               shed=0.25, engine_params=GUARD_PARAMS,
+                               cfg_extra={"policy_file": guard_params_file, "shed": "on",
+                                          "budget_u": None, "budget_bmin": None})
+        assert_identical(c)
+
+
+def test_tpot_guard_settings_from_the_policy_file(guard_params_file, caplog):
+    import logging
+    from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy
+    base = {"profile": "linear", "policy_file": guard_params_file}
+    with caplog.at_level(logging.INFO, logger=PLUGIN):
+        s = _make(f"{PLUGIN}.TokenBatchScheduler", {**base, "shed": "on", "budget_rule": "tpot-guard"})
+    cfg = s.tokenbatch
+    assert (cfg.budget_rule, cfg.budget_u, cfg.budget_bmin, cfg.shed_margin) == ("tpot-guard", 0.6, 0.15, 0.25)
+    assert cfg.index_params == GUARD_PARAMS and cfg.default_tpot_slo_ms is None
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert "budget rule tpot-guard (u 0.6, B_min 0.15" in msg
+    assert "index+shed+tpot-guard's parameters" in msg and "--max-num-seqs 4" in msg
+    # explicit settings win; without the rule the file's plain rows hold
+    s = _make(f"{PLUGIN}.TokenBatchScheduler", {**base, "shed": "on", "budget_rule": "tpot-guard",
+                                                "budget_u": "1.5", "budget_bmin": 0})
+    assert (s.tokenbatch.budget_u, s.tokenbatch.budget_bmin) == (1.5, 0.0)
+    s = _make(f"{PLUGIN}.TokenBatchScheduler", {**base, "shed": "on"})
+    cfg = s.tokenbatch
+    assert (cfg.budget_rule, cfg.shed_margin, cfg.index_params) == ("none", 0.5, PARAMS)
+    assert "tpot-guard" not in cfg.label and s.tokenbatch_last_budget == 64
+    # fcfs with the rule: vLLM's own FCFS queue (no ranking), u from the file's fcfs+tpot-guard row
+    s = _make(f"{PLUGIN}.TokenBatchScheduler", {**base, "policy": "fcfs", "budget_rule": "tpot-guard"})
+    assert s.policy == SchedulingPolicy.FCFS and isinstance(s.waiting, FCFSRequestQueue)
+    assert (s.tokenbatch.budget_u, s.tokenbatch.budget_bmin, s.tokenbatch.ranked) == (-0.25, 0.0, False)
+    s = _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear", "policy": "priority",
+                                                "budget_rule": "tpot-guard"})
+    assert s.policy == SchedulingPolicy.PRIORITY and s.tokenbatch.label == "priority+tpot-guard"
+
+
+def test_tpot_guard_settings_from_environment_and_additional_config(monkeypatch):
+    monkeypatch.setenv("TOKENBATCH_BUDGET_RULE", "tpot-guard")
+    monkeypatch.setenv("TOKENBATCH_BUDGET_U", "0.5")
+    monkeypatch.setenv("TOKENBATCH_DEFAULT_TPOT_SLO_MS", "40")
+    s = _make(f"{PLUGIN}.TokenBatchAsyncScheduler", async_scheduling=True,
+              additional_config={"tokenbatch": {"policy": "edf", "profile": "linear", "budget_bmin": 0.5}})
+    cfg = s.tokenbatch
+    assert (cfg.policy, cfg.budget_rule, cfg.budget_u, cfg.budget_bmin, cfg.default_tpot_slo_ms) == \
+        ("edf", "tpot-guard", 0.5, 0.5, 40.0)
+    monkeypatch.setenv("TOKENBATCH_DEFAULT_TPOT_SLO_MS", "none")
+    monkeypatch.setenv("TOKENBATCH_BUDGET_RULE", "none")
+    monkeypatch.delenv("TOKENBATCH_BUDGET_U")
+    s = _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear"})
+    assert (s.tokenbatch.budget_rule, s.tokenbatch.default_tpot_slo_ms) == ("none", None)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    ({"budget_rule": "slo-guard"}, r"budget_rule.*unknown budget_rule 'slo-guard'"),
+    ({"budget_rule": "tpot-guard", "budget_u": 3},
+     r"tokenbatch_config\.budget_u: budget_u must be a number in \[-0\.5, 2\]"),
+    ({"budget_rule": "tpot-guard", "budget_u": -0.6}, r"budget_u must be a number in"),
+    ({"budget_rule": "tpot-guard", "budget_u": "fast"}, r"budget_u must be a number in"),
+    ({"budget_rule": "tpot-guard", "budget_u": True}, r"budget_u must be a number in"),
+    ({"budget_rule": "tpot-guard", "budget_bmin": 1.5}, r"budget_bmin must be a number in \[0, 1\]"),
+    ({"budget_rule": "tpot-guard", "budget_bmin": "nan"}, r"budget_bmin must be a number in"),
+    ({"budget_u": 0.5}, r"tokenbatch_config\.budget_u: budget_u is a parameter of budget_rule tpot-guard"),
+    ({"budget_rule": "none", "budget_bmin": 0.5}, r"budget_bmin is a parameter of budget_rule tpot-guard"),
+    ({"default_tpot_slo_ms": 0}, r"default_tpot_slo_ms: expected a finite number > 0"),
+    ({"default_tpot_slo_ms": "soon"}, r"default_tpot_slo_ms: expected a number"),
+    ({"policy": "fcfs", "budget_rule": "tpot-guard", "shed": "0.5"}, r"shed.*needs a TokenBatch policy"),
+    ({"policy": "priority"}, r"only with budget_rule tpot-guard"),
+])
+def test_bad_tpot_guard_settings_fail_at_startup(cfg, match):
+    from tokenbatch_env.integrations.vllm import TokenBatchPluginError
+    with pytest.raises(TokenBatchPluginError, match=match):
+        _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear", **cfg})
+
+
+def test_bad_tpot_guard_setting_from_the_environment_names_the_variable(monkeypatch):
+    from tokenbatch_env.integrations.vllm import TokenBatchPluginError
+    monkeypatch.setenv("TOKENBATCH_BUDGET_RULE", "tpot-guard")
+    monkeypatch.setenv("TOKENBATCH_BUDGET_BMIN", "2")
+    with pytest.raises(TokenBatchPluginError, match="environment variable TOKENBATCH_BUDGET_BMIN"):
+        _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear"})
+
+
+def test_guard_chunk_and_constants_are_the_kernels():
+    """The plug-in's pure-Python p_t is the compiled ``kernel.guard_chunk``; its constants the kernel's."""
+    from tokenbatch_env.engine import kernel as K
+    from tokenbatch_env.integrations import vllm as V
+    assert V.BUDGET_RULES == K.BUDGET_RULES and V.NO_TPOT_SLO_NS == K.NO_TPOT_SLO_NS
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        slack = int(rng.choice([rng.integers(-10, 10), rng.integers(0, 10**9), rng.integers(0, 10**13)]))
+        b, c2 = int(rng.integers(0, 10**8)), int(rng.choice([0, rng.integers(0, 10**4)]))
+        cap = int(rng.integers(0, 9000))
+        want = int(K.guard_chunk(np.int64(slack), np.int64(b), np.int64(c2), np.int64(cap)))
+        assert V.guard_chunk(slack, b, c2, cap) == want, (slack, b, c2, cap)
+
+
+def test_tpot_guard_lowers_vllm_budget_only_for_the_step():
+    """vLLM's per-step token budget (``max_num_scheduled_tokens``) is B_t during ``schedule()`` and
+    B again afterwards; the lowered steps are counted."""
+    from tokenbatch_env.integrations.vllm import TokenBatchScheduler
+    seen = []
+
+    class Spy(TokenBatchScheduler):
+        def _update_after_schedule(self, so):
+            seen.append((self.max_num_scheduled_tokens, self.tokenbatch_last_budget, so.total_num_scheduled_tokens))
+            super()._update_after_schedule(so)
+    name, prof, t2_us = _costed_guard_profile(0, "long")
+    tr = guard_trace(0, "long", t2_us)
+    holder = {}
+
+    class Keep(Spy):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            holder["s"] = self
+    H.replay(tr, prof, "fcfs", scheduler_cls=Keep, extra_args=extra_args(tr, np.ones(len(tr))),
+             scheduler_kwargs={"tokenbatch_config": {"policy": "fcfs", "profile": name, "budget_rule": "tpot-guard"}},
+             **budgets(0))
+    s = holder["s"]
+    B = s._tb_budget
+    assert s.max_num_scheduled_tokens == B
+    assert all(during == bt and tot <= bt for during, bt, tot in seen)
+    lowered = sum(bt < B for _, bt, _ in seen)
+    assert lowered == s.tokenbatch_stats["budget_lowered"] > 0

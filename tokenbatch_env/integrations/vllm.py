@@ -33,12 +33,31 @@ Settings (each from the constructor's ``tokenbatch_config``, else ``--additional
                        remaining decode is then 1 token, the engine's rule without a table)
 ``log_steps``          a CSV file: append one row per engine step that ran tokens, in the
                        samples format of ``tokenbatch profiles fit --samples`` (default: off)
+``budget_rule``        none (default: every step's token budget is vLLM's) or tpot-guard
+                       (docs/design.md section 11: the step's budget B_t from the decoding
+                       requests' TPOT credits; with it, ``policy`` may also be fcfs or priority:
+                       vLLM's own order, unranked, only the budget applied)
+``budget_u``           tpot-guard's u, in [-0.5, 2] (default: the policy file's levers for the
+                       row ``<policy>[+shed]+tpot-guard``, else 0)
+``budget_bmin``        tpot-guard's B_min, in [0, 1] (default: as u, else 0)
+``default_tpot_slo_ms`` TPOT SLO of a request without ``tokenbatch_tpot_slo_ms`` (default: none,
+                       such a request is not guarded)
 ====================== ====================================================================
 
 Per request (``SamplingParams.extra_args``; the OpenAI server's ``vllm_xargs``):
-``tokenbatch_ttft_slo_ms``, ``tokenbatch_tpot_slo_ms`` (recorded, not used by the scores), and
-``tokenbatch_est_output_tokens``. Every setting is read and validated when the scheduler is built:
-a bad file or value fails vLLM's start-up with a ``TokenBatchPluginError`` naming it.
+``tokenbatch_ttft_slo_ms``, ``tokenbatch_tpot_slo_ms`` (not used by the scores; the tpot-guard
+rule's T2), and ``tokenbatch_est_output_tokens``. Every setting is read and validated when the
+scheduler is built: a bad file or value fails vLLM's start-up with a ``TokenBatchPluginError``
+naming it.
+
+``budget_rule=tpot-guard`` (docs/design.md section 11, exactly as the engine's ``kernel.guard_slack``
+and ``kernel.guard_budget``): before every ``schedule()``, after the ranking, the plug-in computes
+B_t from the running requests (D decodes, their contexts, the guarded ones' credits ``T2 g - e``:
+g their tokens, the one in flight under async scheduling included, e the time since their first
+token, recorded by ``update_from_output``; a first token still in flight has e = 0, the engine's
+clock) and runs vLLM's ``schedule()`` unchanged with ``max_num_scheduled_tokens = B_t`` (vLLM's
+per-step token budget; restored afterwards). With a policy file whose ``"tpot-guard"`` part holds
+tuned parameters, the index and the shed margins take them while the rule is on.
 
 ``log_steps`` (docs/design.md section 3, "A profile for your deployment") turns a real server into
 calibration data for its own profile. A row's features come from the step's ``SchedulerOutput``,
@@ -69,14 +88,14 @@ from typing import Callable, Optional
 import numpy as np
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.request_queue import PriorityRequestQueue, SchedulingPolicy
+from vllm.v1.core.sched.request_queue import PriorityRequestQueue, SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
 from ..engine import scoring as _s
 from ..errors import ConfigError
-from ..policies import policy_names
+from ..policies import policy_names, vllm_modes
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +108,15 @@ EXTRA_EST_OUTPUT_TOKENS = "tokenbatch_est_output_tokens"
 PLUGIN_POLICIES = policy_names(in_plugin=True)   # the registry's
 _PIDS = {"index": _s.P_INDEX, "edf": _s.P_EDF, "sjf": _s.P_SJF, "llf": _s.P_LLF,
          "srpt-oracle": _s.P_SJF}
+#: vLLM's own policies, which the plug-in runs unranked with a budget rule (its queues, its victim rule)
+VLLM_POLICIES = vllm_modes()   # the registry's: fcfs, priority
 _KEYS = ("policy", "policy_file", "shed", "profile", "t_ref_ms", "default_ttft_slo_ms",
-         "default_est_output_tokens", "log_steps")
+         "default_est_output_tokens", "log_steps", "budget_rule", "budget_u", "budget_bmin",
+         "default_tpot_slo_ms")
+#: the budget rules (``engine.kernel.BUDGET_RULES``; the compiled kernel is not imported here)
+BUDGET_RULES = ("none", "tpot-guard")
+#: a TPOT SLO at or above this many ns is none: not guarded (``engine.kernel.NO_TPOT_SLO_NS``)
+NO_TPOT_SLO_NS = 10**15
 
 
 class TokenBatchPluginError(ConfigError):
@@ -111,6 +137,10 @@ class PluginConfig:
     default_est_output_tokens: Optional[float] = None
     policy_file: Optional[str] = None
     log_steps: Optional[str] = None       # samples CSV appended per step (None: off)
+    budget_rule: str = "none"             # none | tpot-guard (docs/design.md section 11)
+    budget_u: float = 0.0                 # tpot-guard's u
+    budget_bmin: float = 0.0              # tpot-guard's B_min
+    default_tpot_slo_ms: Optional[float] = None   # None: a request without a TPOT SLO is not guarded
 
     @classmethod
     def resolve(cls, explicit: Optional[dict] = None, additional_config: Optional[dict] = None,
@@ -138,27 +168,44 @@ class PluginConfig:
 
     @classmethod
     def _build(cls, src: dict) -> "PluginConfig":
-        from ..params import load_params_file
+        from ..engine.levers import GUARD_LEVERS, GUARD_SUFFIX
+        from ..params import GUARD_KEY, load_guard_params, load_params_file
         from ..policies import IndexParams, check_shed_margin
 
         def get(k, default=None):
             return src[k] if k in src else (default, f"default {k}")
 
+        rule, rwhere = get("budget_rule", "none")
+        rule = rule.strip().lower() if isinstance(rule, str) else rule
+        if rule not in BUDGET_RULES:
+            raise TokenBatchPluginError(f"{rwhere}: unknown budget_rule {rule!r}; valid: {', '.join(BUDGET_RULES)}")
+        guard = rule == "tpot-guard"
         policy, where = get("policy", "index")
-        if policy not in PLUGIN_POLICIES:
+        if policy in VLLM_POLICIES and not guard:
+            raise TokenBatchPluginError(
+                f"{where}: policy {policy!r} is vLLM's own --scheduling-policy: the plug-in runs it only with "
+                f"budget_rule tpot-guard (its TokenBatch policies: {', '.join(PLUGIN_POLICIES)})")
+        if policy not in PLUGIN_POLICIES and policy not in VLLM_POLICIES:
             raise TokenBatchPluginError(
                 f"{where}: unknown policy {policy!r}; the plug-in runs {', '.join(PLUGIN_POLICIES)} "
-                "(fcfs and priority are vLLM's own --scheduling-policy)")
+                "(fcfs and priority are vLLM's own --scheduling-policy; the plug-in runs them only with "
+                "budget_rule tpot-guard)")
         path, pwhere = get("policy_file")
         params, margins, meta = IndexParams(), {}, {}
         if path is not None:
             path = str(path)
             try:
                 params, margin_items = load_params_file(path)
+                margins = dict(margin_items)
+                doc = json.loads(Path(path).read_text())
+                g = load_guard_params(path) if guard else None
             except Exception as e:  # noqa: BLE001 - whatever the file's fault (ConfigError, PolicyError...): reported
                 raise TokenBatchPluginError(f"{pwhere}: bad TokenBatch policy file {path!r}: {e}") from None
-            margins = dict(margin_items)
-            meta = json.loads(Path(path).read_text()).get("meta") or {}
+            if g is not None:   # the +tpot-guard twins' own parameters (tuned with u and B_min)
+                if "index" in doc[GUARD_KEY]:
+                    params = g[0]
+                margins.update(dict(g[1]))
+            meta = doc.get("meta") or {}
             if not isinstance(meta, dict):
                 meta = {}
         elif policy == "index":
@@ -182,11 +229,21 @@ class PluginConfig:
             except (TypeError, ValueError) as e:
                 raise TokenBatchPluginError(f"{swhere}: shed must be off, on or a margin in [0, 2], "
                                             f"got {shed!r} ({e})") from None
+        if margin is not None and policy in VLLM_POLICIES:
+            raise TokenBatchPluginError(f"{swhere}: shedding needs a TokenBatch policy ({', '.join(PLUGIN_POLICIES)}); "
+                                        f"policy {policy} is vLLM's own, run unranked")
 
+        guard_levers: dict = {}
         if path is not None:   # levers tuned with the parameters: vLLM's own flags, set when it starts
             from ..params import load_levers
             row = policy + ("+shed" if margin is not None else "")
-            lv = dict(load_levers(path)).get(row)
+            levers = dict(load_levers(path))
+            lv = levers.get(row)
+            if guard:
+                guard_levers = {k: v for k, v in levers.get(row + GUARD_SUFFIX, ()) if k in GUARD_LEVERS}
+                own = [(k, v) for k, v in levers.get(row + GUARD_SUFFIX, ()) if k not in GUARD_LEVERS]
+                if own:   # (a +tpot-guard row keeps its row's flags unless it has its own)
+                    row, lv = row + GUARD_SUFFIX, own
             if lv:
                 flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in lv)
                 logger.warning("TokenBatch plug-in: %s's parameters in %s were tuned with the vLLM flags %s "
@@ -194,7 +251,7 @@ class PluginConfig:
 
         def num(k, default, *, positive=True, allow_none=False):
             v, w = get(k, default)
-            if v is None and allow_none:
+            if allow_none and (v is None or (isinstance(v, str) and v.strip().lower() in ("", "none", "off"))):
                 return None
             try:
                 x = float(v)
@@ -203,6 +260,26 @@ class PluginConfig:
             if not math.isfinite(x) or (positive and x <= 0):
                 raise TokenBatchPluginError(f"{w}: expected a finite number > 0, got {v!r}")
             return x
+
+        guard_values = {}
+        for k, (lo, hi) in GUARD_LEVERS.items():   # budget_u, budget_bmin
+            if not guard:
+                if k in src:
+                    raise TokenBatchPluginError(f"{src[k][1]}: {k} is a parameter of budget_rule tpot-guard "
+                                                f"(budget_rule is {rule!r})")
+                guard_values[k] = 0.0
+                continue
+            default = guard_levers.get(k, 0.0)
+            v, w = get(k, default)
+            if w == f"default {k}" and k in guard_levers:
+                w = f"{pwhere} ({path!r}), levers[{policy + ('+shed' if margin is not None else '') + GUARD_SUFFIX!r}]"
+            try:
+                x = float(v)
+            except (TypeError, ValueError):
+                x = math.nan
+            if isinstance(v, bool) or not lo <= x <= hi:
+                raise TokenBatchPluginError(f"{w}: {k} must be a number in [{lo:g}, {hi:g}], got {v!r}")
+            guard_values[k] = x
 
         t_ref_default = meta.get("t_ref_ms", 1000.0)
         t_ref = num("t_ref_ms", t_ref_default)
@@ -218,7 +295,9 @@ class PluginConfig:
                   shed_margin=margin, profile=str(profile), t_ref_ms=t_ref,
                   default_ttft_slo_ms=num("default_ttft_slo_ms", 1000.0),
                   default_est_output_tokens=num("default_est_output_tokens", None, allow_none=True),
-                  policy_file=path, log_steps=_log_steps_path(*get("log_steps")))
+                  policy_file=path, log_steps=_log_steps_path(*get("log_steps")),
+                  budget_rule=rule, budget_u=guard_values["budget_u"], budget_bmin=guard_values["budget_bmin"],
+                  default_tpot_slo_ms=num("default_tpot_slo_ms", None, allow_none=True))
         if policy == "index":
             try:
                 params.theta_vector(t_ref)
@@ -228,7 +307,13 @@ class PluginConfig:
 
     @property
     def label(self) -> str:
-        return self.policy if self.shed_margin is None else f"{self.policy}+shed({self.shed_margin:g})"
+        lab = self.policy if self.shed_margin is None else f"{self.policy}+shed({self.shed_margin:g})"
+        return lab + ("+tpot-guard" if self.budget_rule == "tpot-guard" else "")
+
+    @property
+    def ranked(self) -> bool:
+        """Whether the plug-in ranks the requests (a TokenBatch policy) or keeps vLLM's own order."""
+        return self.policy not in VLLM_POLICIES
 
 
 def _log_steps_path(v, where) -> Optional[str]:
@@ -274,11 +359,13 @@ class _TokenBatchMixin:
         self.tokenbatch = PluginConfig.resolve(tokenbatch_config, add if isinstance(add, dict) else None)
         super().__init__(*args, **kwargs)
         # vLLM's priority policy: a heap ordered by (priority, arrival, id) and the priority victim
-        # rule; the queues are still empty here, so they can be replaced regardless of the flag
-        if self.policy != SchedulingPolicy.PRIORITY:
-            self.policy = SchedulingPolicy.PRIORITY
-            self.waiting = PriorityRequestQueue()
-            self.kv_holding_waiting = PriorityRequestQueue()
+        # rule; the queues are still empty here, so they can be replaced regardless of the flag.
+        # (fcfs / priority with a budget rule: that vLLM policy, unranked.)
+        want = {"fcfs": SchedulingPolicy.FCFS}.get(self.tokenbatch.policy, SchedulingPolicy.PRIORITY)
+        if self.policy != want:
+            self.policy = want
+            self.waiting = create_request_queue(want)
+            self.kv_holding_waiting = create_request_queue(want)
         if (self.vllm_config.scheduler_config.async_scheduling
                 and not isinstance(self, AsyncScheduler)):
             logger.warning("TokenBatch plug-in: async scheduling is on; use TokenBatchAsyncScheduler")
@@ -288,19 +375,30 @@ class _TokenBatchMixin:
         self._tb_budget = int(self.max_num_scheduled_tokens)
         self._tb_ps = np.ascontiguousarray(np.asarray(prof.cost.ps, np.int64)[:4])
         self._tb_u_p, self._tb_u_d = prof.cost.per_token_ms(self._tb_budget)
-        ep = engine_policy(self.tokenbatch.policy, params=self.tokenbatch.index_params,
-                           shed_margin=self.tokenbatch.shed_margin, t_ref_ms=self.tokenbatch.t_ref_ms)
-        self._tb_pid = _PIDS[self.tokenbatch.policy]
-        self._tb_theta = (np.ascontiguousarray(ep.theta, np.float64) if ep.theta is not None
-                          else np.zeros(_s.N_THETA))
+        self._tb_ranked = self.tokenbatch.ranked
+        self._tb_pid, self._tb_theta = 0, np.zeros(_s.N_THETA)
+        if self._tb_ranked:
+            ep = engine_policy(self.tokenbatch.policy, params=self.tokenbatch.index_params,
+                               shed_margin=self.tokenbatch.shed_margin, t_ref_ms=self.tokenbatch.t_ref_ms)
+            self._tb_pid = _PIDS[self.tokenbatch.policy]
+            if ep.theta is not None:
+                self._tb_theta = np.ascontiguousarray(ep.theta, np.float64)
+        # the tpot-guard rule (docs/design.md section 11): the six cost terms in integer ps (c0,
+        # c_prefill, c_c2, c_attn, c_decode, c_kv) and each request's first-token time (ns)
+        self._tb_guard = self.tokenbatch.budget_rule == "tpot-guard"
+        self._tb_gps = tuple(int(x) for x in prof.cost.ps)
+        self._tb_first: dict[str, int] = {}
         pool = self.kv_cache_manager.block_pool
         self._tb_usable = float(pool.num_gpu_blocks - 1)   # block 0 is the null block
         self._tb_info: dict[str, _ReqInfo] = {}
         self._tb_shed_out: list = []                       # aborted requests not yet reported
         self._tb_now_ns: Callable[[], int] = time.time_ns
         self._tb_arrival_scale = 1e9                       # Request.arrival_time is in seconds
-        #: counters: schedules ranked, requests shed (aborted), invalid per-request extra_args
-        self.tokenbatch_stats = {"schedules": 0, "shed": 0, "bad_extra_args": 0}
+        #: counters: schedules ranked, requests shed (aborted), invalid per-request extra_args,
+        #: schedules whose token budget the tpot-guard rule lowered
+        self.tokenbatch_stats = {"schedules": 0, "shed": 0, "bad_extra_args": 0, "budget_lowered": 0}
+        #: the token budget of the last schedule() (B_t under the tpot-guard rule, else B)
+        self.tokenbatch_last_budget = self._tb_budget
         #: request id -> clock (ns) at which the shed rule aborted it
         self.tokenbatch_shed: dict[str, int] = {}
         #: the last ranking: request id -> (tier, score)
@@ -311,9 +409,13 @@ class _TokenBatchMixin:
         self._tb_log = None
         if self.tokenbatch.log_steps is not None:
             self._tb_open_log()
-        logger.info("TokenBatch plug-in: policy %s, profile %s, T_ref %g ms, file %s",
-                    self.tokenbatch.label, self.tokenbatch.profile, self.tokenbatch.t_ref_ms,
-                    self.tokenbatch.policy_file)
+        cfg = self.tokenbatch
+        rule = (f"tpot-guard (u {cfg.budget_u:g}, B_min {cfg.budget_bmin:g}, default TPOT SLO "
+                + ("none" if cfg.default_tpot_slo_ms is None else f"{cfg.default_tpot_slo_ms:g} ms") + ")"
+                if self._tb_guard else "none")
+        logger.info("TokenBatch plug-in: policy %s%s, profile %s, T_ref %g ms, file %s, budget rule %s",
+                    cfg.label, "" if self._tb_ranked else " (vLLM's own order, unranked)", cfg.profile,
+                    cfg.t_ref_ms, cfg.policy_file, rule)
 
     # ------------------------------------------------------------------ clock (for replays)
     def set_clock(self, now_ns: Callable[[], int], arrival_unit_ns: float = 1e9) -> None:
@@ -388,7 +490,7 @@ class _TokenBatchMixin:
         if info is not None:
             return info
         cfg = self.tokenbatch
-        t1_ms, t2_ms, est = cfg.default_ttft_slo_ms, None, cfg.default_est_output_tokens
+        t1_ms, t2_ms, est = cfg.default_ttft_slo_ms, cfg.default_tpot_slo_ms, cfg.default_est_output_tokens
         xa = getattr(req.sampling_params, "extra_args", None) if req.sampling_params else None
         if xa:
             try:
@@ -402,7 +504,7 @@ class _TokenBatchMixin:
                 self.tokenbatch_stats["bad_extra_args"] += 1
                 logger.warning("TokenBatch plug-in: request %s: %s; using the defaults",
                                req.request_id, e)
-                t1_ms, t2_ms, est = cfg.default_ttft_slo_ms, None, cfg.default_est_output_tokens
+                t1_ms, t2_ms, est = cfg.default_ttft_slo_ms, cfg.default_tpot_slo_ms, cfg.default_est_output_tokens
         info = _ReqInfo(int(round(t1_ms * 1e6)), None if t2_ms is None else int(round(t2_ms * 1e6)),
                         float("nan") if est is None else float(est))
         self._tb_info[req.request_id] = info
@@ -491,6 +593,84 @@ class _TokenBatchMixin:
                 heapq.heapify(q._heap)
         self.tokenbatch_stats["schedules"] += 1
 
+    # ------------------------------------------------------------------ the tpot-guard rule
+    def _tb_guard_budget(self) -> int:
+        """B_t of the tpot-guard rule (docs/design.md section 11), exactly as the engine's kernel
+        (``guard_slack``, then ``guard_budget`` with the waiting queue head's cached tokens): one pass
+        over the running requests, then one over the decoding ones with a TPOT SLO."""
+        B = self._tb_budget
+        n_wait = len(self.waiting) + len(self.kv_holding_waiting)
+        pending = n_wait > 0
+        D = ctx = cb = 0
+        cands = []
+        max_len = self.max_model_len
+        info = self._tb_request_info
+        for req in self.running:
+            prompt = req.num_prompt_tokens
+            gen = len(req.output_token_ids) + req.num_output_placeholders
+            if gen >= req.max_tokens or prompt + gen >= max_len:
+                continue   # async: finished by the step in flight, not schedulable (the engine's ENDED)
+            comp = req.num_computed_tokens
+            if gen > 0 and comp == prompt + gen - 1:   # its next step is a decode
+                D += 1
+                ctx += comp
+                t2 = info(req).t2_ns
+                if t2 is not None and t2 < NO_TPOT_SLO_NS:
+                    cands.append((req.request_id, t2, gen))
+            else:   # mid-prefill or mid-recompute
+                pending = True
+                if comp > cb:
+                    cb = comp
+        if not pending or not cands:
+            return B
+        ps0, ps_pre, ps_c2, ps_attn, ps_dec, ps_kv = self._tb_gps
+        tau_dec = ps0 + ps_dec * D + ps_kv * ctx   # ps
+        t_now = int(self._tb_now_ns())
+        first = self._tb_first
+        min_credit = None
+        for rid, t2, gen in cands:
+            if t2 * 1000 <= tau_dec:
+                continue
+            ft = first.get(rid)   # None: its first token is in flight (async): emitted at t_now
+            credit = (float(t2) * float(gen) - float(0 if ft is None else t_now - ft)) * 1000.0   # ps
+            if min_credit is None or credit < min_credit:
+                min_credit = credit
+        if min_credit is None:
+            return B
+        slack = (1.0 + self.tokenbatch.budget_u) * min_credit - float(tau_dec)
+        slack_ps = 0 if slack <= 0.0 else (int(slack) if slack < 4e18 else 4 * 10**18)
+        bs = self.block_size
+        if slack_ps > 0 and n_wait > 0 and ps_attn != 0 and self.cache_config.enable_prefix_caching:
+            # the waiting queue head's cached tokens (vLLM drains kv_holding_waiting first; with no
+            # slack p_t is 0 whatever they are)
+            q = self.kv_holding_waiting if len(self.kv_holding_waiting) else self.waiting
+            head = q.peek_request()
+            if head.num_computed_tokens == 0:
+                hb = self.kv_cache_manager.get_computed_blocks(head)[1] // bs * bs
+                if hb > cb:
+                    cb = hb
+        p = guard_chunk(slack_ps, ps_pre + ps_attn * cb, ps_c2, B)
+        x = D + (p if p > bs else bs)
+        floor = math.ceil(self.tokenbatch.budget_bmin * B)
+        if x < floor:
+            x = floor
+        return x if x < B else B
+
+    def _tb_note_first_tokens(self, scheduler_output) -> None:
+        """Record the first-token time (the clock now, at the step's output) of every request of
+        ``scheduler_output`` whose first output token just arrived."""
+        first = self._tb_first
+        reqs = self.requests
+        now = None
+        for rid in scheduler_output.num_scheduled_tokens:
+            if rid in first:
+                continue
+            req = reqs.get(rid)
+            if req is not None and req.num_output_tokens > 0:
+                if now is None:
+                    now = int(self._tb_now_ns())
+                first[rid] = now
+
     def _tb_shed(self, reqs, t_now: int) -> None:
         ids = [r.request_id for r in reqs]
         done = self.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
@@ -503,8 +683,24 @@ class _TokenBatchMixin:
     # ------------------------------------------------------------------ vLLM hooks
     def schedule(self, *args, **kwargs):
         t0 = int(self._tb_step_ns()) if self._tb_log is not None else 0
-        self._tb_rank()
-        out = super().schedule(*args, **kwargs)
+        if self._tb_ranked:
+            self._tb_rank()
+        if self._tb_guard:
+            # vLLM's schedule() reads its step's token budget from max_num_scheduled_tokens
+            bt = self._tb_guard_budget()
+            self.tokenbatch_last_budget = bt
+            prev = self.max_num_scheduled_tokens
+            if bt < prev:
+                self.tokenbatch_stats["budget_lowered"] += 1
+                self.max_num_scheduled_tokens = bt
+                try:
+                    out = super().schedule(*args, **kwargs)
+                finally:
+                    self.max_num_scheduled_tokens = prev
+            else:
+                out = super().schedule(*args, **kwargs)
+        else:
+            out = super().schedule(*args, **kwargs)
         if self._tb_log is not None and out.total_num_scheduled_tokens > 0:
             try:
                 self._tb_pending[id(out)] = (t0, self._tb_step_features(out))
@@ -529,12 +725,36 @@ class _TokenBatchMixin:
                     request_id=r.request_id, new_token_ids=[], finish_reason=r.get_finished_reason(),
                     events=r.take_events(), trace_headers=r.trace_headers))
             self._tb_shed_out = []
+        if self._tb_guard:
+            self._tb_note_first_tokens(scheduler_output)
         # forget requests that have left the scheduler
         if len(self._tb_info) > 2 * len(self.requests) + 64:
             self._tb_info = {k: v for k, v in self._tb_info.items() if k in self.requests}
+        if len(self._tb_first) > 2 * len(self.requests) + 64:
+            self._tb_first = {k: v for k, v in self._tb_first.items() if k in self.requests}
         if self._tb_log is not None:
             self._tb_log_step(scheduler_output)
         return outs
+
+
+def guard_chunk(slack_ps: int, b_ps: int, c2_ps: int, cap: int) -> int:
+    """p_t of the tpot-guard rule: the largest p in [0, cap] with ``b_ps p + c2_ps p^2 <= slack_ps``
+    (integers, b_ps and c2_ps >= 0); the engine's ``kernel.guard_chunk`` in Python (the same float
+    root, corrected to the exact integer one)."""
+    if slack_ps <= 0:
+        return 0
+    if c2_ps == 0:
+        if b_ps == 0:
+            return cap
+        p = slack_ps // b_ps
+        return p if p < cap else cap
+    x = (math.sqrt(float(b_ps) * float(b_ps) + 4.0 * float(c2_ps) * float(slack_ps)) - float(b_ps)) / (2.0 * c2_ps)
+    p = int(x) if x < float(cap) else cap
+    while p < cap and b_ps * (p + 1) + c2_ps * (p + 1) * (p + 1) <= slack_ps:
+        p += 1
+    while p > 0 and b_ps * p + c2_ps * p * p > slack_ps:
+        p -= 1
+    return p
 
 
 def _positive(v, key) -> float:

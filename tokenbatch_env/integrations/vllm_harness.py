@@ -11,7 +11,10 @@ left mid-prefill.
 Clocks are identical on both sides: iteration times follow the engine profile's cost model from
 the tokens vLLM scheduled, and a request arriving at ``t`` is added before the first ``schedule()``
 whose iteration starts at or after ``t``. Iterations are numbered like the engine's: only
-``schedule()`` calls that scheduled tokens count.
+``schedule()`` calls that scheduled tokens count. A scheduler with ``set_clock`` (the TokenBatch
+plug-in) reads the iteration's start in ``schedule()`` and, in ``update_from_output``, the end of the
+iteration whose output it processes (under async scheduling that runs after the next iteration was
+scheduled, as in vLLM's ``EngineCore``: on a server, about when the output arrives).
 
 Prefix caching: token ids are derived from the trace's block-hash chains (one chain hash -> 16
 deterministic token ids, the same for every request sharing it); blocks past the chain, and every
@@ -270,8 +273,10 @@ def _replay(trace: Trace, hc: HarnessConfig, cost, max_iterations: int, schedule
     with tempfile.TemporaryDirectory(prefix="tokenbatch-vllm-") as d:
         _write_model_dir(d, hc.max_model_len)
         sched, hasher = make_scheduler(hc, d, scheduler_cls, scheduler_kwargs)
+        out_clock = None   # while an output is processed: the end of its iteration
         if hasattr(sched, "set_clock"):
-            sched.set_clock(lambda: now, 1.0)  # arrival_time below is in ns
+            # arrival_time below is in ns
+            sched.set_clock(lambda: now if out_clock is None else out_clock, 1.0)
         shed_at = getattr(sched, "tokenbatch_shed", {})
         pool = sched.kv_cache_manager.block_pool
         batch_queue: deque = deque()
@@ -287,8 +292,14 @@ def _replay(trace: Trace, hc: HarnessConfig, cost, max_iterations: int, schedule
             return it_cols["end_ns"][k]
 
         def process(so, mro, n_it):
-            nonlocal ended
-            outs = sched.update_from_output(so, mro)
+            nonlocal ended, out_clock
+            # the scheduler's clock reads the end of the iteration whose output this is (async: the
+            # next one is scheduled already and `now` is its end)
+            out_clock = None if n_it is None else end_time_of(n_it)
+            try:
+                outs = sched.update_from_output(so, mro)
+            finally:
+                out_clock = None
             for eco in outs.values():
                 for o in eco.outputs:
                     i = index[o.request_id]
@@ -469,7 +480,7 @@ class Comparison:
 
 
 def engine_run(trace: Trace, profile="linear", policy="fcfs", *, engine_policy=None, estimates=None,
-               **kw):
+               engine_config=None, **kw):
     """Simulate ``trace`` with the engine under the budgets ``replay`` gives vLLM, so that the two
     runs can be compared request by request (``compare`` does). Needs no vLLM.
 
@@ -480,6 +491,8 @@ def engine_run(trace: Trace, profile="linear", policy="fcfs", *, engine_policy=N
         engine_policy: an ``EnginePolicy`` to run instead of ``policy`` (e.g. the index policy
             the plug-in runs in vLLM).
         estimates: per-request output-length estimates for ``engine_policy`` (None: none).
+        engine_config: further ``EngineConfig`` fields for the engine only (e.g. ``{"budget_rule":
+            "tpot-guard", "budget_u": 0.5}``, which the plug-in runs from its own settings).
         **kw: budget overrides, as ``resolve_config`` takes them (``num_blocks``,
             ``max_num_batched_tokens``, ``max_num_seqs``, ``prefix_caching``, ``async_scheduling``,
             ``long_prefill_token_threshold``).
@@ -493,22 +506,26 @@ def engine_run(trace: Trace, profile="linear", policy="fcfs", *, engine_policy=N
     """
     from ..engine.simulate import simulate
     _, prof, ecfg = resolve_config(profile, policy, **kw)
+    if engine_config:
+        ecfg = dataclasses.replace(ecfg, **engine_config)
     return simulate(trace, prof, policy if engine_policy is None else engine_policy, ecfg,
                     estimates=None if estimates is None else [np.asarray(estimates, np.float64)])
 
 
 def compare(trace: Trace, profile="linear", policy="fcfs", *, fields=None, engine_policy=None,
             estimates=None, scheduler_cls=None, scheduler_kwargs=None, extra_args=None,
-            **kw) -> Comparison:
+            engine_config=None, **kw) -> Comparison:
     """Run ``trace`` through vLLM and the engine with identical budgets and compare them.
 
     With ``scheduler_cls`` (e.g. the TokenBatch plug-in) vLLM runs that class and the engine runs
-    ``engine_policy`` with ``estimates``; the field ``shed`` is compared too."""
+    ``engine_policy`` with ``estimates`` and ``engine_config`` (``engine_run``'s); the field
+    ``shed`` is compared too."""
     if fields is None:
         fields = COMPARED_FIELDS + EXTRA_FIELDS + (("shed",) if scheduler_cls is not None else ())
     v = replay(trace, profile, policy, scheduler_cls=scheduler_cls, scheduler_kwargs=scheduler_kwargs,
                extra_args=extra_args, **kw)
-    res = engine_run(trace, profile, policy, engine_policy=engine_policy, estimates=estimates, **kw)
+    res = engine_run(trace, profile, policy, engine_policy=engine_policy, estimates=estimates,
+                     engine_config=engine_config, **kw)
     from ..engine.kernel import E_SHED
     e = res.records(0)
     ei = res.iterations(0)
