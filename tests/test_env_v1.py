@@ -135,6 +135,36 @@ def test_actions_replay_the_evaluators_policy_with_the_rule(mode, guard_action, 
     assert differs   # the rule changed these episodes: the test can tell a run without it
 
 
+@pytest.mark.parametrize("partial", [False, True])
+@pytest.mark.parametrize("mode", ["index", "weights"])
+def test_v1_base_is_the_evaluators_tuned_row(mode, partial, tmp_path):
+    """The base v1's a = 0 runs is the evaluator's ``<mode>+shed+tpot-guard`` row of ``bench --params``
+    with the same file: its index parameters, margin, u and B_min, also when the file's "tpot-guard"
+    part leaves the index out (both then use the row's without the rule)."""
+    import argparse
+
+    from tokenbatch_env.bench_cli import config_from_args, configure
+    from tokenbatch_env.evaluate import build_rows
+    from tokenbatch_env.evaluate.rows import row_guard, row_index_params
+    path = _base_file(tmp_path, True)
+    if partial:
+        doc = json.loads(open(path).read())
+        del doc["tpot-guard"]["index"]
+        open(path, "w").write(json.dumps(doc))
+    env = TokenBatchVectorEnv(1, action_mode=mode, base_params=path, tpot_guard=True, **SMALL)
+    p = argparse.ArgumentParser()
+    configure(p)
+    cfg = config_from_args(p.parse_args(["--policies", f"fcfs,{mode}", "--shed", "--params", path]))
+    row = {r.label: r for r in build_rows(cfg)}[f"{mode}+shed+tpot-guard"]
+    core = env.core
+    assert core.base_guard == row_guard(row, cfg)
+    assert core.base_margin == row.shed_margin
+    if mode == "index":
+        assert core.base_params == row_index_params(row, cfg)
+    else:
+        assert core.base_weights == cfg.weights
+
+
 def test_untuned_base_at_zero_action_is_v0(tmp_path):
     """With no tuned rule in the base (u* 0, B_min* 1: the budget never lowered), v1 at a = 0 runs v0's
     episodes: the same rewards and episode metrics, and v0's observation followed by the TPOT state."""
@@ -180,7 +210,7 @@ def _tpot_state(core, c):
 
 def test_tpot_observation_is_the_rules_state():
     """At every decision epoch of several episodes, the TPOT state equals a direct computation from the
-    engine's arrays; it is non-trivial (guarded requests seen, some with TPOT lost)."""
+    engine's arrays; it is non-trivial (guarded requests seen, some behind their TPOT SLO)."""
     env = TokenBatchVectorEnv(4, rho=(1.2, 2.5), window=48, warmup=16, cooldown=16, tpot_guard=True)
     obs, _ = env.reset(seed=1)
     rng = np.random.default_rng(0)

@@ -11,7 +11,7 @@ import pytest
 
 from tokenbatch_env.engine.levers import FLAGS_SUFFIX, GUARD_LEVERS, GUARD_SUFFIX, LEVERS, check_levers, with_levers
 from tokenbatch_env.engine.state import EngineConfig
-from tokenbatch_env.errors import ConfigError
+from tokenbatch_env.errors import ConfigError, TokenBatchError
 
 optuna = pytest.importorskip("optuna")
 
@@ -26,10 +26,13 @@ def test_guard_rows_and_their_space():
     with --no-levers; other rows' spaces are unchanged; the rule stays out of the config's dict when
     off (the evidence ids of runs without it do not move)."""
     cfg = T.TuneConfig(budget_rule="tpot-guard", comparators=False)
-    assert cfg.rows == (T.INDEX_ROW, "edf+shed", "sjf+shed", "llf+shed", GUARD_INDEX, "edf+shed" + GUARD_SUFFIX,
-                        "sjf+shed" + GUARD_SUFFIX, "llf+shed" + GUARD_SUFFIX, *T.FLAGS_ROWS)
+    assert cfg.rows == (T.INDEX_ROW, "edf+shed", "sjf+shed", "llf+shed", *T.FLAGS_ROWS, GUARD_INDEX,
+                        "edf+shed" + GUARD_SUFFIX, "sjf+shed" + GUARD_SUFFIX, "llf+shed" + GUARD_SUFFIX)
     sp = cfg.lever_space(GUARD_INDEX)
     assert sp == {**cfg.lever_space(T.INDEX_ROW), "budget_u": [-0.5, 2.0, 0.0], "budget_bmin": [0.0, 1.0, 0.0]}
+    # the twins come last: the other rows keep their place, so their samplers' seeds
+    full = T.TuneConfig(budget_rule="tpot-guard")
+    assert full.rows[:len(T.TuneConfig().rows)] == T.TuneConfig().rows
     assert cfg.lever_space(T.INDEX_ROW) == T.TuneConfig().lever_space(T.INDEX_ROW)
     assert T.TuneConfig(budget_rule="tpot-guard", levers=False).lever_space("edf+shed" + GUARD_SUFFIX) == {
         "budget_u": [-0.5, 2.0, 0.0], "budget_bmin": [0.0, 1.0, 0.0]}
@@ -109,8 +112,29 @@ def test_params_file_guard_part(tmp_path):
                      ({"levers": {"edf+shed": {"budget_u": 0.1}}}, "unknown lever 'budget_u'"),
                      ({"levers": {"fcfs" + FLAGS_SUFFIX + GUARD_SUFFIX: {"budget_u": 0.1}}}, "not a row with levers"),
                      ({"levers": {"edf+shed" + GUARD_SUFFIX: {"budget_u": 3}}}, r"budget_u must be a number in")]:
-        with pytest.raises((ConfigError, Exception), match=msg):
+        with pytest.raises(TokenBatchError, match=msg):
             load_params_file(_write(tmp_path, bad))
+
+
+def test_a_partial_guard_part_falls_back_to_the_rows_own(tmp_path):
+    """What a file's "tpot-guard" part leaves out is the row's without the rule: the index's parameters
+    and margin, each policy's margin (the weights row's too, which the part cannot hold)."""
+    from tokenbatch_env.evaluate import BenchConfig, build_rows
+    from tokenbatch_env.evaluate.rows import row_index_params
+    from tokenbatch_env.params import load_guard_params, load_params_file
+    from tokenbatch_env.policies import IndexParams
+    path = _write(tmp_path, {"index": {"kappa": 1.5}, "shed_margin": 0.1, "sjf": {"shed_margin": 0.2},
+                             "weights": {"shed_margin": 0.6}, "tpot-guard": {"edf": {"shed_margin": 0.5}}})
+    params, margins = load_params_file(path)
+    gp, gm = load_guard_params(path)
+    assert gp is None and gm == (("edf", 0.5),)
+    cfg = BenchConfig(policies=("sjf", "edf", "index", "weights"), shed=True, index_params=params,
+                      shed_margins=margins, tpot_guard=(0.0, 0.0), guard_index_params=gp, guard_shed_margins=gm)
+    rows = {r.label: r for r in build_rows(cfg)}
+    assert rows[GUARD_INDEX].shed_margin == 0.1 and row_index_params(rows[GUARD_INDEX], cfg) == IndexParams(kappa=1.5)
+    assert rows["sjf+shed" + GUARD_SUFFIX].shed_margin == 0.2
+    assert rows["edf+shed" + GUARD_SUFFIX].shed_margin == 0.5
+    assert rows["weights+shed" + GUARD_SUFFIX].shed_margin == 0.6
 
 
 def test_bench_runs_each_twin_with_its_own_parameters(tmp_path):

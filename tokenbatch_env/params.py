@@ -122,10 +122,15 @@ def _policy_parameters(d: dict, where: str) -> tuple:
 
 def load_guard_params(path: str, what: str = "--params"):
     """The ``<row>+tpot-guard`` rows' own parameters in a ``--params`` file (its ``GUARD_KEY`` part,
-    tuned with u and B_min): (IndexParams, ((policy, margin), ...)), or None when it has none."""
+    tuned with u and B_min): (IndexParams or None, ((policy, margin), ...)), or None when it has no
+    such part. What the part leaves out (the index's parameters, a policy's margin) is the row's
+    without the rule: the index None, the margin absent."""
     load_params_file(path, what)
     d = json.loads(Path(path).read_text())
-    return None if GUARD_KEY not in d else _policy_parameters(d[GUARD_KEY], f"{what} {path}: {GUARD_KEY}")
+    if GUARD_KEY not in d:
+        return None
+    params, margins = _policy_parameters(d[GUARD_KEY], f"{what} {path}: {GUARD_KEY}")
+    return (params if "index" in d[GUARD_KEY] else None), margins
 
 
 def load_levers(path: str, what: str = "--params") -> tuple:

@@ -319,16 +319,16 @@ class TuneConfig:
 
     @property
     def rows(self) -> tuple:
-        """The tuned rows, in turn order: the index first, then each baseline's +shed row, with
-        ``budget_rule`` tpot-guard their +tpot-guard twins, FCFS and priority with tuned vLLM flags
-        (``levers``), then (with ``comparators``) weights+shed and the index-scheduled bucket studies
-        (low load first)."""
-        rows = (INDEX_ROW, *[f"{b}+shed" for b in self.baselines])
-        if self.budget_rule == "tpot-guard":
-            rows += tuple(r + GUARD_SUFFIX for r in rows)
-        rows += FLAGS_ROWS if self.levers else ()
+        """The tuned rows, in turn order: the index first, then each baseline's +shed row, FCFS and
+        priority with tuned vLLM flags (``levers``), then (with ``comparators``) weights+shed and the
+        index-scheduled bucket studies (low load first), and with ``budget_rule`` tpot-guard the
+        +tpot-guard twins of the +shed rows (last, so that the other rows' samplers keep their seeds)."""
+        shed = (INDEX_ROW, *[f"{b}+shed" for b in self.baselines])
+        rows = shed + (FLAGS_ROWS if self.levers else ())
         if self.comparators:
             rows += (WEIGHTS_ROW, *self.bucket_rows)
+        if self.budget_rule == "tpot-guard":   # (last: the other rows keep their samplers' seeds)
+            rows += tuple(r + GUARD_SUFFIX for r in shed)
         return rows
 
     @property
@@ -1234,7 +1234,7 @@ def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_
         guard = {}
         best = summaries[INDEX_ROW + GUARD_SUFFIX]["best"]
         if best is None:
-            notes[INDEX_ROW + GUARD_SUFFIX] = "no completed trial: the rule's rows use index+shed's parameters"
+            notes[INDEX_ROW + GUARD_SUFFIX] = "no completed trial: the rule's index rows use index+shed's parameters"
         else:
             guard.update(index=dict(best["config"]["index"]), shed_margin=best["config"]["shed_margin"])
         for b in cfg.baselines:
@@ -1359,7 +1359,7 @@ def lever_lines(cfg: dict) -> list:
             "max_num_seqs and long_prefill_token_threshold (log-uniform, up to the profile's B_max and "
             "max_num_seqs; load and SLOs stay at the profile's flags), with the same trial budget; "
             f"{' and '.join(FLAGS_ROWS)} tune only the flags. The test report runs each levered row beside "
-            "itself at the profile's flags"]
+            "itself at the profile's flags (a +tpot-guard row: beside the row without the rule)"]
 
 
 def guard_lines(cfg: dict) -> list:

@@ -105,8 +105,10 @@ def judge_guard(rep: dict, rows: dict) -> dict:
     by validation, with the rule against its tuned static levers) and the ordering (index+shed with
     the rule against the best ``<baseline>+shed`` with the rule, by validation)."""
     val = {row: s["best"]["validation_goodput"] for row, s in rep["studies"].items() if s["best"] is not None}
-    plain = [r for r in val if r.endswith("+shed") and r != "index+shed"]
-    guarded = [r for r in val if r.endswith("+shed" + GUARD) and r != "index+shed" + GUARD]
+    plain = [r for r in val if r + GUARD in val and r != "index+shed"]   # (rows with a tuned twin)
+    guarded = [r + GUARD for r in plain]
+    if not plain or "index+shed" + GUARD not in val:
+        return {"error": "no completed trial in the twin studies"}
     b = max(plain, key=lambda k: (val[k], k))
     bg = max(guarded, key=lambda k: (val[k], k))
     lever = rows[b + GUARD]["vs"][b]
@@ -127,7 +129,7 @@ def guard_table(results: list) -> str:
            "|---|---|---|---|---|---|---|---|---|---|"]
     diffs = []
     for r in results:
-        if "guard" not in r:
+        if "guard" not in r or "error" in r["guard"]:
             continue
         x = r["guard"]
         lv = x["lever_levers"] or {}

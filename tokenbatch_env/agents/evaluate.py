@@ -153,8 +153,12 @@ def evaluate_agents(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict:
                   weights=load_weights(cfg.params), schedule=load_schedule(cfg.params))
         guard = load_guard_params(cfg.params)
         if guard is not None:   # tuned with the budget rule: its +tpot-guard rows, each with its own u, B_min
+            # (only those: every row here runs at the profile's flags, as the agents do)
+            from ..engine.levers import GUARD_LEVERS
+            lv = tuple((k, tuple((f, x) for f, x in v if f in GUARD_LEVERS)) for k, v in load_levers(cfg.params)
+                       if k.endswith("+tpot-guard"))
             kw.update(tpot_guard=(0.0, 0.0), guard_index_params=guard[0], guard_shed_margins=guard[1],
-                      levers=tuple((k, v) for k, v in load_levers(cfg.params) if k.endswith("+tpot-guard")))
+                      levers=tuple((k, v) for k, v in lv if v))
     pols = ("fcfs", "sjf", "edf", "index") + (("weights",) if kw.get("weights") is not None else ())
     m0 = Path(cfg.model[0])
     out = Path(cfg.out) if cfg.out else (m0 if m0.is_dir() else m0.parent) / "test"

@@ -240,11 +240,14 @@ class Validator:
     def _goodput(self, res) -> float:
         return float(sum(res.records(i)["met"][m].mean() for i, m in enumerate(self.scored)) / len(self.scored))
 
-    def policy(self, name: str, margin, **kw) -> float:
+    def policy(self, name: str, margin, guard=None, **kw) -> float:
+        """A static policy's validation goodput; ``guard``: with the tpot-guard rule at (u, B_min)."""
         from ..engine.simulate import simulate
         from ..policies import engine_policy
         pol = engine_policy(name, shed_margin=margin, t_ref_ms=self.wl.t_ref_ms, **kw)
-        return self._goodput(simulate(self.traces, self.profile, pol, self.engine, estimates=self.est,
+        engine = self.engine if guard is None else dataclasses.replace(
+            self.engine, budget_rule="tpot-guard", budget_u=guard[0], budget_bmin=guard[1])
+        return self._goodput(simulate(self.traces, self.profile, pol, engine, estimates=self.est,
                                       residual_life=self.wl.residual_life))
 
     def agent(self, predict, core) -> float:
@@ -264,10 +267,10 @@ def _references(cfg: TrainConfig, val: Validator, core) -> dict:
     margins = dict(load_params_file(cfg.env.base_params)[1]) if cfg.env.base_params else {}
     edf_margin = margins.get("edf", 0.0)
     out = {"edf+shed": val.policy("edf", edf_margin)}
-    if cfg.env.action_mode == "index":
-        out["base"] = val.policy("index", core.base_margin, params=core.base_params)
+    if cfg.env.action_mode == "index":   # (TokenBatch-v1: with the rule at the base's u and B_min)
+        out["base"] = val.policy("index", core.base_margin, core.base_guard, params=core.base_params)
     else:
-        out["base"] = val.policy("weights", core.base_margin, weights=core.base_weights)
+        out["base"] = val.policy("weights", core.base_margin, core.base_guard, weights=core.base_weights)
     return out
 
 

@@ -500,16 +500,19 @@ class Core:
 
 def guard_base(cfg: TokenBatchConfig, params, margin) -> tuple:
     """v1's base (docs/design.md section 11): the index's parameters and shed margin tuned with the
-    rule (a ``base_params`` file's ``"tpot-guard"`` part; else ``params``, ``margin``) and (u*,
+    rule (a ``base_params`` file's ``"tpot-guard"`` part; what it leaves out: ``params``, ``margin``,
+    as the evaluator's +tpot-guard row) and (u*,
     B_min*), the row's tuned levers (``"<mode>+shed+tpot-guard"``), else (0, 1): the rule never
     lowers the budget, so that a = 0 runs the base policy as v0 does."""
     from ..engine.levers import GUARD_SUFFIX
     from ..params import load_guard_params, load_levers
     u, bmin = 0.0, 1.0
     if cfg.base_params is not None:
-        tuned = load_guard_params(cfg.base_params, "base_params")
-        if tuned is not None and cfg.action_mode == "index" and "index" in dict(tuned[1]):
-            params, m = tuned[0], dict(tuned[1])["index"]
+        tuned = load_guard_params(cfg.base_params, "base_params")   # (what it leaves out: the row's own)
+        if tuned is not None and cfg.action_mode == "index":
+            if tuned[0] is not None:
+                params = tuned[0]
+            m = dict(tuned[1]).get("index", margin)
             margin = None if m is None or math.isinf(m) else float(m)
         lv = dict(dict(load_levers(cfg.base_params, "base_params")).get(f"{cfg.action_mode}+shed{GUARD_SUFFIX}", ()))
         u, bmin = lv.get("budget_u", u), lv.get("budget_bmin", bmin)

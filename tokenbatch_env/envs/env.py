@@ -271,8 +271,10 @@ class TokenBatchEnv(gym.Env):
     decoding requests / max_num_seqs; tau_dec (the decodes' iteration time) / the smallest T2 of the
     running requests past their first token (0 if none has a TPOT SLO); quantiles 0/25/50/75/100 % of
     the guarded requests' credits c_i / T2_i as sign(x) ln(1 + |x|) / ln(101), 0 with
-    ``guarded_empty`` = 1 when none is guarded; the share of running requests whose TPOT is lost
-    (credit < 0: their mean time per output token so far exceeds T2). ``Box(-10, 10, (27 + 11*K,))``.
+    ``guarded_empty`` = 1 when none is guarded; ``tpot_behind_frac``, the share of running requests
+    behind their TPOT SLO (credit < 0: even a token emitted now would leave their mean time per output
+    token above T2; later, faster tokens may still make it; the observable part of "TPOT lost", which
+    needs the unknown output length). ``Box(-10, 10, (27 + 11*K,))``.
 
     ## Rewards
     [the reward modes: ``rewards.REGISTRY``, as ``rewards.rewards_doc`` states them]

@@ -30,7 +30,7 @@ F = len(REQ_FEATURES)
 NQ = len(QUANTILES)
 #: TokenBatch-v1's TPOT state (docs/design.md section 11), after the request rows
 TPOT_FEATURES = ("decodes_frac", "tau_dec_over_min_t2", *[f"credit_q{int(q * 100)}" for q in QUANTILES],
-                 "guarded_empty", "tpot_lost_frac")
+                 "guarded_empty", "tpot_behind_frac")
 N_TPOT = len(TPOT_FEATURES)
 CREDIT_SCALE = math.log1p(100.0)   # a credit c_i / T2_i as sign(x) ln(1 + |x|) / ln(101)
 
@@ -293,8 +293,8 @@ def _tpot_state(row, at, c, cfg, max_seqs, t_now, n_run, run_ids, status, prompt
     own quantities, ``kernel.guard_slack``): decodes / max_num_seqs; tau_dec / the smallest T2 of the
     running requests past their first token (0 if none has a TPOT SLO); quantiles of the guarded
     requests' credits c_i / T2_i as sign(x) ln(1 + |x|) / ln(101), 0 with ``guarded_empty`` = 1 when
-    none is guarded; the share of running requests whose TPOT is lost (credit < 0: their mean time per
-    output token so far exceeds T2)."""
+    none is guarded; the share of running requests behind their TPOT SLO (credit < 0: even a token
+    emitted now would leave their mean time per output token above T2)."""
     D = 0
     ctx = 0
     n = 0

@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..engine.levers import FLAGS_SUFFIX
+from ..engine.levers import FLAGS_SUFFIX, LEVERS
 from ..errors import ConfigError
 from ..workload import prepare_workload
 from .config import BASELINE_ROWS, GUARD_SUFFIX, PRIMARY_LOAD, PRIMARY_SPLIT, SHED_SUFFIX, BenchConfig
@@ -125,7 +125,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                               f"exceeds max_model_len {profile.max_model_len} (vLLM refuses it)")
     unused = sorted(set(dict(cfg.levers)) - {r.label for r in rows})
     ctl = [r.label for r in rows if r.policy == CONTROLLED]
-    if cfg.levers and ctl:
+    if ctl and any(f in LEVERS for _, lv in cfg.levers for f, _ in lv):
         wl.notes.append(f"{', '.join(ctl)}: at the profile's flags (a controller switches parameters mid-run; vLLM's "
                         "flags are static), beside rows with tuned flags")
     if unused:

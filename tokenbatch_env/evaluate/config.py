@@ -189,8 +189,11 @@ class BenchConfig:
             set_("tpot_guard", (float(u), float(bmin)))
 
     def shed_margin(self, policy: str, guard: bool = False) -> float:
-        """The +shed row's margin for ``policy`` (default 0.0); ``guard``: of its +tpot-guard row."""
-        sm = self.guard_shed_margins if guard and self.guard_shed_margins is not None else self.shed_margins
-        return float(dict(sm).get(policy, 0.0))
+        """The +shed row's margin for ``policy`` (default 0.0); ``guard``: of its +tpot-guard row (its
+        own tuned margin, else the row's without the rule)."""
+        sm = dict(self.shed_margins)
+        if guard and self.guard_shed_margins is not None:
+            sm.update(self.guard_shed_margins)
+        return float(sm.get(policy, 0.0))
 
 
