@@ -605,20 +605,6 @@ def test_bad_tpot_guard_setting_from_the_environment_names_the_variable(monkeypa
         _make(f"{PLUGIN}.TokenBatchScheduler", {"profile": "linear"})
 
 
-def test_guard_chunk_and_constants_are_the_kernels():
-    """The plug-in's pure-Python p_t is the compiled ``kernel.guard_chunk``; its constants the kernel's."""
-    from tokenbatch_env.engine import kernel as K
-    from tokenbatch_env.integrations import vllm as V
-    assert V.BUDGET_RULES == K.BUDGET_RULES and V.NO_TPOT_SLO_NS == K.NO_TPOT_SLO_NS
-    rng = np.random.default_rng(0)
-    for _ in range(3000):
-        slack = int(rng.choice([rng.integers(-10, 10), rng.integers(0, 10**9), rng.integers(0, 10**13)]))
-        b, c2 = int(rng.integers(0, 10**8)), int(rng.choice([0, rng.integers(0, 10**4)]))
-        cap = int(rng.integers(0, 9000))
-        want = int(K.guard_chunk(np.int64(slack), np.int64(b), np.int64(c2), np.int64(cap)))
-        assert V.guard_chunk(slack, b, c2, cap) == want, (slack, b, c2, cap)
-
-
 def test_tpot_guard_lowers_vllm_budget_only_for_the_step():
     """vLLM's per-step token budget (``max_num_scheduled_tokens``) is B_t during ``schedule()`` and
     B again afterwards; the lowered steps are counted."""

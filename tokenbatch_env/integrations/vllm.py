@@ -94,6 +94,8 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
 from ..engine import scoring as _s
+# the tpot-guard rule's own names and p_t (one implementation: the kernel's, called from Python)
+from ..engine.kernel import BUDGET_RULES, NO_TPOT_SLO_NS, guard_chunk
 from ..errors import ConfigError
 from ..policies import policy_names, vllm_modes
 
@@ -113,10 +115,6 @@ VLLM_POLICIES = vllm_modes()   # the registry's: fcfs, priority
 _KEYS = ("policy", "policy_file", "shed", "profile", "t_ref_ms", "default_ttft_slo_ms",
          "default_est_output_tokens", "log_steps", "budget_rule", "budget_u", "budget_bmin",
          "default_tpot_slo_ms")
-#: the budget rules (``engine.kernel.BUDGET_RULES``; the compiled kernel is not imported here)
-BUDGET_RULES = ("none", "tpot-guard")
-#: a TPOT SLO at or above this many ns is none: not guarded (``engine.kernel.NO_TPOT_SLO_NS``)
-NO_TPOT_SLO_NS = 10**15
 
 
 class TokenBatchPluginError(ConfigError):
@@ -649,7 +647,7 @@ class _TokenBatchMixin:
                 hb = self.kv_cache_manager.get_computed_blocks(head)[1] // bs * bs
                 if hb > cb:
                     cb = hb
-        p = guard_chunk(slack_ps, ps_pre + ps_attn * cb, ps_c2, B)
+        p = int(guard_chunk(slack_ps, ps_pre + ps_attn * cb, ps_c2, B))
         x = D + (p if p > bs else bs)
         floor = math.ceil(self.tokenbatch.budget_bmin * B)
         if x < floor:
@@ -735,26 +733,6 @@ class _TokenBatchMixin:
         if self._tb_log is not None:
             self._tb_log_step(scheduler_output)
         return outs
-
-
-def guard_chunk(slack_ps: int, b_ps: int, c2_ps: int, cap: int) -> int:
-    """p_t of the tpot-guard rule: the largest p in [0, cap] with ``b_ps p + c2_ps p^2 <= slack_ps``
-    (integers, b_ps and c2_ps >= 0); the engine's ``kernel.guard_chunk`` in Python (the same float
-    root, corrected to the exact integer one)."""
-    if slack_ps <= 0:
-        return 0
-    if c2_ps == 0:
-        if b_ps == 0:
-            return cap
-        p = slack_ps // b_ps
-        return p if p < cap else cap
-    x = (math.sqrt(float(b_ps) * float(b_ps) + 4.0 * float(c2_ps) * float(slack_ps)) - float(b_ps)) / (2.0 * c2_ps)
-    p = int(x) if x < float(cap) else cap
-    while p < cap and b_ps * (p + 1) + c2_ps * (p + 1) * (p + 1) <= slack_ps:
-        p += 1
-    while p > 0 and b_ps * p + c2_ps * p * p > slack_ps:
-        p -= 1
-    return p
 
 
 def _positive(v, key) -> float:
