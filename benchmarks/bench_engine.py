@@ -111,16 +111,21 @@ def rule_overhead(copies: int, rounds: int = 3) -> int:
     from tokenbatch_env.engine.state import EngineConfig
     _warm()
     best = {}
+    # "no-op": the rule computed at every iteration but B_min 1 (the budget never lowered): the same
+    # iterations as without it, so the difference is the rule's own computation
+    rules = {"none": {}, "tpot-guard": {"budget_rule": "tpot-guard"},
+             "no-op": {"budget_rule": "tpot-guard", "budget_bmin": 1.0}}
     for _ in range(rounds):
         for jumps in (True, False):
-            for rule in (None, "tpot-guard"):
-                a = bench_copies(copies, config=EngineConfig(jumps=jumps, budget_rule=rule))
-                key = (jumps, rule or "none")
+            for rule, kw in rules.items():
+                a = bench_copies(copies, config=EngineConfig(jumps=jumps, **kw))
+                key = (jumps, rule)
                 best[key] = min(best.get(key, float("inf")), a["wall_s"] / a["iterations"])
     for jumps in (True, False):
-        base, on = best[(jumps, "none")], best[(jumps, "tpot-guard")]
+        base, on, noop = best[(jumps, "none")], best[(jumps, "tpot-guard")], best[(jumps, "no-op")]
         print(f"(e) jumps {'on ' if jumps else 'off'}: {base * 1e9:.1f} ns/iteration without the rule, "
-              f"{on * 1e9:.1f} with tpot-guard ({(on / base - 1) * 100:+.1f}%)")
+              f"{on * 1e9:.1f} with tpot-guard ({(on / base - 1) * 100:+.1f}%), {noop * 1e9:.1f} with the rule "
+              f"computed but B_min 1 ({(noop / base - 1) * 100:+.1f}%)")
     return 0
 
 
