@@ -60,7 +60,9 @@ TARGET, TARGET_COPIES = 30.0, 1024
 
 
 def _actions(n: int, steps: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).uniform(-1, 1, (steps, n, 8)).astype(np.float32)
+    from tokenbatch_env.envs import TokenBatchConfig
+    d = len(TokenBatchConfig(**CONFIG).action_names)
+    return np.random.default_rng(seed).uniform(-1, 1, (steps, n, d)).astype(np.float32)
 
 
 def _drive(step, acts, warm: int):
@@ -346,6 +348,8 @@ def main(argv=None) -> int:
                     help="(d): the native env at its threads, with one engine thread, and SyncVectorEnv alternated "
                          "in ROUNDS rounds (default 10) of --native-steps-per-round steps each: the compiled work "
                          "per copy-step and the speed-up it allows")
+    ap.add_argument("--v1", action="store_true",
+                    help="TokenBatch-v1 (tpot_guard: the budget rule, its action dimensions and TPOT state)")
     ap.add_argument("--threads", type=int, default=None,
                     help="engine threads of the native env, (a) and (c) (default: the env's, the available "
                          "cores from 64 copies on); SyncVectorEnv's single envs use 1")
@@ -366,6 +370,8 @@ def main(argv=None) -> int:
         CONFIG["rho"] = tuple(a.rho)
     if a.interval_ms is not None:
         CONFIG["decision_interval_ms"] = a.interval_ms
+    if a.v1:
+        CONFIG["tpot_guard"] = True
     from tokenbatch_env.envs import default_threads
     print(f"config: {CONFIG}; engine threads (native env): {ENV_KW.get('threads', default_threads(a.copies))}")
     n, T, W = a.copies, a.steps, a.warm
