@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a PPO agent (stable-baselines3) on TokenBatch-v0 as a challenger to the tuned index.
+"""Train a PPO agent (stable-baselines3) on TokenBatch-v0 (or v1, --tpot-guard) as a challenger to the tuned index.
 
 The same as ``tokenbatch train`` (tokenbatch_env/agents/train.py; the options are TrainConfig's
 fields): see ``--help``. Messages are prefixed ``train_ppo.py:``.

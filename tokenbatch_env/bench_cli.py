@@ -117,8 +117,13 @@ def config_from_args(args):
         kw.update(index_params=params, shed_margins=margins, params_source=args.params,
                   weights=load_weights(args.params), levers=load_levers(args.params))
         tuned = load_guard_params(args.params)
-        if tuned is not None:   # tuned with the rule: its +tpot-guard rows (u, B_min: their own, else the flags')
-            kw.update(guard_index_params=tuned[0], guard_shed_margins=tuned[1])
+        from .engine.levers import GUARD_SUFFIX
+        ruled = tuned is not None or any(k.endswith(GUARD_SUFFIX) for k, _ in kw["levers"])
+        if ruled and args.budget_rule != "none":
+            # tuned with the rule: its +tpot-guard rows (u, B_min: their own, else the flags'); an explicit
+            # --budget-rule none leaves them out
+            if tuned is not None:
+                kw.update(guard_index_params=tuned[0], guard_shed_margins=tuned[1])
             kw.setdefault("tpot_guard", (0.0, 0.0))
         dep = load_deployment(args.params)
         if dep is not None:

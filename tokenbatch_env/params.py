@@ -71,7 +71,9 @@ def load_params_file(path: str, what: str = "--params") -> tuple:
         g = d[GUARD_KEY]
         gvalid = ["index", "shed_margin", *[b for b in BASELINES if b not in ("index", "weights")]]
         if not isinstance(g, dict) or set(g) - set(gvalid):
-            raise ConfigError(f"{what} {path}: {GUARD_KEY!r} must be an object with keys among {', '.join(gvalid)}")
+            bad = f" (unknown: {', '.join(sorted(set(g) - set(gvalid)))})" if isinstance(g, dict) else ""
+            raise ConfigError(f"{what} {path}: {GUARD_KEY!r} must be an object with keys among {', '.join(gvalid)}"
+                              + bad)
         _policy_parameters(g, f"{what} {path}: {GUARD_KEY}")
     if LEVERS_KEY in d:
         try:

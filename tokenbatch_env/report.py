@@ -238,10 +238,10 @@ def guard_lines(entry: dict) -> list:
         base = d["label"].removesuffix(GUARD_SUFFIX)
         gain = d["vs"].get(base)
         before = next((x.get("tpot_only_missed", "-") for x in entry["rows"] if x["label"] == base), "-")
-        flags = ""
-        if "max_num_batched_tokens" in d.get("levers", {}):
-            flags = f" (tuned flags: B {d['levers']['max_num_batched_tokens']})"
-        out.append([d["label"], f"u {d['tpot_guard']['u']:g}, B_min {d['tpot_guard']['bmin']:g}{flags}", _diff(gain),
+        lv = d.get("levers", {})
+        tuned = " (tuned" + (f", B {lv['max_num_batched_tokens']}" if "max_num_batched_tokens" in lv else "") + ")"
+        out.append([d["label"], f"u {d['tpot_guard']['u']:.2f}, B_min {d['tpot_guard']['bmin']:.2f}"
+                    + (tuned if "budget_u" in lv or "budget_bmin" in lv else ""), _diff(gain),
                     _f(gain["win_rate"], 2) if gain else "-", f"{before} -> {d.get('tpot_only_missed', '-')}"])
     return out
 
@@ -271,7 +271,8 @@ def console_summary(data: dict) -> str:
         lines += _text_table(LEVER_HEADER, lev)
     gl = guard_lines(e)
     if gl:
-        lines += ["", f"tpot-guard at rho {rho:g} (each row against itself without the rule):"]
+        lines += ["", f"tpot-guard at rho {rho:g} (each row against itself without the rule; a tuned row also has "
+                      "its own tuned parameters, so its gain is the rule's and theirs):"]
         lines += _text_table(GUARD_HEADER, gl)
     lines += ["", "goodput by load:"]
     labels = [d["label"] for d in data["loads"][0]["rows"]]
@@ -320,7 +321,9 @@ def report_markdown(data: dict) -> str:
     gl = guard_lines(e)
     if gl:
         L += ["", f"## The tpot-guard budget rule at rho {rho:g}", "",
-              "Each +tpot-guard row against the same row without the rule (paired).", ""]
+              "Each +tpot-guard row against the same row without the rule (paired). A tuned row (from a "
+              "parameters file tuned with the rule) also has its own tuned margin, index parameters and flags: "
+              "its gain is the rule's and theirs.", ""]
         L += _table(GUARD_HEADER, gl)
     L += ["", "## Goodput by load (mean [95% CI])", ""]
     labels = [d["label"] for d in data["loads"][0]["rows"]]

@@ -32,7 +32,9 @@ script's best_params.json) the index, the shed margins, ``weights+shed`` (weight
 ``index-scheduled`` are the tuned ones. Writes the evaluator's report (report.json / report.md /
 goodput_vs_load.png / ttft_cdf.png, evidence id inside) and agent_vs.md / agent_vs.json: the
 agent's paired goodput differences (95% bootstrap CI, win rate) against the tuned index+shed,
-index-scheduled, weights+shed and EDF+shed at every load.
+index-scheduled, weights+shed, EDF+shed and (a file tuned with the tpot-guard rule, a TokenBatch-v1
+agent's base) index+shed+tpot-guard at every load. Every row runs at the profile's flags, as the
+agents do: tuned vLLM flags in the file are not applied (a line on stderr says so).
 
 What --model needs: a training run's directory (tokenbatch train / train_ppo.py writes
 <out>/best and <out>/final: model.zip, config.json with the env's settings and the files' digests,
@@ -151,14 +153,21 @@ def evaluate_agents(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict:
         params, margins = load_params_file(cfg.params)
         kw.update(index_params=params, shed_margins=margins, params_source=cfg.params,
                   weights=load_weights(cfg.params), schedule=load_schedule(cfg.params))
+        from ..engine.levers import LEVERS
+        flagged = sorted(k for k, v in load_levers(cfg.params) if any(f in LEVERS for f, _ in v))
+        if flagged:
+            print(f"{prog}: note: every row runs at the profile's flags, as the agents do; the tuned vLLM flags "
+                  f"of {', '.join(flagged)} in {cfg.params} are not applied", file=sys.stderr)
+        # tuned with the budget rule: its +tpot-guard rows, each with its own u and B_min (only those: every
+        # row here runs at the profile's flags, as the agents do)
+        from ..engine.levers import GUARD_LEVERS, GUARD_SUFFIX
         guard = load_guard_params(cfg.params)
-        if guard is not None:   # tuned with the budget rule: its +tpot-guard rows, each with its own u, B_min
-            # (only those: every row here runs at the profile's flags, as the agents do)
-            from ..engine.levers import GUARD_LEVERS
-            lv = tuple((k, tuple((f, x) for f, x in v if f in GUARD_LEVERS)) for k, v in load_levers(cfg.params)
-                       if k.endswith("+tpot-guard"))
-            kw.update(tpot_guard=(0.0, 0.0), guard_index_params=guard[0], guard_shed_margins=guard[1],
-                      levers=tuple((k, v) for k, v in lv if v))
+        lv = tuple((k, tuple((f, x) for f, x in v if f in GUARD_LEVERS)) for k, v in load_levers(cfg.params)
+                   if k.endswith(GUARD_SUFFIX))
+        if guard is not None or lv:
+            kw.update(tpot_guard=(0.0, 0.0), levers=tuple((k, v) for k, v in lv if v))
+        if guard is not None:
+            kw.update(guard_index_params=guard[0], guard_shed_margins=guard[1])
     pols = ("fcfs", "sjf", "edf", "index") + (("weights",) if kw.get("weights") is not None else ())
     m0 = Path(cfg.model[0])
     out = Path(cfg.out) if cfg.out else (m0 if m0.is_dir() else m0.parent) / "test"

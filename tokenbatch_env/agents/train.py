@@ -1,5 +1,5 @@
 """`tokenbatch train` (and agents/train_ppo.py, which calls ``main``): train a PPO agent
-(stable-baselines3) on TokenBatch-v0 as a challenger to the tuned index.
+(stable-baselines3) on TokenBatch-v0 (or v1, ``--tpot-guard``) as a challenger to the tuned index.
 
 ``TrainConfig`` is the whole run (its fields are the command's options, ``config_cli``); ``train``
 runs it. See ``EPILOG`` (the command's ``--help``) for what it writes and the note on discounting.
@@ -19,7 +19,8 @@ from typing import Optional
 from ..config_cli import option
 from ..envs.config import TokenBatchConfig
 
-DESCRIPTION = "Train a PPO agent (stable-baselines3) on TokenBatch-v0 as a challenger to the tuned index."
+DESCRIPTION = ("Train a PPO agent (stable-baselines3) on TokenBatch-v0 (or v1, --tpot-guard) as a challenger to the "
+               "tuned index.")
 
 EPILOG = """\
     {cmd}                                  # index mode, MLP, small default budget
@@ -78,8 +79,8 @@ ENV_OPTIONS = {
     "reward_mode": {"help": "the env's reward (TokenBatchConfig.reward_mode)"},
     "shed_action": {"help": "a shed-margin action (--no-shed-action: the margin stays theta*'s)"},
     "tpot_guard": {"help": "TokenBatch-v1: the engine runs the tpot-guard budget rule, whose u and B_min join the "
-                           "action (around the base file's tuned +tpot-guard row, else u 0, B_min 1: off) and the "
-                           "TPOT state the observation (docs/design.md section 11)"},
+                           "action (around the base file's tuned +tpot-guard row, else u 0, B_min 1: off), and the "
+                           "observation gains the TPOT state (docs/design.md section 11)"},
     "seed": {"help": "seed of PPO and the env"},
 }
 
@@ -208,7 +209,8 @@ def run(args, evaluate_cmd: str = "tokenbatch evaluate-agent") -> int:
     reached = m["reached_edf_shed_at_wall_s"]
     print("reached EDF+shed's validation goodput " + (f"after {reached:.0f} s" if reached is not None else ": not yet"))
     print(f"saved: {Path(cfg.out) / 'best'} (best), {Path(cfg.out) / 'final'}; judge on TEST with "
-          f"{evaluate_cmd} --model {Path(cfg.out) / 'best'}")
+          f"{evaluate_cmd} --model {Path(cfg.out) / 'best'}"
+          + (f" --params {cfg.env.base_params}" if cfg.env.base_params else ""))
     return 0
 
 

@@ -248,33 +248,35 @@ class TokenBatchEnv(gym.Env):
     v1 (``tpot_guard=True``, ``gym.make("TokenBatch-v1")``): the engine runs the tpot-guard budget rule
     (docs/design.md section 11) and two dimensions come before the shed margin, ``budget_u`` and
     ``budget_bmin``: ``u = u* + 2.5 a`` clipped to [-0.5, 2] and ``B_min = B_min* + a`` clipped to
-    [0, 1], around the base (u*, B_min*): the ``"<mode>+shed+tpot-guard"`` levers of ``base_params``
-    (whose ``"tpot-guard"`` part then also gives the index's theta* and margin), else (0, 1), with
-    which the rule never lowers the budget and a = 0 runs v0's episodes. So ``(10,)`` in ``index`` mode,
-    ``(11,)`` in ``weights`` mode (one fewer without the shed action).
+    [0, 1], around the base (u*, B_min*): the ``budget_u`` and ``budget_bmin`` levers of the
+    ``"<mode>+shed+tpot-guard"`` row of ``base_params`` (its static vLLM flags are not applied: the env
+    runs at the profile's; the file's ``"tpot-guard"`` part gives the index's theta* and margin), else
+    (0, 1), with which the rule never lowers the budget and a = 0 runs v0's episodes. So ``(10,)`` in
+    ``index`` mode, ``(11,)`` in ``weights`` mode (one fewer without the shed action).
 
     ## Observation Space
-    ``Box(-10, 10, (18 + 11*K,), float32)``, K = ``k`` (default 8, so 106 entries), never NaN/inf
-    (every entry is clipped to [-10, 10]); ``obs_layout(K)`` names them. Engine state (6): free KV
-    fraction; running / max_num_seqs; ln(1 + waiting) / ln(1025); ln(1 + queued prefill tokens) /
-    ln(1 + 1e6); arrival-rate estimate (arrivals in the last 10 s of simulated time, over at
-    least 0.1 s, / lambda_sat, so ~rho); budget demand (running requests' next-iteration tokens /
-    B, capped at 1). Queue summary (12): quantiles 0/25/50/75/100 % of z/10 and of ln(S/T_ref)/4
-    over the waiting requests, 0 with ``queue_empty`` = 1 when nothing waits; fraction of waiting
-    requests whose TTFT is already lost (slack < 0). Then the K waiting requests with the lowest z
-    (ties: earlier position in the sort), 10 features each: z/10, ln(S/T_ref)/4,
-    ln(1+prefill left)/ln(1+1e5), ln(1+estimated decode left)/ln(1+1e5), prefix-cache hit ratio,
-    blocks needed / usable blocks, waited / T1, (deadline - now) / T_ref, ln(T1 / T_ref), first
-    token out (0/1); missing rows are 0; then K validity bits. z, S, slack, prefill left, blocks
-    needed and the estimates are the index's inputs (docs/design.md section 4) with the suite's
-    predictor. v1 appends the TPOT state (9; the rule's own quantities, ``observation.TPOT_FEATURES``):
-    decoding requests / max_num_seqs; tau_dec (the decodes' iteration time) / the smallest T2 of the
-    running requests past their first token (0 if none has a TPOT SLO); quantiles 0/25/50/75/100 % of
-    the guarded requests' credits c_i / T2_i as sign(x) ln(1 + |x|) / ln(101), 0 with
-    ``guarded_empty`` = 1 when none is guarded; ``tpot_behind_frac``, the share of running requests
-    behind their TPOT SLO (credit < 0: even a token emitted now would leave their mean time per output
-    token above T2; later, faster tokens may still make it; the observable part of "TPOT lost", which
-    needs the unknown output length). ``Box(-10, 10, (27 + 11*K,))``.
+    ``Box(-10, 10, (18 + 11*K,), float32)``, K = ``k`` (default 8, so 106 entries), never NaN/inf (every
+    entry is clipped to [-10, 10]); ``obs_layout(K)`` (v1: ``obs_layout(K, tpot=True)``) and
+    ``env.unwrapped.obs_names`` name them (``env.unwrapped.core.action_names`` the action's dimensions).
+    Engine state (6): free KV fraction; running / max_num_seqs; ln(1 + waiting) / ln(1025); ln(1 +
+    queued prefill tokens) / ln(1 + 1e6); arrival-rate estimate (arrivals in the last 10 s of simulated
+    time, over at least 0.1 s, / lambda_sat, so ~rho); budget demand (running requests' next-iteration
+    tokens / B, capped at 1). Queue summary (12): quantiles 0/25/50/75/100 % of z/10 and of
+    ln(S/T_ref)/4 over the waiting requests, 0 with ``queue_empty`` = 1 when nothing waits; fraction of
+    waiting requests whose TTFT is already lost (slack < 0). Then the K waiting requests with the lowest
+    z (ties: earlier position in the sort), 10 features each: z/10, ln(S/T_ref)/4, ln(1+prefill
+    left)/ln(1+1e5), ln(1+estimated decode left)/ln(1+1e5), prefix-cache hit ratio, blocks needed /
+    usable blocks, waited / T1, (deadline - now) / T_ref, ln(T1 / T_ref), first token out (0/1); missing
+    rows are 0; then K validity bits. z, S, slack, prefill left, blocks needed and the estimates are the
+    index's inputs (docs/design.md section 4) with the suite's predictor. v1 appends the TPOT state (9;
+    the rule's own quantities, ``observation.TPOT_FEATURES``): decoding requests / max_num_seqs; tau_dec
+    (the decodes' iteration time) / the smallest T2 of the running requests past their first token (0 if
+    none has a TPOT SLO); quantiles 0/25/50/75/100 % of the guarded requests' credits c_i / T2_i as
+    sign(x) ln(1 + |x|) / ln(101), 0 with ``guarded_empty`` = 1 when none is guarded;
+    ``tpot_behind_frac``, the share of running requests behind their TPOT SLO (credit < 0: even a token
+    emitted now would leave their mean time per output token above T2; later, faster tokens may still
+    make it; the observable part of "TPOT lost", which needs the unknown output length). ``Box(-10, 10,
+    (27 + 11*K,))``.
 
     ## Rewards
     [the reward modes: ``rewards.REGISTRY``, as ``rewards.rewards_doc`` states them]

@@ -129,8 +129,9 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
         wl.notes.append(f"{', '.join(ctl)}: at the profile's flags (a controller switches parameters mid-run; vLLM's "
                         "flags are static), beside rows with tuned flags")
     if unused:
-        wl.notes.append(f"tuned levers for rows not on this leaderboard: {', '.join(unused)} (add them with "
-                        "--policies and --shed)")
+        hint = "--policies and --shed" + (", and +tpot-guard rows with --budget-rule tpot-guard"
+                                          if any(u.endswith(GUARD_SUFFIX) for u in unused) else "")
+        wl.notes.append(f"tuned levers for rows not on this leaderboard: {', '.join(unused)} (add them with {hint})")
     inputs = evidence_inputs(cfg, wl, profile, rows)
     eid = evidence_id(inputs)
     loads = list(cfg.loads)
