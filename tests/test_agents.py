@@ -441,3 +441,16 @@ def test_v1_agent_trains_and_its_controller_sets_the_budget(tmp_path):
     theta, margin, (u, b) = spec.make(1000.0)(obs)
     assert theta.shape == (3, 9) and margin.shape == (3,)
     assert ((-0.5 <= u) & (u <= 2.0)).all() and ((0.0 <= b) & (b <= 1.0)).all()
+
+
+def test_evaluate_agent_says_which_tuned_flags_it_does_not_apply(trained, tmp_path, capsys):
+    """Every row of evaluate_agent runs at the profile's flags, as the agent does: a parameters file's
+    tuned flags are named on stderr as not applied."""
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"index": {}, "shed_margin": 0.0,
+                             "levers": {"index+shed": {"max_num_batched_tokens": 512}}}))
+    assert evaluate_agent.main(["--model", str(trained / "best"), "--params", str(p), "--max-traces", "2",
+                                "--loads", "1.2", "--bootstrap-b", "200", "--out", str(tmp_path / "e"),
+                                "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "tuned vLLM flags of index+shed" in err and "not applied" in err

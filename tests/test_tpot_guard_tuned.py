@@ -210,3 +210,24 @@ def test_tuning_with_the_rule_end_to_end(tmp_path):
         assert rows[label]["tpot_guard"] == {"u": tuned["budget_u"], "bmin": tuned["budget_bmin"]}
     assert "tpot-guard: the index's and each baseline's +shed row have a +tpot-guard twin" in \
         (tmp_path / "report.md").read_text()
+
+
+def test_twin_levers_alone_add_the_twins_and_budget_rule_none_leaves_them_out(tmp_path):
+    """A file whose only trace of the rule is a twin's levers adds the +tpot-guard rows as a file with a
+    "tpot-guard" part does; an explicit ``--budget-rule none`` leaves them out (and says how to add them)."""
+    import argparse
+
+    from tokenbatch_env.bench_cli import config_from_args, configure
+    from tokenbatch_env.evaluate import build_rows
+    path = _write(tmp_path, {"index": {}, "edf": {"shed_margin": 0.2},
+                             "levers": {"edf+shed" + GUARD_SUFFIX: {"budget_u": 0.4, "budget_bmin": 0.3}}})
+    p = argparse.ArgumentParser()
+    configure(p)
+    base = ["--policies", "fcfs,edf", "--shed", "--params", path]
+    cfg = config_from_args(p.parse_args(base))
+    rows = {r.label: r for r in build_rows(cfg)}
+    assert "edf+shed" + GUARD_SUFFIX in rows and cfg.tpot_guard == (0.0, 0.0)
+    assert rows["edf+shed" + GUARD_SUFFIX].shed_margin == 0.2
+    off = config_from_args(p.parse_args(base + ["--budget-rule", "none"]))
+    assert off.tpot_guard is None
+    assert not any(r.guard for r in build_rows(off))
