@@ -103,7 +103,8 @@ def parse_policies(text: str) -> tuple:
 def config_from_args(args):
     from .engine.profiles import load_profile
     from .evaluate import BenchConfig
-    from .params import load_deployment, load_guard_params, load_levers, load_params_file, load_weights
+    from .evaluate.config import guard_fields
+    from .params import load_deployment, load_levers, load_params_file, load_weights
 
     from .engine.flags import budget_overrides, engine_config, resolve_with_flags
     engine = engine_config(args)
@@ -116,15 +117,11 @@ def config_from_args(args):
         params, margins = load_params_file(args.params)
         kw.update(index_params=params, shed_margins=margins, params_source=args.params,
                   weights=load_weights(args.params), levers=load_levers(args.params))
-        tuned = load_guard_params(args.params)
-        from .engine.levers import GUARD_SUFFIX
-        ruled = tuned is not None or any(k.endswith(GUARD_SUFFIX) for k, _ in kw["levers"])
-        if ruled and args.budget_rule != "none":
+        if args.budget_rule != "none":
             # tuned with the rule: its +tpot-guard rows (u, B_min: their own, else the flags'); an explicit
             # --budget-rule none leaves them out
-            if tuned is not None:
-                kw.update(guard_index_params=tuned[0], guard_shed_margins=tuned[1])
-            kw.setdefault("tpot_guard", (0.0, 0.0))
+            for k, v in guard_fields(args.params).items():
+                kw.setdefault(k, v)
         dep = load_deployment(args.params)
         if dep is not None:
             kw["params_deployment"] = dep

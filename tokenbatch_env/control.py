@@ -50,14 +50,13 @@ def run_controlled(traces, profile, config, spec: ControlSpec, *, estimates=None
     from .envs import obs_dim, obs_scales, observe
     from .policies import engine_policy
 
-    from .engine import kernel as K
+    from .engine.levers import with_guard
     ctrl = spec.make(t_ref_ms)
     kw = {"params": spec.base} if spec.action_mode == "index" else {"weights": spec.base}
     pol = engine_policy(spec.action_mode, shed_margin=spec.base_margin, t_ref_ms=t_ref_ms, **kw)
     tpot = spec.guard is not None
     if tpot:   # (v1) the rule, at the base until the first decision
-        config = dataclasses.replace(config, budget_rule="tpot-guard", budget_u=spec.guard[0],
-                                     budget_bmin=spec.guard[1])
+        config = with_guard(config, *spec.guard)
     run = EngineRun(traces, profile, pol, config, estimates=estimates, residual_life=residual_life)
     N = run.n_copies
     run.start_epochs(interval_ns=max(1, int(round(spec.decision_interval_ms * 1e6))),
@@ -74,7 +73,7 @@ def run_controlled(traces, profile, config, spec: ControlSpec, *, estimates=None
             theta[ask], margin[ask] = out[0], out[1]
             run.set_policy_params(theta, margin)
             if tpot:
-                run.fcfg[ask, K.F_GUARD_U], run.fcfg[ask, K.F_GUARD_BMIN] = out[2]
+                run.set_guard(ask, *out[2])
         ask = ~run.done
         if not ask.any():
             return run.result()

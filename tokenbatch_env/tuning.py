@@ -1405,7 +1405,8 @@ def run_tuning(cfg: TuneConfig) -> dict:
     from . import __version__
     from ._io import check_writable, write_text_atomic, write_with
     from .evaluate import BenchConfig, run_benchmark
-    from .params import load_guard_params, load_levers, load_params_file, load_schedule, load_weights
+    from .evaluate.config import guard_fields
+    from .params import load_levers, load_params_file, load_schedule, load_weights
     from .report import report_json
 
     t0 = time.time()
@@ -1450,9 +1451,8 @@ def run_tuning(cfg: TuneConfig) -> dict:
     if cfg.comparators:
         extra["weights"] = load_weights(str(params_path))
         extra["schedule"] = load_schedule(str(params_path))
-    guard = load_guard_params(str(params_path))
-    if guard is not None:   # every row also with the rule; the tuned ones with their own parameters
-        extra.update(tpot_guard=(0.0, 0.0), guard_index_params=guard[0], guard_shed_margins=guard[1])
+    # tuned with the rule: every row also with it, the tuned ones with their own parameters
+    extra.update(guard_fields(str(params_path)))
     if cfg.agents:
         from .agents.load import agent_labels, agent_spec
         extra["controllers"] = tuple(agent_spec(a, label=lab, option="agents:")

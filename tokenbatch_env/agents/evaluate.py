@@ -140,7 +140,8 @@ def evaluate_agents(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict:
     "markdown", "out"}."""
     from .._io import atomic_path
     from ..evaluate import BenchConfig, run_benchmark
-    from ..params import load_guard_params, load_levers, load_params_file, load_schedule, load_weights
+    from ..evaluate.config import guard_fields
+    from ..params import load_levers, load_params_file, load_schedule, load_weights
     from .load import agent_labels, agent_spec, agent_warnings
     from ..report import check_report_out
 
@@ -153,21 +154,18 @@ def evaluate_agents(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict:
         params, margins = load_params_file(cfg.params)
         kw.update(index_params=params, shed_margins=margins, params_source=cfg.params,
                   weights=load_weights(cfg.params), schedule=load_schedule(cfg.params))
-        from ..engine.levers import LEVERS
-        flagged = sorted(k for k, v in load_levers(cfg.params) if any(f in LEVERS for f, _ in v))
+        from ..engine.levers import GUARD_LEVERS, LEVERS
+        levers = load_levers(cfg.params)
+        flagged = sorted(k for k, v in levers if any(f in LEVERS for f, _ in v))
         if flagged:
             print(f"{prog}: note: every row runs at the profile's flags, as the agents do; the tuned vLLM flags "
                   f"of {', '.join(flagged)} in {cfg.params} are not applied", file=sys.stderr)
         # tuned with the budget rule: its +tpot-guard rows, each with its own u and B_min (only those: every
         # row here runs at the profile's flags, as the agents do)
-        from ..engine.levers import GUARD_LEVERS, GUARD_SUFFIX
-        guard = load_guard_params(cfg.params)
-        lv = tuple((k, tuple((f, x) for f, x in v if f in GUARD_LEVERS)) for k, v in load_levers(cfg.params)
-                   if k.endswith(GUARD_SUFFIX))
-        if guard is not None or lv:
-            kw.update(tpot_guard=(0.0, 0.0), levers=tuple((k, v) for k, v in lv if v))
-        if guard is not None:
-            kw.update(guard_index_params=guard[0], guard_shed_margins=guard[1])
+        guard = guard_fields(cfg.params)
+        if guard:
+            lv = tuple((k, tuple((f, x) for f, x in v if f in GUARD_LEVERS)) for k, v in levers)
+            kw.update(guard, levers=tuple((k, v) for k, v in lv if v))
     pols = ("fcfs", "sjf", "edf", "index") + (("weights",) if kw.get("weights") is not None else ())
     m0 = Path(cfg.model[0])
     out = Path(cfg.out) if cfg.out else (m0 if m0.is_dir() else m0.parent) / "test"

@@ -247,8 +247,8 @@ class Validator:
         from ..engine.simulate import simulate
         from ..policies import engine_policy
         pol = engine_policy(name, shed_margin=margin, t_ref_ms=self.wl.t_ref_ms, **kw)
-        engine = self.engine if guard is None else dataclasses.replace(
-            self.engine, budget_rule="tpot-guard", budget_u=guard[0], budget_bmin=guard[1])
+        from ..engine.levers import with_guard
+        engine = self.engine if guard is None else with_guard(self.engine, *guard)
         return self._goodput(simulate(self.traces, self.profile, pol, engine, estimates=self.est,
                                       residual_life=self.wl.residual_life))
 

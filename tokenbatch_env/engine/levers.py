@@ -48,6 +48,11 @@ def check_levers(levers, what: str, guard: bool = False) -> tuple:
     return tuple(out)
 
 
+def with_guard(config, u: float, bmin: float):
+    """``config`` (an ``EngineConfig``) with the tpot-guard rule at ``u`` and ``bmin`` (B_min)."""
+    return with_levers(config, {"budget_u": u, "budget_bmin": bmin})
+
+
 def with_levers(config, levers):
     """``config`` (an ``EngineConfig``) with a row's levers (``{lever: value}`` or its items) set; u
     or B_min turn the tpot-guard rule on."""

@@ -250,6 +250,12 @@ class EngineRun(_Copies):
             m = _per_copy(-1.0 if shed_margin is None else shed_margin, C, "shed_margin")
             self.shed_margin[:] = np.where(np.isfinite(m), m, -1.0)
 
+    def set_guard(self, rows, u, bmin) -> None:
+        """The tpot-guard rule's u and B_min of copies ``rows`` (a mask or indices; scalars or one per
+        row), for runs built with the rule on (docs/design.md section 11)."""
+        self.fcfg[rows, K.F_GUARD_U] = u
+        self.fcfg[rows, K.F_GUARD_BMIN] = bmin
+
     @property
     def done(self) -> np.ndarray:
         A = self.arrays

@@ -179,8 +179,8 @@ class Core:
         # engine (v1: with the rule at the base u and B_min; the workload is prepared without it)
         run_config = self.engine_config
         if self.base_guard is not None:
-            run_config = dataclasses.replace(run_config, budget_rule="tpot-guard", budget_u=self.base_guard[0],
-                                             budget_bmin=self.base_guard[1])
+            from ..engine.levers import with_guard
+            run_config = with_guard(run_config, *self.base_guard)
         wl.check_load(cfg.rho[0], "rho", usable)   # (the lowest load: if it fits, every draw does)
         w0 = wl.window_at(usable[0], cfg.rho[0], cfg.warmup, cfg.window, cfg.warmup, cfg.cooldown)
         from ..policies import engine_policy
@@ -394,7 +394,7 @@ class Core:
         self.params_margin[live] = margin
         run.set_policy_params(self.params_theta, self.params_margin)
         if guard is not None:
-            run.fcfg[live, K.F_GUARD_U], run.fcfg[live, K.F_GUARD_BMIN] = guard
+            run.set_guard(live, *guard)
         reward = np.zeros(self.n)
         trunc = np.zeros(self.n, bool)
         # (whole: a column view's layout would differ for one copy, and compile twice, ~1 min)

@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..engine.levers import GUARD_SUFFIX  # noqa: F401  (the label suffix of a +tpot-guard row)
+from ..engine.levers import GUARD_SUFFIX
 from ..errors import ConfigError, PolicyError
 
 DEFAULT_LOADS = (0.6, 0.8, 1.0, 1.2, 1.5, 2.0)
@@ -17,6 +17,21 @@ DEFAULT_POLICIES = ("fcfs", "sjf", "edf", "llf", "index")
 BASELINE_ROWS = ("fcfs", "edf+shed")
 PRIMARY_SUITE, PRIMARY_SPLIT, PRIMARY_LOAD = "seed-200", "test", 1.2
 SHED_SUFFIX = "+shed"
+
+
+def guard_fields(path: str) -> dict:
+    """The ``BenchConfig`` fields of a parameters file tuned with the tpot-guard rule (docs/design.md
+    section 11: a ``"tpot-guard"`` part or a twin's levers): the +tpot-guard rows beside every row
+    (``tpot_guard`` at the rule's defaults, for the rows without tuned values) and the twins' own
+    parameters; {} for a file without the rule."""
+    from ..params import load_guard_params, load_levers
+    tuned = load_guard_params(path)
+    if tuned is None and not any(k.endswith(GUARD_SUFFIX) for k, _ in load_levers(path)):
+        return {}
+    out = {"tpot_guard": (0.0, 0.0)}
+    if tuned is not None:
+        out.update(guard_index_params=tuned[0], guard_shed_margins=tuned[1])
+    return out
 
 
 def _finite_pos(x, what: str) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..engine.levers import FLAGS_SUFFIX, PROFILE_FLAGS_SUFFIX, with_levers
+from ..engine.levers import FLAGS_SUFFIX, PROFILE_FLAGS_SUFFIX, with_guard, with_levers
 from .config import GUARD_SUFFIX, PRIMARY_SUITE, SHED_SUFFIX, BenchConfig
 
 
@@ -125,7 +125,4 @@ def row_guard(row: Row, cfg: BenchConfig) -> Optional[tuple]:
 def row_engine(row: Row, cfg: BenchConfig):
     """The engine configuration a row runs with: the benchmark's, its tuned levers, its budget rule."""
     engine = with_levers(cfg.engine, row.levers)
-    if row.guard:
-        u, bmin = row_guard(row, cfg)
-        engine = dataclasses.replace(engine, budget_rule="tpot-guard", budget_u=u, budget_bmin=bmin)
-    return engine
+    return with_guard(engine, *row_guard(row, cfg)) if row.guard else engine
