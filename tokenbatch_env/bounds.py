@@ -92,8 +92,32 @@ Each minimises over FEWER interval sets, so its minimum is LARGER -- still a val
 (``BoundResult.exact_dp`` says which was used). The single interval spanning everything is always
 added as a candidate.
 
-The bound is computed with (w, D2) and with (w^p, D1); ``ub`` is the min of both and of the number
-of attainable requests. Exactness: each relaxation is the true optimum of the one-machine problem
+(c) KV term
+-----------
+Work alone ignores the KV cache, so where memory binds (long prompts, a small pool) the bound above
+is far from every policy. In the iteration that emits its k-th token (k = 1: the one completing its
+prefill) request i holds the blocks of N + k - 1 tokens, ``ceil((N + k - 1)/bs)``; at most its shared
+chain (``len(chain_i)`` blocks at the engine's block size; none with prefix caching off) can be held
+by other requests too, so i alone holds at least
+
+    u_i(k) = max(0, ceil((N + k - 1)/bs) - len(chain_i))
+
+blocks in it. That iteration lasts at least the emission's minimum duration e_k (as in (a): the
+later emissions' min of a decode and a resume chunk; k = 1 the cheaper of a decode-priced 1-token
+chunk ``c0 + c_d`` and a k >= 2 prefill chunk ``c0 + 2 c_p + 4 c_c2``), and lies inside [a_i, D2_i]
+when i is met. Iterations do not overlap and together hold at most ``usable_blocks`` blocks, so the
+met jobs whose windows lie inside an interval I satisfy
+
+    sum_i kv_i <= usable_blocks x |I|,    kv_i = sum_k u_i(k) e_k   (block-ns, exact integers).
+
+``count(I) = min(count_w(I), count_kv(I))``, count_kv the number of the smallest kv_i (among the jobs
+inside I) whose sum fits ``usable_blocks x |I|``; the DP is otherwise unchanged (a second Fenwick
+tree, over kv ranks). On a trace whose kv sum would pass 2^60 the kv values are divided by a power
+of two (rounded down) and the capacity rounded up: a relaxation again. ``kv=False`` gives the bound
+without this term (never smaller).
+
+The bound is computed with (w, D2) (and the KV term) and with (w^p, D1); ``ub`` is the min of both
+and of the number of attainable requests. Exactness: each relaxation is the true optimum of the one-machine problem
 when the met set is, e.g., a single request, or requests whose windows are disjoint and roomy.
 """
 
@@ -122,11 +146,12 @@ class BoundResult:
     n_requests: int
     n_unattainable: int
     n_attainable: int
-    ub_work_d2: int             # work relaxation with (w, D2)
+    ub_work_d2: int             # work relaxation with (w, D2), and the KV term (c) when kv_term
     ub_work_d1: int             # work relaxation with (w^p, D1)
     n_rejected_or_capped: int   # part of n_unattainable: prompt >= max_model_len or output capped
     n_ttft_impossible: int      # part of n_unattainable: best-case TTFT > T1 (not counting the above)
     n_tpot_impossible: int      # part of n_unattainable: best-case TPOT > T2 (not counting the above)
+    kv_term: bool               # ub_work_d2 includes the KV term (c)
     exact_dp: bool              # False if max_span restricted the interval sets (bound still valid)
     max_span: int
     attainable: np.ndarray = dataclasses.field(repr=False)   # bool [n]
@@ -140,20 +165,21 @@ class BoundResult:
 
 
 # ------------------------------------------------------------------------------ per-request parts
+def _chain_blocks(trace: Trace, block_size: int) -> np.ndarray:
+    """Full engine blocks of each request's shared chain: the chain at the engine's block size
+    (``traces.blocks.at_block_size``: a full block is shared iff its last trace block is)."""
+    if trace.block_size != block_size:
+        return trace.prefix_lengths.astype(np.int64) * trace.block_size // block_size
+    return trace.prefix_lengths.astype(np.int64)
+
+
 def best_case_hits(trace: Trace, block_size: int, prefix_caching: bool = True) -> np.ndarray:
     """h_i: tokens of i's prompt that can be cached before i computed anything (see module doc)."""
     n = len(trace)
     if not prefix_caching or n == 0:
         return np.zeros(n, np.int64)
-    if trace.block_size != block_size:
-        # chains are stored at the trace's block granularity; a different engine block size makes
-        # them meaningless for hits: be conservative (more cached = smaller work = larger bound)
-        chain_tokens = trace.prefix_lengths.astype(np.int64) * trace.block_size
-        blocks = chain_tokens // block_size
-    else:
-        blocks = trace.prefix_lengths.astype(np.int64)
     N = trace.prompt_tokens.astype(np.int64)
-    return block_size * np.minimum(blocks, np.maximum(N - 1, 0) // block_size)
+    return block_size * np.minimum(_chain_blocks(trace, block_size), np.maximum(N - 1, 0) // block_size)
 
 
 @njit
@@ -222,6 +248,27 @@ class _Parts:
     w_ns: np.ndarray
     d1: np.ndarray
     d2: np.ndarray
+    kv: np.ndarray      # block-ns of unshared KV held in i's emitting iterations (the KV term)
+    usable: int         # the pool's usable blocks
+
+
+@njit
+def _kv_block_ns(N, O, shared, e1, emit, bs, out):
+    """kv_i = sum over i's O emissions k of u_i(k) x that emission's minimum duration (ns), with
+    u_i(k) = max(0, ceil((N + k - 1)/bs) - shared_i) the unshared blocks i holds in the iteration
+    that emits its k-th token (module doc, (c)); ``emit[i, r]``: a later emission whose token count
+    before it is t = N + g has residue r = (t - 1) mod bs."""
+    for i in range(N.shape[0]):
+        n = N[i]
+        s = shared[i]
+        u = (n + bs - 1) // bs - s
+        tot = u * e1[i] if u > 0 else 0
+        for g in range(1, O[i]):
+            t = n + g
+            u = (t + bs - 1) // bs - s
+            if u > 0:
+                tot += u * emit[i, (t - 1) % bs]
+        out[i] = tot
 
 
 def request_parts(trace: Trace, prof: Profile, prefix_caching: bool = True) -> _Parts:
@@ -275,14 +322,62 @@ def request_parts(trace: Trace, prof: Profile, prefix_caching: bool = True) -> _
     w = (P * UP + (cnt * emit_w).sum(axis=1)) // (1000 * B)
     d1 = a + T1
     d2 = d1 + span2 + _tpot_margin(span2)
-    return _Parts(attainable, capped, ttft_bad, tpot_bad, ttft_min, wp, w, d1, d2)
+
+    # (c) KV: blocks that other requests can share are at most i's chain (none without caching)
+    shared = _chain_blocks(trace, bs) if prefix_caching else np.zeros(len(N), np.int64)
+    # the first token's iteration: its last prefill chunk is a 1-token chunk (priced as a decode,
+    # context >= 0) or a prefill chunk of k >= 2 tokens (c0 + c_p k + c_c2 k^2 + c_attn k s >= k = 2)
+    e1 = np.full(len(N), min(_ceil_div(c0 + cd, 1000), _ceil_div(c0 + 2 * cp + 4 * cc2, 1000)), np.int64)
+    kv = np.empty(len(N), np.int64)
+    _kv_block_ns(N, O, shared, e1, np.ascontiguousarray(emit_ns, np.int64), bs, kv)
+    return _Parts(attainable, capped, ttft_bad, tpot_bad, ttft_min, wp, w, d1, d2, kv, prof.usable_blocks)
 
 
 # ------------------------------------------------------------------------------ the interval DP
+#: kv sums are kept below this (scaled down when needed: ``interval_bound``); capacities saturate at it
+KV_LIMIT = 1 << 62
+
+
 @njit
-def _interval_dp(t, ia, idd, rank, w, span):
+def _fit_count(ft_c, ft_s, n, top, limit):
+    """Number of the smallest inserted values (Fenwick trees by rank: counts, sums) whose sum <= limit."""
+    pos = 0
+    acc = 0
+    cnt = 0
+    step = top
+    while step > 0:
+        nxt = pos + step
+        if nxt <= n and acc + ft_s[nxt] <= limit:
+            pos = nxt
+            acc += ft_s[nxt]
+            cnt += ft_c[nxt]
+        step //= 2
+    return cnt
+
+
+@njit
+def _fenwick_add(ft_c, ft_s, n, p, v):
+    while p <= n:
+        ft_c[p] += 1
+        ft_s[p] += v
+        p += p & (-p)
+
+
+@njit
+def _fenwick_remove(ft_c, ft_s, n, p, v):
+    while p <= n:
+        ft_c[p] -= 1
+        ft_s[p] -= v
+        p += p & (-p)
+
+
+@njit
+def _interval_dp(t, ia, idd, rank, w, span, rank_kv, kv, cap, scale):
+    """The DP of (b); with ``cap`` >= 0 also (c): count(I) = min(count_w, count_kv), count_kv the
+    number of the smallest ``kv`` (block-ns, divided by ``scale``) that fit ``cap`` blocks x |I|."""
     n = ia.shape[0]
     K = t.shape[0]
+    use_kv = cap >= 0
     # jobs grouped by release index (CSR)
     rel_cnt = np.zeros(K + 1, np.int64)
     for i in range(n):
@@ -300,12 +395,15 @@ def _interval_dp(t, ia, idd, rank, w, span):
     cum_end = np.zeros(K + 1, np.int64)  # cum_end[j+1] = #jobs with idd <= j
     for j in range(K):
         cum_end[j + 1] = cum_end[j] + n_end[j]
-    # Fenwick trees over ranks 1..n
+    # Fenwick trees over ranks 1..n: by work, and by kv
     ft_c = np.zeros(n + 1, np.int64)
     ft_s = np.zeros(n + 1, np.int64)
+    fk_c = np.zeros(n + 1, np.int64)
+    fk_s = np.zeros(n + 1, np.int64)
     top = 1
     while top * 2 <= n:
         top *= 2
+    cap_lim = KV_LIMIT // cap if cap > 0 else KV_LIMIT
     inserted = np.empty(n, np.int64)
     G = np.zeros(K + 1, np.int64)
     for j in range(K):
@@ -318,29 +416,23 @@ def _interval_dp(t, ia, idd, rank, w, span):
             for q in range(rel_cnt[l], rel_cnt[l + 1]):
                 i = rel_ids[q]
                 if idd[i] <= j:
-                    p = rank[i] + 1
-                    wi = w[i]
-                    while p <= n:
-                        ft_c[p] += 1
-                        ft_s[p] += wi
-                        p += p & (-p)
+                    _fenwick_add(ft_c, ft_s, n, rank[i] + 1, w[i])
+                    if use_kv:
+                        _fenwick_add(fk_c, fk_s, n, rank_kv[i] + 1, kv[i])
                     inserted[n_ins] = i
                     n_ins += 1
             if n_ins == 0:
                 # no job inside: count 0 and every job ending in (l, j] is uncovered -> no gain
                 continue
             L = t[j] - t[l]
-            pos = 0
-            acc = 0
-            cnt = 0
-            step = top
-            while step > 0:
-                nxt = pos + step
-                if nxt <= n and acc + ft_s[nxt] <= L:
-                    pos = nxt
-                    acc += ft_s[nxt]
-                    cnt += ft_c[nxt]
-                step //= 2
+            cnt = _fit_count(ft_c, ft_s, n, top, L)
+            if use_kv:
+                # cap x |I| in kv's units, rounded UP (scale > 1 only on huge sums: still a relaxation)
+                Ls = (L + scale - 1) // scale
+                lk = KV_LIMIT if Ls > cap_lim else Ls * cap
+                ck = _fit_count(fk_c, fk_s, n, top, lk)
+                if ck < cnt:
+                    cnt = ck
             uncovered = cum_end[j + 1] - cum_end[l + 1] - n_ins
             v = G[l + 1] + cnt + uncovered
             if v < best:
@@ -348,12 +440,9 @@ def _interval_dp(t, ia, idd, rank, w, span):
         G[j + 1] = best
         for q in range(n_ins):
             i = inserted[q]
-            p = rank[i] + 1
-            wi = w[i]
-            while p <= n:
-                ft_c[p] -= 1
-                ft_s[p] -= wi
-                p += p & (-p)
+            _fenwick_remove(ft_c, ft_s, n, rank[i] + 1, w[i])
+            if use_kv:
+                _fenwick_remove(fk_c, fk_s, n, rank_kv[i] + 1, kv[i])
     return G[K]
 
 
@@ -367,14 +456,27 @@ def count_fit(w, length: int) -> int:
 GRID_POINTS = 1000
 
 
-def _run_dp(t, r, d, w, rank, span):
+def _run_dp(t, r, d, w, rank, span, kvs):
     la = np.searchsorted(t, r, side="right") - 1   # last candidate <= release
     ld = np.searchsorted(t, d, side="left")        # first candidate >= deadline
-    return int(_interval_dp(t, la.astype(np.int64), ld.astype(np.int64), rank, w, int(span)))
+    rank_kv, kv, cap, scale = kvs
+    return int(_interval_dp(t, la.astype(np.int64), ld.astype(np.int64), rank, w, int(span), rank_kv, kv,
+                            int(cap), int(scale)))
 
 
-def interval_bound(release, deadline, work, *, max_span: Optional[int] = None) -> tuple[int, bool, int]:
-    """The DP of (b) for jobs (work, release, deadline) in integer ns. Returns (bound, exact, span).
+def kv_scale(kv) -> int:
+    """The power of two that keeps the kv sums of the DP below 2^60 (1 on any realistic trace)."""
+    total = float(np.sum(np.asarray(kv, np.float64)))
+    s = 1
+    while total / s > 2.0 ** 60:
+        s *= 2
+    return s
+
+
+def interval_bound(release, deadline, work, *, kv=None, usable_blocks: Optional[int] = None,
+                   max_span: Optional[int] = None) -> tuple[int, bool, int]:
+    """The DP of (b) for jobs (work, release, deadline) in integer ns; with ``kv`` (block-ns per job)
+    and ``usable_blocks`` also the KV term (c). Returns (bound, exact, span).
 
     Exact (all interval sets with endpoints at release/deadline times) when ``K^2 <= DP_BUDGET`` for
     K distinct endpoints or ``max_span >= K``. Otherwise the min of two RESTRICTED DPs, each valid
@@ -387,6 +489,8 @@ def interval_bound(release, deadline, work, *, max_span: Optional[int] = None) -
     n = r.shape[0]
     if n == 0:
         return 0, True, 0
+    if (kv is None) != (usable_blocks is None):
+        raise ValueError("interval_bound: kv and usable_blocks go together")
     t = np.unique(np.concatenate([r, d]))
     K = t.shape[0]
     auto = max_span is None
@@ -395,19 +499,31 @@ def interval_bound(release, deadline, work, *, max_span: Optional[int] = None) -
     span = int(min(max_span, K))
     rank = np.empty(n, np.int64)
     rank[np.argsort(w, kind="stable")] = np.arange(n)
-    ub = _run_dp(t, r, d, w, rank, span)
+    if kv is None:
+        kvs = (rank, w, -1, 1)
+    else:
+        kv = np.asarray(kv, np.int64)
+        scale = kv_scale(kv)
+        kv = kv // scale      # (rounded down: a smaller need, a larger bound)
+        rank_kv = np.empty(n, np.int64)
+        rank_kv[np.argsort(kv, kind="stable")] = np.arange(n)
+        kvs = (rank_kv, kv, int(usable_blocks), scale)
+    ub = _run_dp(t, r, d, w, rank, span, kvs)
     if span < K and auto:
         grid = np.unique(t[np.linspace(0, K - 1, GRID_POINTS).round().astype(np.int64)])
-        ub = min(ub, _run_dp(grid, r, d, w, rank, grid.shape[0]))
-    ub = min(ub, count_fit(w, int(t[-1] - t[0])))
+        ub = min(ub, _run_dp(grid, r, d, w, rank, grid.shape[0], kvs))
+    length = int(t[-1] - t[0])
+    ub = min(ub, count_fit(w, length))
+    if kv is not None:
+        ub = min(ub, count_fit(kv, min(KV_LIMIT, -(-length // kvs[3]) * int(usable_blocks))))
     return ub, span >= K, span
 
 
 # ------------------------------------------------------------------------------ API
 def upper_bound(trace: Trace, profile: Union[str, Profile], *, prefix_caching: Optional[bool] = None,
-                config=None, max_span: Optional[int] = None) -> BoundResult:
+                config=None, max_span: Optional[int] = None, kv: bool = True) -> BoundResult:
     """Upper bound on the number of requests of ``trace`` that any policy can serve within SLA: the
-    yardstick for how much a scheduler leaves on the table (the report's "gap closed").
+    yardstick for how much a scheduler leaves on the table (beside the report's best achieved row).
 
     Args:
         trace: a trace with SLOs.
@@ -417,6 +533,8 @@ def upper_bound(trace: Trace, profile: Union[str, Profile], *, prefix_caching: O
             ...) apply to the profile.
         max_span: endpoints per interval in the DP (None: automatic); smaller is faster and looser
             on large traces, and any value gives a valid bound.
+        kv: with the KV term (c) (default); False gives the bound without it, which ignores the
+            KV cache (for comparison: never smaller).
 
     Returns:
         ``BoundResult``: ``ub`` (>= ``met`` of every policy the engine can run) and its parts.
@@ -436,7 +554,8 @@ def upper_bound(trace: Trace, profile: Union[str, Profile], *, prefix_caching: O
     parts = request_parts(trace, prof, prefix_caching)
     ok = parts.attainable
     a = trace.arrival_ns.astype(np.int64)[ok]
-    ub2, ex2, sp2 = interval_bound(a, parts.d2[ok], parts.w_ns[ok], max_span=max_span)
+    kv_args = {"kv": parts.kv[ok], "usable_blocks": parts.usable} if kv else {}
+    ub2, ex2, sp2 = interval_bound(a, parts.d2[ok], parts.w_ns[ok], max_span=max_span, **kv_args)
     ub1, ex1, sp1 = interval_bound(a, parts.d1[ok], parts.wp_ns[ok], max_span=max_span)
     n_att = int(ok.sum())
     ub = min(n_att, ub1, ub2)
@@ -444,10 +563,12 @@ def upper_bound(trace: Trace, profile: Union[str, Profile], *, prefix_caching: O
         ub=ub, ub_fraction=(ub / n if n else 0.0), n_requests=n, n_unattainable=n - n_att,
         n_attainable=n_att, ub_work_d2=ub2, ub_work_d1=ub1,
         n_rejected_or_capped=int(parts.capped.sum()), n_ttft_impossible=int(parts.ttft_bad.sum()),
-        n_tpot_impossible=int(parts.tpot_bad.sum()), exact_dp=bool(ex1 and ex2),
+        n_tpot_impossible=int(parts.tpot_bad.sum()), kv_term=bool(kv), exact_dp=bool(ex1 and ex2),
         max_span=max(sp1, sp2), attainable=ok.copy(), ttft_min_ns=parts.ttft_min_ns)
 
 
 # (compiled with the engine's decorator, so the checks on every compiled function see these too; they
 # link no other file, so the flush on an engine change only costs a short recompile)
-guard_stale_cache([min_prefill_exceeds, _min_prefill_ps2_all, _interval_dp], tag="bounds")
+guard_stale_cache([min_prefill_exceeds, _min_prefill_ps2_all, _kv_block_ns, _fit_count, _fenwick_add, _fenwick_remove,
+                   _interval_dp],
+                  tag="bounds")

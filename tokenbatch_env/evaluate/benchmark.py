@@ -29,6 +29,10 @@ def _ci(values, cfg: BenchConfig, block) -> dict:
     return {"mean": m, "ci95": [lo, hi]}
 
 
+def _copy_ci(d: dict) -> dict:
+    return {"mean": d["mean"], "ci95": list(d["ci95"])}
+
+
 def _paired(a, b, cfg: BenchConfig, block) -> dict:
     from ..metrics import paired_difference, win_rate
     m, lo, hi = paired_difference(a, b, B=cfg.bootstrap_b, seed=cfg.bootstrap_seed, block=block)
@@ -207,7 +211,6 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
     for li, rho in enumerate(loads):
         res_rows = []
         g_fcfs = float(unit_good["fcfs"][li].mean())
-        ub_mean = float(ub[li].mean()) if ub is not None else None
         for r in rows:
             outs = per_row[r.label][li]
             um = [unit_metrics(o) for o in outs]
@@ -233,9 +236,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                 d["profile_flags_row"] = r.twin
                 vs += (r.twin,)
             d["vs"] = {b: _paired(g, unit_good[b][li], cfg, block) for b in vs if b != r.label and b in unit_good}
-            if ub_mean is not None:
-                d["gap_closed"] = ((float(g.mean()) - g_fcfs) / (ub_mean - g_fcfs)
-                                   if ub_mean - g_fcfs >= 0.02 else None)
+            d["gap_closed"] = None   # (against the best achieved row, known once every row is in)
             tot = lambda k, um=um: int(sum(m[k] for m in um))  # noqa: E731
             d.update({
                 "arrived": tot("arrived"), "met": tot("met"), "completed": tot("completed"),
@@ -258,17 +259,25 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
             curves["goodput"].setdefault(r.label, []).append(d["goodput"])
             if rho == _primary_load(loads):
                 curves["ttft_cdf"][r.label] = np.sort(np.concatenate([o["ttft_ms"] for o in outs]))
-        deploy = [d for d in res_rows if not d["reference"]]
-        best = max(deploy or res_rows, key=lambda d: d["goodput"]["mean"])
+        # what a deployment achieves: the best single row (reference rows know the future), and the
+        # per-unit best of those rows, which no single row reaches (docs/design.md section 6)
+        deploy = [d for d in res_rows if not d["reference"]] or res_rows
+        best = max(deploy, key=lambda d: d["goodput"]["mean"])
         best_all = max(res_rows, key=lambda d: d["goodput"]["mean"])
+        sel = np.max([unit_good[d["label"]][li] for d in deploy], axis=0)
+        printed = best["goodput"]["mean"] - g_fcfs >= 0.02   # (a smaller denominator says nothing)
+        if printed:
+            for d in res_rows:
+                d["gap_closed"] = (d["goodput"]["mean"] - g_fcfs) / (best["goodput"]["mean"] - g_fcfs)
         ent = {"rho": rho, "rate_rps": wl.rate(rho), "rows": res_rows,
                "fcfs_goodput": g_fcfs,
-               "best_observed": {"label": best["label"], "goodput": best["goodput"]["mean"]}}
+               "best_achieved": {"label": best["label"], "goodput": _copy_ci(best["goodput"])}}
         if best_all is not best:
-            ent["best_observed_reference"] = {"label": best_all["label"], "goodput": best_all["goodput"]["mean"]}
+            ent["best_achieved_reference"] = {"label": best_all["label"], "goodput": _copy_ci(best_all["goodput"])}
+        ent["gap_closed_printed"] = printed
+        ent["oracle_selector"] = {**_ci(sel, cfg, block), "per_unit": [float(x) for x in sel]}
         if ub is not None:
-            ent["upper_bound"] = {**_ci(ub[li], cfg, block), "per_unit": [float(x) for x in ub[li]],
-                                  "gap_closed_printed": ub_mean - g_fcfs >= 0.02}
+            ent["upper_bound"] = {**_ci(ub[li], cfg, block), "per_unit": [float(x) for x in ub[li]]}
         loads_out.append(ent)
 
     primary = None
