@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from importlib import resources
@@ -9,6 +10,7 @@ from importlib import resources
 import numpy as np
 import pytest
 
+from tokenbatch_env.engine.profiles import load_profile
 from tokenbatch_env.errors import ConfigError
 from tokenbatch_env.traces import suites as S
 from tokenbatch_env.traces.io import load_npz
@@ -16,7 +18,7 @@ from tokenbatch_env.traces.suites import (
     ManifestMismatchError, compute_manifest, generate_command, list_suites, load_suite,
     load_suite_spec, regenerate_manifest)
 
-SHIPPED = ["azure-code-like", "azure-conv-like", "mooncake-like", "seed-200"]
+SHIPPED = ["azure-code-like", "azure-conv-like", "mooncake-like", "mooncake-like-long", "seed-200"]
 DATA = resources.files("tokenbatch_env") / "data" / "suites"
 
 
@@ -87,6 +89,42 @@ def test_families_carry_fit_provenance():
         assert load_suite_spec(name).splits == (("train", 36), ("validation", 12), ("test", 12))
     assert load_suite_spec("azure-code-like").generator.arrivals.process == "mmpp"
     assert load_suite_spec("mooncake-like").generator.prefix.common_prefix_tokens == 512
+
+
+def test_mooncake_like_long_is_mooncake_like_at_131072():
+    """mooncake-like-long: mooncake-like's fitted numbers (copied, not refitted), lengths truncated
+    at llama31-8b-h100's context instead of 4096, SLOs on that profile, its own seed."""
+    long, base = load_suite("mooncake-like-long"), load_suite("mooncake-like")
+    g, b = long.spec.generator, base.spec.generator
+    assert (g.num_requests, g.block_size, g.arrivals, g.prefix) == (b.num_requests, b.block_size, b.arrivals,
+                                                                     b.prefix)
+    assert g.lengths == dataclasses.replace(b.lengths, max_model_len=131072)
+    assert g.lengths.truncation == "resample" and b.lengths.max_model_len == 4096
+    assert g.sla == dataclasses.replace(b.sla, profile="llama31-8b-h100")
+    assert long.spec.splits == base.spec.splits == (("train", 36), ("validation", 12), ("test", 12))
+    assert long.predictor == base.predictor
+    used = [set(range(sp.seed, sp.seed + sp.num_traces)) for sp in map(load_suite_spec, SHIPPED)]
+    assert sum(map(len, used)) == len(set().union(*used))   # no trace seed shared between suites
+    assert g.lengths.max_model_len == load_profile("llama31-8b-h100").max_model_len
+    assert long.lambda_sat["llama31-8b-h100"] > 0   # measured by the engine on the suite's profile
+
+
+def test_mooncake_like_long_keeps_long_prompts_and_fits_llama31():
+    """Most prompts exceed 4096 tokens (real Mooncake: 66%), and llama31-8b-h100 rejects or
+    length-caps none of them (prompt + output <= 131072)."""
+    from tokenbatch_env.engine.state import length_denied
+
+    suite = load_suite("mooncake-like-long")
+    traces = [t for s in suite.splits for t in suite.traces(s)]
+    p = np.concatenate([t.prompt_tokens for t in traces])
+    o = np.concatenate([t.output_tokens for t in traces])
+    assert p.size == 24_000 and 0.55 < np.mean(p > 4096) < 0.75
+    assert (p + o).max() <= 131072 and p.max() > 100_000
+    rejected, capped = length_denied(p, o, load_profile("llama31-8b-h100").max_model_len)
+    assert not rejected.any() and not capped.any()
+    st = suite.manifest["stats"]
+    assert st["total_max"] <= 131072 and 10_000 < st["prompt_mean"] < 13_000   # real Mooncake: 12.0k
+    assert load_suite("mooncake-like").manifest["stats"]["prompt_mean"] < 2_100
 
 
 def test_cache_is_used_checked_and_repaired(tmp_path, monkeypatch):
