@@ -32,7 +32,8 @@ def test_end_to_end_tiny(tmp_path, capsys):
     d = json.loads((out / "report.json").read_text())
     assert len(d["evidence_id"]) == 64
     assert d["primary_endpoint"]["rho"] == 1.2 and "diff" in d["primary_endpoint"]
-    assert [r["label"] for r in d["loads"][0]["rows"]] == ["fcfs", "fcfs+shed", "edf", "edf+shed", "index+shed"]
+    assert [r["label"] for r in d["loads"][0]["rows"]] == ["fcfs", "fcfs+shed", "edf", "edf+shed", "index+shed",
+                                                           "index+shed+tpot-guard"]
     md = (out / "report.md").read_text()
     assert "## Primary endpoint" in md and "## Leaderboard at rho 1.2" in md
     assert (out / "goodput_vs_load.png").read_bytes()[:4] == b"\x89PNG"
@@ -43,6 +44,41 @@ def test_end_to_end_tiny(tmp_path, capsys):
     assert rc == 0 and stdout.startswith("PRIMARY ENDPOINT")
     assert (out / "report.json").read_bytes() == first
     assert not any(p.name.startswith(".bench-tmp") for p in out.iterdir())
+
+
+def test_robust_defaults_when_no_params(tmp_path, capsys):
+    """Without --params the index rows run the shipped robust defaults (docs/design.md section 10):
+    their coefficients and margin on index+shed, their flags and rule on index+shed+tpot-guard (its
+    gain against index+shed in its vs); --defaults formula gives IndexParams() and no extra row."""
+    from tokenbatch_env.evaluate.config import robust_fields
+    from tokenbatch_env.engine.profiles import load_profile
+    from tokenbatch_env.params import load_robust_defaults
+    d = load_robust_defaults()
+    out = tmp_path / "r"
+    rc, _, err = _run(capsys, "--suite", "azure-code-like", "--profile", "llama2-7b-a100", "--max-traces", "2",
+                      "--loads", "1.2", "--policies", "sjf,index", "--shed", "--out", str(out), "--bootstrap-b", "200",
+                      "--no-upper-bound", "--quiet")
+    assert rc == 0, err
+    rep = json.loads((out / "report.json").read_text())
+    rows = {r["label"]: r for r in rep["loads"][0]["rows"]}
+    g = rows["index+shed+tpot-guard"]
+    lv = robust_fields(load_profile("llama2-7b-a100"))["levers"][0][1]
+    assert g["levers"] == lv and g["tpot_guard"] == {"u": d["tpot_guard"]["budget_u"],
+                                                     "bmin": d["tpot_guard"]["budget_bmin"]}
+    assert "index+shed" in g["vs"] and "levers" not in rows["index+shed"]
+    assert rep["parameters"]["index"] == {**rep["parameters"]["index"], **d["index"]}
+    assert rep["parameters"]["note"].startswith("ROBUST DEFAULTS")
+    out2 = tmp_path / "f"
+    rc, _, err = _run(capsys, "--suite", "azure-code-like", "--profile", "llama2-7b-a100", "--max-traces", "2",
+                      "--loads", "1.2", "--policies", "sjf,index", "--shed", "--out", str(out2), "--bootstrap-b", "200",
+                      "--no-upper-bound", "--quiet", "--defaults", "formula")
+    assert rc == 0, err
+    rep2 = json.loads((out2 / "report.json").read_text())
+    assert "index+shed+tpot-guard" not in [r["label"] for r in rep2["loads"][0]["rows"]]
+    assert rep2["parameters"]["note"].startswith("UNTUNED")
+    assert rep2["evidence_id"] != rep["evidence_id"]
+    rc, _, err = _run(capsys, "--defaults", "tuned", "--quiet", "--out", str(tmp_path / "x"))
+    assert rc == 2 and "--defaults" in err and len(err.strip().splitlines()) == 1
 
 
 def test_params_file_and_capacity(tmp_path, capsys):

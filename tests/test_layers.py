@@ -22,7 +22,8 @@ LAYERS = (
     ("envs/evaluation", ("tokenbatch_env.envs", "tokenbatch_env.control", "tokenbatch_env.evaluate",
                          "tokenbatch_env.report", "tokenbatch_env.capacity", "tokenbatch_env.capacity_bridge",
                          "tokenbatch_env.integrations")),
-    ("tuning/agents", ("tokenbatch_env.tuning", "tokenbatch_env.agents", "tokenbatch_env.sb3")),
+    ("tuning/agents", ("tokenbatch_env.tuning", "tokenbatch_env.robust", "tokenbatch_env.agents",
+                       "tokenbatch_env.sb3")),
     ("commands", ()),
 )
 TOP = len(LAYERS) - 1

@@ -150,6 +150,25 @@ def paired_difference(a, b, **kw) -> tuple[float, float, float]:
     return bootstrap_ci(a - b, **kw)
 
 
+def stratified_difference(diffs, blocks=None, *, B: int = BOOTSTRAP_B, seed: int = 0,
+                          alpha: float = 0.05) -> tuple[float, float, float]:
+    """(mean, lo, hi) of the mean over strata (cells) of each stratum's mean paired difference, with
+    a percentile bootstrap that resamples units within each stratum (moving blocks where ``blocks``
+    gives a length > 1): the pooled comparison of two policies over several deployment cells, each
+    cell weighted equally."""
+    ds = [np.asarray(d, np.float64) for d in diffs]
+    if not ds or any(d.ndim != 1 or d.size == 0 or not np.isfinite(d).all() for d in ds):
+        raise ValueError("stratified_difference needs non-empty 1-D finite arrays, one per stratum")
+    blocks = list(blocks) if blocks is not None else [None] * len(ds)
+    rng = np.random.default_rng(seed)
+    means = np.zeros(B)
+    for d, blk in zip(ds, blocks):
+        means += d[_bootstrap_indices(d.size, B, rng, blk)].mean(axis=1) if d.size > 1 else d[0]
+    means /= len(ds)
+    lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
+    return float(np.mean([d.mean() for d in ds])), float(lo), float(hi)
+
+
 def win_rate(a, b) -> float:
     """Share of paired units where ``a`` beats ``b`` (higher is better), ties counting 1/2: how
     often one policy wins, which a mean difference can hide.

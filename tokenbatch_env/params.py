@@ -24,9 +24,10 @@ from typing import Optional
 
 from .errors import ConfigError, PolicyError
 
-__all__ = ["GUARD_KEY", "LEVERS_KEY", "PARAMS_INFO_KEYS", "SCHEDULE_KEY", "T_REF_MODES", "check_row_levers",
-           "deployment_of", "deployment_warnings", "load_deployment", "load_guard_params", "load_levers",
-           "load_params_file", "load_schedule", "load_weights", "profile_sha256"]
+__all__ = ["GUARD_KEY", "LEVERS_KEY", "PARAMS_INFO_KEYS", "ROBUST_FILE", "ROBUST_FORMAT", "SCHEDULE_KEY", "T_REF_MODES",
+           "check_row_levers", "deployment_of", "deployment_warnings", "levers_for", "load_deployment",
+           "load_guard_params", "load_levers", "load_params_file", "load_robust_defaults", "load_schedule",
+           "load_weights", "profile_sha256"]
 
 #: how a parameters file's T_ref is set (docs/design.md section 10, "Units travel with parameters"):
 #: "fixed" = the T_ref of the deployment it was tuned on, in the file; "trace" = the median T1 of the
@@ -249,3 +250,52 @@ def check_row_levers(levers) -> tuple:
         if lv:
             out.append((label, lv))
     return tuple(out)
+
+
+# ------------------------------------------------------------------------------------ robust defaults
+#: the shipped robust defaults (docs/design.md section 10; ``python tuning/robust_defaults.py --install``)
+ROBUST_FILE = Path(__file__).parent / "data" / "params" / "robust-defaults.json"
+ROBUST_FORMAT = "tokenbatch-robust-defaults"
+
+
+def load_robust_defaults(path=None) -> dict:
+    """The robust-defaults file (default: the shipped one), checked: the index's parameters, its
+    shed margin, the tpot-guard rule's u and B_min and vLLM's flags as fractions of a profile's."""
+    from .engine.levers import GUARD_LEVERS
+    p = Path(path) if path is not None else ROBUST_FILE
+    where = f"robust defaults {p}"
+    if not p.is_file():
+        raise ConfigError(f"robust defaults: file {str(p)!r} not found (python tuning/robust_defaults.py --install "
+                          "makes the shipped one)")
+    try:
+        d = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: invalid JSON: {e}") from None
+    if not isinstance(d, dict) or d.get("format") != ROBUST_FORMAT:
+        raise ConfigError(f"{where}: not a {ROBUST_FORMAT} file")
+    _policy_parameters({"index": d.get("index", {}), "shed_margin": d.get("shed_margin", 0.0)}, where)
+    g, f = d.get("tpot_guard"), d.get("flag_fractions")
+    if not isinstance(g, dict) or set(g) != set(GUARD_LEVERS) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi
+            for k, (lo, hi) in GUARD_LEVERS.items() for v in [g.get(k)]):
+        raise ConfigError(f"{where}: tpot_guard: expected {{budget_u, budget_bmin}} in their ranges, got {g!r}")
+    if not isinstance(f, dict) or set(f) != {"budget_frac", "seqs_frac", "threshold_frac"} or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 2 for v in f.values()):
+        raise ConfigError(f"{where}: flag_fractions: expected budget_frac, seqs_frac, threshold_frac in (0, 2], "
+                          f"got {f!r}")
+    return d
+
+
+def levers_for(profile, fractions: dict, guard: Optional[dict] = None) -> dict:
+    """The absolute flags (and u, B_min) of ``fractions`` of a profile's own flags, as vLLM takes
+    them: the budget within [1, B_max], max_num_seqs <= the budget; a threshold fraction >= 1, or a
+    threshold at or above the budget, is off (0)."""
+    B0, S0 = profile.max_num_batched_tokens, profile.max_num_seqs
+    B = int(min(profile.budget_max, max(1, round(fractions["budget_frac"] * B0))))
+    S = int(max(1, min(round(fractions["seqs_frac"] * S0), B)))
+    tf = fractions["threshold_frac"]
+    T = 0 if tf >= 1.0 else int(max(1, round(tf * B0)))
+    lv = {"max_num_batched_tokens": B, "max_num_seqs": S, "long_prefill_token_threshold": 0 if T >= B else T}
+    if guard is not None:
+        lv.update({k: float(v) for k, v in guard.items()})
+    return lv

@@ -250,7 +250,7 @@ def guard_lines(entry: dict) -> list:
         gain = d["vs"].get(base)
         before = next((x.get("tpot_only_missed", "-") for x in entry["rows"] if x["label"] == base), "-")
         lv = d.get("levers", {})
-        tuned = " (tuned" + (f", B {lv['max_num_batched_tokens']}" if "max_num_batched_tokens" in lv else "") + ")"
+        tuned = " (own" + (f", B {lv['max_num_batched_tokens']}" if "max_num_batched_tokens" in lv else "") + ")"
         out.append([d["label"], f"u {d['tpot_guard']['u']:.2f}, B_min {d['tpot_guard']['bmin']:.2f}"
                     + (tuned if "budget_u" in lv or "budget_bmin" in lv else ""), _diff(gain),
                     _f(gain["win_rate"], 2) if gain else "-", f"{before} -> {d.get('tpot_only_missed', '-')}"])
@@ -280,8 +280,9 @@ def console_summary(data: dict) -> str:
         lines += _text_table(LEVER_HEADER, lev)
     gl = guard_lines(e)
     if gl:
-        lines += ["", f"tpot-guard at rho {rho:g} (each row against itself without the rule; a tuned row also has "
-                      "its own tuned parameters, so its gain is the rule's and theirs):"]
+        lines += ["", f"tpot-guard at rho {rho:g} (each row against itself without the rule; a row with its own u, "
+                      "B_min (tuned, or the robust defaults') also has its own flags and parameters, so its gain is "
+                      "the rule's and theirs):"]
         lines += _text_table(GUARD_HEADER, gl)
     lines += ["", "goodput by load:"]
     labels = [d["label"] for d in data["loads"][0]["rows"]]

@@ -383,6 +383,9 @@ def _params_note(cfg: BenchConfig) -> dict:
                 f"study)")
     elif src is None:
         note = "UNTUNED: default IndexParams"
+    elif src.startswith("robust defaults"):
+        note = (f"ROBUST DEFAULTS: {src[len('robust defaults '):].strip('()')}, tuned over many deployments "
+                "(tuning/robust_defaults.py; docs/design.md section 10), not on this workload")
     else:
         note = f"from {Path(src).name}; not produced by this project's tuning (untuned)"
     return {"index": dataclasses.asdict(cfg.index_params),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -32,6 +33,29 @@ def guard_fields(path: str) -> dict:
     if tuned is not None:
         out.update(guard_index_params=tuned[0], guard_shed_margins=tuned[1])
     return out
+
+
+#: the index's parameters when none are given (``tokenbatch bench --defaults``): the shipped robust
+#: defaults (docs/design.md section 10) or the formula's own (``IndexParams()``, margin 0)
+DEFAULTS = ("robust", "formula")
+
+
+def robust_fields(profile, path=None) -> dict:
+    """The ``BenchConfig`` fields of the robust defaults (docs/design.md section 10) on ``profile``
+    (resolved with the deployment's engine flags): their coefficients and shed margin on the index
+    rows, and an ``index+shed+tpot-guard`` row (beside index+shed) with their u, B_min and vLLM's
+    flags as fractions of the profile's. T_ref is the evaluated workload's (``t_ref_mode`` trace)."""
+    from ..params import ROBUST_FILE, levers_for, load_robust_defaults
+    from ..policies import IndexParams
+    d = load_robust_defaults(path)
+    params = IndexParams.from_dict(d["index"])
+    margin = (("index", float(d["shed_margin"])),)
+    levers = levers_for(profile, d["flag_fractions"], d["tpot_guard"])
+    eid = d["meta"].get("evidence_id", "")
+    return {"index_params": params, "shed_margins": margin, "guard_index_params": params, "guard_shed_margins": margin,
+            "levers": (("index" + SHED_SUFFIX + GUARD_SUFFIX, levers),),
+            "params_source": f"robust defaults ({Path(path or ROBUST_FILE).name}, evidence {eid[:12]})",
+            "params_deployment": {"t_ref_mode": "trace", "profile": None}}
 
 
 def _finite_pos(x, what: str) -> float:

@@ -65,6 +65,14 @@ def build_rows(cfg: BenchConfig) -> list:
                 r, label=label, added=True, guard=True, twin=None, levers=levers.get(label, r.levers),
                 shed_margin=None if r.shed_margin is None else cfg.shed_margin(r.policy, guard=True),
                 index_params=cfg.guard_index_params if r.policy == "index" else None))
+    else:   # a levered +tpot-guard row beside its row (the robust defaults' index+shed+tpot-guard)
+        for label, lv in levers.items():
+            base = next((r for r in rows if r.label + GUARD_SUFFIX == label), None)
+            if base is not None:
+                rows.append(dataclasses.replace(
+                    base, label=label, added=True, guard=True, twin=None, levers=lv,
+                    shed_margin=None if base.shed_margin is None else cfg.shed_margin(base.policy, guard=True),
+                    index_params=cfg.guard_index_params if base.policy == "index" else None))
     for policy in ("fcfs", "priority"):   # vLLM's own orders with tuned flags
         label = policy + FLAGS_SUFFIX
         if label in levers:
@@ -119,7 +127,8 @@ def row_guard(row: Row, cfg: BenchConfig) -> Optional[tuple]:
     if not row.guard:
         return None
     lv = dict(row.levers)
-    return (lv.get("budget_u", cfg.tpot_guard[0]), lv.get("budget_bmin", cfg.tpot_guard[1]))
+    u, bmin = cfg.tpot_guard if cfg.tpot_guard is not None else (0.0, 0.0)   # (the rule's defaults)
+    return (lv.get("budget_u", u), lv.get("budget_bmin", bmin))
 
 
 def row_engine(row: Row, cfg: BenchConfig):
