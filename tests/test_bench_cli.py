@@ -77,7 +77,28 @@ def test_robust_defaults_when_no_params(tmp_path, capsys):
     assert "index+shed+tpot-guard" not in [r["label"] for r in rep2["loads"][0]["rows"]]
     assert rep2["parameters"]["note"].startswith("UNTUNED")
     assert rep2["evidence_id"] != rep["evidence_id"]
+    out4 = tmp_path / "n"   # an explicit --budget-rule none: no +tpot-guard row, not even the defaults'
+    rc, _, err = _run(capsys, "--suite", "azure-code-like", "--profile", "llama2-7b-a100", "--max-traces", "2",
+                      "--loads", "1.2", "--policies", "index", "--shed", "--out", str(out4), "--bootstrap-b", "200",
+                      "--no-upper-bound", "--quiet", "--budget-rule", "none")
+    assert rc == 0, err
+    assert not any(r["label"].endswith("+tpot-guard")
+                   for r in json.loads((out4 / "report.json").read_text())["loads"][0]["rows"])
     rc, _, err = _run(capsys, "--defaults", "tuned", "--quiet", "--out", str(tmp_path / "x"))
+    assert rc == 2 and "--defaults" in err and len(err.strip().splitlines()) == 1
+    # a robust-defaults file of one's own (tuning/robust_defaults.py writes one): --defaults FILE, not --params
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({**d, "tpot_guard": {"budget_u": 0.5, "budget_bmin": 0.25}}))
+    out3 = tmp_path / "m"
+    rc, _, err = _run(capsys, "--suite", "azure-code-like", "--profile", "llama2-7b-a100", "--max-traces", "2",
+                      "--loads", "1.2", "--policies", "index", "--shed", "--out", str(out3), "--bootstrap-b", "200",
+                      "--no-upper-bound", "--quiet", "--defaults", str(mine))
+    assert rc == 0, err
+    rows3 = {r["label"]: r for r in json.loads((out3 / "report.json").read_text())["loads"][0]["rows"]}
+    assert rows3["index+shed+tpot-guard"]["tpot_guard"] == {"u": 0.5, "bmin": 0.25}
+    rc, _, err = _run(capsys, "--params", str(mine), "--quiet", "--out", str(tmp_path / "y"))
+    assert rc == 2 and "--defaults FILE" in err
+    rc, _, err = _run(capsys, "--params", str(mine), "--defaults", "formula", "--quiet", "--out", str(tmp_path / "z"))
     assert rc == 2 and "--defaults" in err and len(err.strip().splitlines()) == 1
 
 

@@ -347,3 +347,29 @@ def test_config_overrides_and_fraction():
     assert res.n_requests == 2 and 0.0 <= res.ub_fraction <= 1.0
     d = res.to_dict()
     assert "attainable" not in d and d["ub"] == res.ub
+
+
+def test_kv_term_first_token_of_a_one_token_prompt():
+    """The iteration that completes a prefill may be a 1-token chunk, priced as prefill (c0 + c_p +
+    c_c2), cheaper than a decode: a request met at exactly that TTFT with a 2-block pool is not
+    ruled out by the KV term (a review's counterexample)."""
+    prof = load_profile("stress-512")
+    c0, cp, cc2 = (int(x) for x in prof.cost.ps[:3])
+    t1_ns = -(-(c0 + cp + cc2) // 1000)
+    tr = Trace.build(arrival_ns=np.array([0]), prompt_tokens=np.array([1]), output_tokens=np.array([1]),
+                     ttft_slo_ns=np.array([t1_ns]), tpot_slo_ns=np.array([10**8]))
+    cfg = EngineConfig(num_blocks=2)
+    met = int(simulate(tr, "stress-512", "fcfs", cfg).records(0)["met"].sum())
+    assert met == 1
+    assert upper_bound(tr, "stress-512", config=cfg).ub >= met
+
+
+def test_kv_term_charges_each_emission_at_least_its_cheapest_iteration():
+    """kv_i = e_i x sum_k u_i(k), e_i the cheaper of a decode at context N and a 1-token prefill chunk."""
+    prof = load_profile("stress-512")
+    tr = tiny_trace([0.0], [40], [5], t1_ms=1000, t2_ms=100, chains=[[1]])
+    p = request_parts(tr, prof, True)
+    c0, cp, cc2, _, cd, ckv = (int(x) for x in prof.cost.ps)
+    e = min(-(-(c0 + cd + ckv * 40) // 1000), -(-(c0 + cp + cc2) // 1000))
+    # blocks of 40..44 tokens at 16 per block, minus the one shared chain block: 2, 2, 2, 2, 2
+    assert int(p.kv[0]) == e * sum(max(0, -(-(40 + k - 1) // 16) - 1) for k in range(1, 6))

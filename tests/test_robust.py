@@ -29,8 +29,8 @@ def test_levers_for_profiles():
     p = load_profile("llama2-7b-a100")
     lv = levers_for(p, {"budget_frac": 0.25, "seqs_frac": 1.0, "threshold_frac": 2.0}, {"budget_u": 0.5,
                                                                                         "budget_bmin": 0.2})
-    assert lv == {"max_num_batched_tokens": 512, "max_num_seqs": 256, "long_prefill_token_threshold": 0,
-                  "budget_u": 0.5, "budget_bmin": 0.2}
+    # a threshold fraction >= 1 leaves the deployment's own threshold (no key)
+    assert lv == {"max_num_batched_tokens": 512, "max_num_seqs": 256, "budget_u": 0.5, "budget_bmin": 0.2}
     lv = levers_for(p, {"budget_frac": 1 / 16, "seqs_frac": 1.0, "threshold_frac": 1 / 16})
     # max_num_seqs <= the budget (vLLM refuses otherwise); a threshold >= the budget is off
     assert lv == {"max_num_batched_tokens": 128, "max_num_seqs": 128, "long_prefill_token_threshold": 0}
@@ -45,6 +45,15 @@ def test_stratified_difference_is_the_paired_one_for_one_cell():
                                                                                   block=3)
     m, lo, hi = stratified_difference([d, d + 1.0], B=500)
     assert m == pytest.approx(d.mean() + 0.5) and lo < m < hi
+    # two cells of one trace's windows (perfectly correlated): resampled together, the pooled CI is the
+    # single cell's, shifted; resampled apart it is narrower (the correlation ignored)
+    together = stratified_difference([d, d + 1.0], groups=["t", "t"], B=2000, seed=3)
+    apart = stratified_difference([d, d + 1.0], groups=["t", "u"], B=2000, seed=3)
+    one = stratified_difference([d], B=2000, seed=3)
+    assert together[1] == pytest.approx(one[1] + 0.5) and together[2] == pytest.approx(one[2] + 0.5)
+    assert together[2] - together[1] > apart[2] - apart[1]
+    with pytest.raises(ValueError, match="differ in size"):
+        stratified_difference([d, d[:10]], groups=["t", "t"])
 
 
 def test_bad_config_is_one_line():
@@ -76,6 +85,9 @@ def test_small_run_end_to_end_and_deterministic(tmp_path):
     d = load_robust(tmp_path / "a" / "robust_defaults.json")
     assert d["meta"]["t_ref_mode"] == "trace" and d["meta"]["profile"] is None
     assert d["meta"]["evidence_id"] == a["evidence_id"]
+    # the command that makes this file, as run (not the default run's)
+    assert d["meta"]["command"].startswith("python tuning/robust_defaults.py --suites azure-code-like")
+    assert "--trials 6" in d["meta"]["command"] and "--install" not in d["meta"]["command"]
     assert set(d["flag_fractions"]) == {"budget_frac", "seqs_frac", "threshold_frac"}
     assert not list((tmp_path / "a").glob("*.tmp*"))
 
@@ -125,6 +137,9 @@ def test_command_line_errors_are_one_line(capsys, tmp_path):
     assert main(["--judge", "shipped", "--traces-dir", str(tmp_path / "none"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--traces-dir" in err[0]
+    out = tmp_path / "o"
+    assert main(["--suites", "nope", "--extra", "", "--out", str(out), "--quiet"]) == 2
+    assert "nope" in capsys.readouterr().err and not out.exists()   # (no empty output directory)
     assert main(["--trials", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--trials" in err[0]

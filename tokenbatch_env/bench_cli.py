@@ -37,11 +37,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                         '"levers": {"edf+shed": {"max_num_batched_tokens": 512}}} (tokenbatch tune writes it); a row '
                         'with levers runs with them, beside itself at the profile\'s flags; a file tuned with '
                         '--budget-rule tpot-guard adds the +tpot-guard rows with their own tuned parameters')
-    p.add_argument("--defaults", default="robust", metavar="robust|formula",
+    p.add_argument("--defaults", default=None, metavar="robust|formula|FILE",
                    help="the index's parameters when --params is not given: robust (default; the shipped robust "
-                        "defaults, tuned over many deployments: their coefficients and shed margin on the index rows, "
-                        "and an index+shed+tpot-guard row with their tpot-guard u and B_min and vLLM's flags as "
-                        "fractions of the profile's) or formula (IndexParams() and margin 0)")
+                        "defaults, tuned over many deployments: their coefficients and shed margin on the index rows "
+                        "and, with --shed, an index+shed+tpot-guard row with their own tpot-guard u and B_min and "
+                        "vLLM's flags as fractions of this deployment's: the profile's, or the engine flags given), "
+                        "a robust-defaults file (tuning/robust_defaults.py writes one) or formula (IndexParams() and "
+                        "margin 0)")
     p.add_argument("--max-traces", default=None, help="use only the first N traces (or windows)")
     p.add_argument("--bootstrap-seed", default="0", help="bootstrap seed (enters the evidence id)")
     p.add_argument("--bootstrap-b", default="10000", help="bootstrap resamples (default 10000, at least 100)")
@@ -118,12 +120,18 @@ def config_from_args(args):
     guard = budget_overrides(args)
     if guard:   # a <row>+tpot-guard row beside every row
         kw["tpot_guard"] = (guard.get("budget_u", 0.0), guard.get("budget_bmin", 0.0))
+    from pathlib import Path
+
     from .evaluate.config import DEFAULTS
-    if args.defaults not in DEFAULTS:
-        raise ConfigError(f"--defaults: one of {', '.join(DEFAULTS)}, got {args.defaults!r}")
-    if not args.params and args.defaults == "robust":
+    if args.defaults is not None and args.params:
+        raise ConfigError("--defaults: the index's parameters when --params is not given; give one of them")
+    defaults = args.defaults or "robust"
+    if defaults not in DEFAULTS and not Path(defaults).is_file():
+        raise ConfigError(f"--defaults: one of {', '.join(DEFAULTS)} or a robust-defaults file, got {defaults!r}")
+    if not args.params and defaults != "formula":
         from .evaluate.config import robust_fields
-        kw.update(robust_fields(resolve_with_flags(engine, load_profile(args.profile), args)))
+        kw.update(robust_fields(resolve_with_flags(engine, load_profile(args.profile), args),
+                                None if defaults == "robust" else defaults))
     if args.params:
         params, margins = load_params_file(args.params)
         kw.update(index_params=params, shed_margins=margins, params_source=args.params,
@@ -138,6 +146,9 @@ def config_from_args(args):
             kw["params_deployment"] = dep
             if dep["t_ref_mode"] == "fixed":
                 kw["t_ref_ms"] = float(dep["t_ref_ms"])
+    if args.budget_rule == "none":   # (explicit: no +tpot-guard row, not even a levered one)
+        from .engine.levers import GUARD_SUFFIX
+        kw["levers"] = tuple((k, v) for k, v in kw.get("levers", ()) if not k.endswith(GUARD_SUFFIX))
     if args.trace is not None and args.windows is None:
         raise ConfigError("--trace needs --windows W (scored requests per window)")
     if args.trace is None and args.windows is not None:

@@ -102,13 +102,15 @@ by other requests too, so i alone holds at least
 
     u_i(k) = max(0, ceil((N + k - 1)/bs) - len(chain_i))
 
-blocks in it. That iteration lasts at least the emission's minimum duration e_k (as in (a): the
-later emissions' min of a decode and a resume chunk; k = 1 the cheaper of a decode-priced 1-token
-chunk ``c0 + c_d`` and a k >= 2 prefill chunk ``c0 + 2 c_p + 4 c_c2``), and lies inside [a_i, D2_i]
-when i is met. Iterations do not overlap and together hold at most ``usable_blocks`` blocks, so the
-met jobs whose windows lie inside an interval I satisfy
+blocks in it. That iteration contains i's own work, a decode (``c0 + c_d + c_kv ctx``, ctx >= N) or
+a prefill chunk of k >= 1 tokens (``>= c0 + c_p + c_c2``: the chunk that completes a prefill or a
+resume may be a single token, and the budget or a threshold may leave any remainder), so it lasts at
+least ``e_i = min(ceil((c0 + c_d + c_kv N)/1000), ceil((c0 + c_p + c_c2)/1000))`` ns (NOT the (a)
+per-emission times, which bound the whole gap between two tokens, recompute included), and it lies
+inside [a_i, D2_i] when i is met. Iterations do not overlap and together hold at most
+``usable_blocks`` blocks, so the met jobs whose windows lie inside an interval I satisfy
 
-    sum_i kv_i <= usable_blocks x |I|,    kv_i = sum_k u_i(k) e_k   (block-ns, exact integers).
+    sum_i kv_i <= usable_blocks x |I|,    kv_i = e_i sum_k u_i(k)   (block-ns, exact integers).
 
 ``count(I) = min(count_w(I), count_kv(I))``, count_kv the number of the smallest kv_i (among the jobs
 inside I) whose sum fits ``usable_blocks x |I|``; the DP is otherwise unchanged (a second Fenwick
@@ -253,22 +255,19 @@ class _Parts:
 
 
 @njit
-def _kv_block_ns(N, O, shared, e1, emit, bs, out):
-    """kv_i = sum over i's O emissions k of u_i(k) x that emission's minimum duration (ns), with
-    u_i(k) = max(0, ceil((N + k - 1)/bs) - shared_i) the unshared blocks i holds in the iteration
-    that emits its k-th token (module doc, (c)); ``emit[i, r]``: a later emission whose token count
-    before it is t = N + g has residue r = (t - 1) mod bs."""
+def _kv_block_ns(N, O, shared, e, bs, out):
+    """kv_i = sum over i's O emissions k of u_i(k) x e_i (ns), with u_i(k) = max(0, ceil((N + k -
+    1)/bs) - shared_i) the unshared blocks i holds in the iteration that emits its k-th token and e_i
+    the least such an iteration lasts (module doc, (c))."""
     for i in range(N.shape[0]):
         n = N[i]
         s = shared[i]
-        u = (n + bs - 1) // bs - s
-        tot = u * e1[i] if u > 0 else 0
-        for g in range(1, O[i]):
-            t = n + g
-            u = (t + bs - 1) // bs - s
+        tot = 0
+        for k in range(1, O[i] + 1):
+            u = (n + k - 1 + bs - 1) // bs - s
             if u > 0:
-                tot += u * emit[i, (t - 1) % bs]
-        out[i] = tot
+                tot += u
+        out[i] = tot * e[i]
 
 
 def request_parts(trace: Trace, prof: Profile, prefix_caching: bool = True) -> _Parts:
@@ -323,13 +322,14 @@ def request_parts(trace: Trace, prof: Profile, prefix_caching: bool = True) -> _
     d1 = a + T1
     d2 = d1 + span2 + _tpot_margin(span2)
 
-    # (c) KV: blocks that other requests can share are at most i's chain (none without caching)
-    shared = _chain_blocks(trace, bs) if prefix_caching else np.zeros(len(N), np.int64)
-    # the first token's iteration: its last prefill chunk is a 1-token chunk (priced as a decode,
-    # context >= 0) or a prefill chunk of k >= 2 tokens (c0 + c_p k + c_c2 k^2 + c_attn k s >= k = 2)
-    e1 = np.full(len(N), min(_ceil_div(c0 + cd, 1000), _ceil_div(c0 + 2 * cp + 4 * cc2, 1000)), np.int64)
+    # (c) KV: blocks that other requests can share are at most i's chain (none without caching).
+    # Every iteration that emits one of i's tokens holds i's work: a decode (c0 + c_d + c_kv ctx, ctx
+    # >= N) or a prefill chunk of k >= 1 tokens (>= c0 + c_p + c_c2: a prefill's or a resume's last
+    # chunk may be a single token, the budget or the threshold may leave any remainder); so e_k >= e.
+    e = np.minimum(dec_ns, _ceil_div(c0 + cp + cc2, 1000)).astype(np.int64)
     kv = np.empty(len(N), np.int64)
-    _kv_block_ns(N, O, shared, e1, np.ascontiguousarray(emit_ns, np.int64), bs, kv)
+    shared = _chain_blocks(trace, bs) if prefix_caching else np.zeros(len(N), np.int64)
+    _kv_block_ns(N, O, shared, e, bs, kv)
     return _Parts(attainable, capped, ttft_bad, tpot_bad, ttft_min, wp, w, d1, d2, kv, prof.usable_blocks)
 
 

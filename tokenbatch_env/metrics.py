@@ -150,20 +150,31 @@ def paired_difference(a, b, **kw) -> tuple[float, float, float]:
     return bootstrap_ci(a - b, **kw)
 
 
-def stratified_difference(diffs, blocks=None, *, B: int = BOOTSTRAP_B, seed: int = 0,
+def stratified_difference(diffs, blocks=None, *, groups=None, B: int = BOOTSTRAP_B, seed: int = 0,
                           alpha: float = 0.05) -> tuple[float, float, float]:
     """(mean, lo, hi) of the mean over strata (cells) of each stratum's mean paired difference, with
     a percentile bootstrap that resamples units within each stratum (moving blocks where ``blocks``
     gives a length > 1): the pooled comparison of two policies over several deployment cells, each
-    cell weighted equally."""
+    cell weighted equally. Strata with the same ``groups`` id share their units (the same windows of
+    one trace under other rules or loads): they are resampled with the same indices."""
     ds = [np.asarray(d, np.float64) for d in diffs]
     if not ds or any(d.ndim != 1 or d.size == 0 or not np.isfinite(d).all() for d in ds):
         raise ValueError("stratified_difference needs non-empty 1-D finite arrays, one per stratum")
     blocks = list(blocks) if blocks is not None else [None] * len(ds)
+    groups = list(groups) if groups is not None else list(range(len(ds)))
     rng = np.random.default_rng(seed)
     means = np.zeros(B)
-    for d, blk in zip(ds, blocks):
-        means += d[_bootstrap_indices(d.size, B, rng, blk)].mean(axis=1) if d.size > 1 else d[0]
+    drawn = {}
+    for d, blk, g in zip(ds, blocks, groups):
+        if d.size == 1:
+            means += d[0]
+            continue
+        if g not in drawn:
+            drawn[g] = _bootstrap_indices(d.size, B, rng, blk)
+        idx = drawn[g]
+        if idx.shape[1] != d.size:
+            raise ValueError(f"stratified_difference: strata of group {g!r} differ in size")
+        means += d[idx].mean(axis=1)
     means /= len(ds)
     lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
     return float(np.mean([d.mean() for d in ds])), float(lo), float(hi)

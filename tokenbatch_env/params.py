@@ -65,6 +65,8 @@ def load_params_file(path: str, what: str = "--params") -> tuple:
     valid = ["index", "shed_margin", *[b for b in BASELINES if b != "index"], SCHEDULE_KEY, LEVERS_KEY, GUARD_KEY,
              *PARAMS_INFO_KEYS]
     unknown = sorted(k for k in d if k not in valid and not k.startswith("_"))
+    if d.get("format") == ROBUST_FORMAT:
+        raise ConfigError(f"{what} {path}: a robust-defaults file, not a parameters file: give it as --defaults FILE")
     if unknown:
         raise ConfigError(f"{what} {path}: unknown key(s) {unknown}; valid: {', '.join(valid)}")
     params, margins = _policy_parameters(d, f"{what} {path}")
@@ -258,15 +260,16 @@ ROBUST_FILE = Path(__file__).parent / "data" / "params" / "robust-defaults.json"
 ROBUST_FORMAT = "tokenbatch-robust-defaults"
 
 
-def load_robust_defaults(path=None) -> dict:
+def load_robust_defaults(path=None, what: str = "robust defaults") -> dict:
     """The robust-defaults file (default: the shipped one), checked: the index's parameters, its
-    shed margin, the tpot-guard rule's u and B_min and vLLM's flags as fractions of a profile's."""
+    shed margin, the tpot-guard rule's u and B_min and vLLM's flags as fractions of a profile's.
+    ``what``: the option or field that gave the path, named in errors."""
     from .engine.levers import GUARD_LEVERS
     p = Path(path) if path is not None else ROBUST_FILE
-    where = f"robust defaults {p}"
+    where = f"{what} {p}"
     if not p.is_file():
-        raise ConfigError(f"robust defaults: file {str(p)!r} not found (python tuning/robust_defaults.py --install "
-                          "makes the shipped one)")
+        raise ConfigError(f"{what}: file {str(p)!r} not found" + (
+            " (python tuning/robust_defaults.py --install makes the shipped one)" if path is None else ""))
     try:
         d = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -280,22 +283,25 @@ def load_robust_defaults(path=None) -> dict:
             for k, (lo, hi) in GUARD_LEVERS.items() for v in [g.get(k)]):
         raise ConfigError(f"{where}: tpot_guard: expected {{budget_u, budget_bmin}} in their ranges, got {g!r}")
     if not isinstance(f, dict) or set(f) != {"budget_frac", "seqs_frac", "threshold_frac"} or any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 2 for v in f.values()):
-        raise ConfigError(f"{where}: flag_fractions: expected budget_frac, seqs_frac, threshold_frac in (0, 2], "
-                          f"got {f!r}")
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= (2 if k == "threshold_frac" else 1)
+            for k, v in f.items()):
+        raise ConfigError(f"{where}: flag_fractions: expected budget_frac and seqs_frac in (0, 1], threshold_frac in "
+                          f"(0, 2], got {f!r}")
     return d
 
 
 def levers_for(profile, fractions: dict, guard: Optional[dict] = None) -> dict:
     """The absolute flags (and u, B_min) of ``fractions`` of a profile's own flags, as vLLM takes
-    them: the budget within [1, B_max], max_num_seqs <= the budget; a threshold fraction >= 1, or a
-    threshold at or above the budget, is off (0)."""
+    them: the budget within [1, B_max], max_num_seqs <= the budget; a threshold at or above the
+    budget is off (0), and a threshold fraction >= 1 leaves the deployment's own threshold."""
     B0, S0 = profile.max_num_batched_tokens, profile.max_num_seqs
     B = int(min(profile.budget_max, max(1, round(fractions["budget_frac"] * B0))))
     S = int(max(1, min(round(fractions["seqs_frac"] * S0), B)))
+    lv = {"max_num_batched_tokens": B, "max_num_seqs": S}
     tf = fractions["threshold_frac"]
-    T = 0 if tf >= 1.0 else int(max(1, round(tf * B0)))
-    lv = {"max_num_batched_tokens": B, "max_num_seqs": S, "long_prefill_token_threshold": 0 if T >= B else T}
+    if tf < 1.0:   # (>= 1: the deployment's own threshold stays)
+        T = int(max(1, round(tf * B0)))
+        lv["long_prefill_token_threshold"] = 0 if T >= B else T
     if guard is not None:
         lv.update({k: float(v) for k, v in guard.items()})
     return lv

@@ -328,9 +328,9 @@ def report_markdown(data: dict) -> str:
     gl = guard_lines(e)
     if gl:
         L += ["", f"## The tpot-guard budget rule at rho {rho:g}", "",
-              "Each +tpot-guard row against the same row without the rule (paired). A tuned row (from a "
-              "parameters file tuned with the rule) also has its own tuned margin, index parameters and flags: "
-              "its gain is the rule's and theirs.", ""]
+              "Each +tpot-guard row against the same row without the rule (paired). A row with its own u and "
+              "B_min (from a parameters file tuned with the rule, or the robust defaults') also has its own "
+              "margin, index parameters and flags: its gain is the rule's and theirs.", ""]
         L += _table(GUARD_HEADER, gl)
     L += ["", "## Goodput by load (mean [95% CI])", ""]
     labels = [d["label"] for d in data["loads"][0]["rows"]]

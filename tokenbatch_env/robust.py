@@ -34,7 +34,7 @@ from typing import Optional
 
 import numpy as np
 
-from .config_cli import option
+from .config_cli import config_to_argv, option
 from .engine.levers import GUARD_LEVERS, GUARD_SUFFIX
 from .errors import ConfigError
 from .params import ROBUST_FILE, ROBUST_FORMAT, levers_for, load_robust_defaults
@@ -165,6 +165,11 @@ class _Group:
         g = self.obj.goodput_per_unit(row, configs)
         return g.reshape(len(configs), -1, self.per_load).mean(axis=2)
 
+    def load_means(self, row: str, configs: list, li: int) -> np.ndarray:
+        """Goodput [k]: each config's mean over load ``li``'s units alone."""
+        idx = np.arange(li * self.per_load, (li + 1) * self.per_load)
+        return self.obj.goodput_per_unit(row, configs, idx).mean(axis=1)
+
     def robust_configs(self, trials: list) -> list:
         return [{"index": t["index"], "shed_margin": t["shed_margin"],
                  "engine": levers_for(self.obj.profile, t["fractions"], t["guard"])} for t in trials]
@@ -200,7 +205,7 @@ def tune_baselines(cfg: RobustConfig, groups: dict, out: Path, bar=None) -> dict
                 while left > 0:
                     ts = [st.ask() for _ in range(min(cfg.k, left))]
                     cs = [suggest_config(row, t, space) for t in ts]
-                    vals = grp.cell_means(row, cs)[:, li]
+                    vals = grp.load_means(row, cs, li)
                     for t, c, v in zip(ts, cs, vals):
                         t.set_user_attr("config", c)
                         st.tell(t, float(v))
@@ -227,19 +232,27 @@ def run_robust(cfg: RobustConfig) -> dict:
     from ._io import write_text_atomic as atomic_write_text
     from .tuning import make_sampler, TuneConfig
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    from ._io import check_writable
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out, "--out", directory=True)
+    if cfg.install:
+        check_writable(ROBUST_FILE, "--install")
     t0 = time.time()
-    groups = {g: _Group(cfg, g, "train") for g in cfg.groups()}
+    groups = {g: _Group(cfg, g, "train") for g in cfg.groups()}   # (bad suites, profiles, rules: before --out)
+    out.mkdir(parents=True, exist_ok=True)
     cells = [cell_name(g, rho) for g in groups for rho in cfg.loads]
     n_base = len(cells) * len(cfg.baselines) * cfg.baseline_trials
     bar = tqdm(total=n_base + cfg.trials, desc="robust defaults", unit="trial", disable=not cfg.progress,
                file=sys.stderr, dynamic_ncols=True)
     try:
         bar.set_postfix_str("baselines per cell")
+        # (the code that tunes them too: a cache from other code is never reused)
+        code = {f: hashlib.sha256(Path(__file__).with_name(f).read_bytes()).hexdigest()
+                for f in ("robust.py", "tuning.py")}
         key = hashlib.sha256(canonical_json({
             "config": {k: v for k, v in cfg.to_dict().items() if k not in ("trials", "penalty")},
-            "groups": {"/".join(g): grp.obj.evidence_inputs for g, grp in groups.items()}}).encode()).hexdigest()
+            "groups": {"/".join(g): grp.obj.evidence_inputs for g, grp in groups.items()},
+            "code": code, "optuna": optuna.__version__}).encode()).hexdigest()
         cache = out / "baselines.json"
         base = None
         if cache.is_file():   # the same baselines, tuned by an earlier run with this out directory
@@ -282,7 +295,7 @@ def run_robust(cfg: RobustConfig) -> dict:
             gv = vg.cell_means(ROBUST_ROW, vg.robust_configs([best_cfg]))[0]
             for li, rho in enumerate(cfg.loads):
                 b = base[cell_name(gkey, rho)]
-                bv = float(vg.cell_means(b["row"], [b["config"]])[0, li])
+                bv = float(vg.load_means(b["row"], [b["config"]], li)[0])
                 g_val.append(float(gv[li]))
                 b_val.append(bv)
                 d_val.append(float(gv[li]) - bv)
@@ -329,7 +342,8 @@ def defaults_document(c: dict, evidence: str, cfg: RobustConfig, d_train, d_val)
         "tpot_guard": {k: float(v) for k, v in c["guard"].items()},
         "flag_fractions": {k: float(v) for k, v in c["fractions"].items()},
         "meta": {"t_ref_mode": "trace", "profile": None, "evidence_id": evidence,
-                 "command": "python tuning/robust_defaults.py --install",
+                 "command": " ".join(["python tuning/robust_defaults.py", *config_to_argv(cfg, exclude=(
+                     "out", "progress", "judge", "traces_dir"))]),
                  "mixture": cfg.to_dict(),
                  "train": {"min_d": float(np.min(d_train)), "mean_d": float(np.mean(d_train))},
                  "validation": {"min_d": float(np.min(d_val)), "mean_d": float(np.mean(d_val))}},
@@ -428,15 +442,16 @@ def judge_held_out(defaults: dict, traces_dir, *, out=None, windows: int = 200, 
     trial = {"index": defaults["index"], "shed_margin": defaults["shed_margin"], "guard": defaults["tpot_guard"],
              "fractions": defaults["flag_fractions"]}
     traces = HELD_OUT_TRACES if traces is None else traces
-    cells, per = [], {r: [] for r in rows}
+    cells, per, inputs = [], {r: [] for r in rows}, {}
     jobs = [(name, rule) for name in traces for rule in rules]
     bar = tqdm(total=len(jobs), desc="held-out cells", unit="workload", disable=not progress, file=sys.stderr)
     try:
         for name, rule in jobs:
             file, prof = traces[name]
             tc = TuneConfig(trace=str(Path(traces_dir) / file), profile=prof, slo_rule=rule, loads=loads,
-                            windows=windows, comparators=False, progress=False)
+                            windows=windows, comparators=False, progress=False, max_train_traces=None)
             obj = TrainObjective(tc, split=tc.test_split)
+            inputs[f"{name}/{rule}"] = obj.evidence_inputs
             n = len(obj.units) // len(loads)
             grp_cfg = [{"index": trial["index"], "shed_margin": trial["shed_margin"],
                         "engine": levers_for(obj.profile, trial["fractions"], trial["guard"])}]
@@ -454,19 +469,32 @@ def judge_held_out(defaults: dict, traces_dir, *, out=None, windows: int = 200, 
                     m, lo, hi = paired_difference(a, b, B=bootstrap_b, seed=0, block=block)
                     cell["vs"][row] = {"goodput": float(b.mean()), "diff": m, "ci95": [lo, hi],
                                        "win_rate": win_rate(a, b), "pass": lo >= NON_INFERIOR}
-                    per[row].append((a - b, block))
+                    per[row].append((a - b, block, name))
                 cells.append(cell)
             bar.update(1)
     finally:
         bar.close()
     pooled = {}
     for row, items in per.items():
-        m, lo, hi = stratified_difference([d for d, _ in items], [b for _, b in items], B=bootstrap_b, seed=0)
+        # (a trace's cells share its windows: resampled together)
+        m, lo, hi = stratified_difference([d for d, _, _ in items], [b for _, b, _ in items],
+                                          groups=[g for _, _, g in items], B=bootstrap_b, seed=0)
         pooled[row] = {"diff": m, "ci95": [lo, hi], "pass": m > 0 and lo > 0}
     verdict = all(v["pass"] for c in cells for v in c["vs"].values()) and all(p["pass"] for p in pooled.values())
-    rep = {"format": FORMAT + "-goal", "defaults_evidence_id": defaults["meta"].get("evidence_id"),
+    from . import __version__
+    evidence = hashlib.sha256(canonical_json({
+        "purpose": "robust defaults on held-out cells", "defaults": {k: defaults[k] for k in
+                                                                     ("index", "shed_margin", "tpot_guard",
+                                                                      "flag_fractions")},
+        "rows": list(rows), "loads": list(loads), "bootstrap_b": bootstrap_b, "workloads": inputs,
+        "pooled_ci": "stratified by cell, a trace's windows resampled together",
+        "package_version": __version__}).encode()).hexdigest()
+    rep = {"format": FORMAT + "-goal", "evidence_id": evidence,
+           "defaults_evidence_id": defaults["meta"].get("evidence_id"),
+           "defaults": {k: defaults[k] for k in ("index", "shed_margin", "tpot_guard", "flag_fractions")},
            "goal": (f"every held-out cell: paired CI lower end >= {NON_INFERIOR:g} against every baseline at its "
-                    "shipped defaults; pooled over cells (each weighted equally): difference > 0 with its CI above 0"),
+                    "shipped defaults; pooled over cells (each weighted equally; a trace's windows resampled together "
+                    "across its cells): difference > 0 with its CI above 0"),
            "held_out": {"traces": {k: list(v) for k, v in traces.items()}, "rules": list(rules),
                         "loads": list(loads), "split": "test (the last 20% of each trace, by time)",
                         "windows": windows, "bootstrap_b": bootstrap_b},
@@ -481,7 +509,15 @@ def judge_held_out(defaults: dict, traces_dir, *, out=None, windows: int = 200, 
 
 def goal_markdown(rep: dict) -> str:
     rows = list(rep["pooled"])
-    lines = [f"# Robust defaults on held-out cells\n\n{rep['goal']}. Met: **{'yes' if rep['met'] else 'no'}**.\n",
+    d = rep["defaults"]
+    lines = [f"# Robust defaults on held-out cells\n\nEvidence id `{rep['evidence_id']}` (defaults "
+             f"`{rep['defaults_evidence_id']}`). {rep['goal']}. Met: **{'yes' if rep['met'] else 'no'}**.\n",
+             f"The defaults (index+shed with the tpot-guard rule): index {json.dumps(d['index'], sort_keys=True)}, "
+             f"shed margin {d['shed_margin']:g}, u {d['tpot_guard']['budget_u']:g}, B_min "
+             f"{d['tpot_guard']['budget_bmin']:g}, flags as fractions of the profile's "
+             f"{json.dumps(d['flag_fractions'], sort_keys=True)} (threshold >= 1: off). A cell's entry is the "
+             "paired difference [95% CI]; ✗ marks a CI lower end below -0.01 (a cell) or a pooled difference "
+             "whose CI is not above 0.\n",
              "| cell | defaults | " + " | ".join(f"vs {r}" for r in rows) + " |",
              "|---|---|" + "---|" * len(rows)]
     for c in rep["cells"]:

@@ -879,9 +879,11 @@ class TrainObjective:
                                       estimates=est, residual_life=wl.residual_life, t_ref_ms=wl.t_ref_ms,
                                       config=eng, configs=engines)
 
-    def goodput_per_unit(self, row: str, configs: list) -> np.ndarray:
-        """Goodput [k, units] of the configs on every unit of the row's objective."""
-        return self._run(row, configs, np.arange(len(self.units_of(row)[0])))
+    def goodput_per_unit(self, row: str, configs: list, idx=None) -> np.ndarray:
+        """Goodput [k, units] of the configs on every unit of the row's objective (or on the units
+        ``idx``)."""
+        return self._run(row, configs, np.arange(len(self.units_of(row)[0])) if idx is None
+                         else np.asarray(idx, np.int64))
 
     def evaluate(self, row: str, configs: list, report=None) -> np.ndarray:
         """Mean goodput per config. With ``report(j, step, value) -> bool`` (True = prune), the units

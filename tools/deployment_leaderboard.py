@@ -148,9 +148,21 @@ def main(argv=None) -> int:
                    help="print the tables of an earlier run's leaderboard.json")
     a = p.parse_args(argv)
     if a.tables:
-        print(table(json.loads(Path(a.tables).read_text())["groups"]))
+        try:
+            print(table(json.loads(Path(a.tables).read_text())["groups"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"deployment_leaderboard.py: error: --tables {a.tables}: not a leaderboard.json this tool wrote "
+                  f"({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
         return 0
+    if a.max_train_traces < 1:
+        print(f"deployment_leaderboard.py: error: --max-train-traces: must be >= 1, got {a.max_train_traces}",
+              file=sys.stderr)
+        return 2
     names = groups() if a.groups is None else [g.strip() for g in a.groups.split(",") if g.strip()]
+    if not names:
+        print("deployment_leaderboard.py: error: --groups: need at least one group", file=sys.stderr)
+        return 2
     bad = [g for g in names if g not in groups()]
     if bad:
         print(f"deployment_leaderboard.py: error: unknown group {bad[0]!r}; valid: {', '.join(groups())}",

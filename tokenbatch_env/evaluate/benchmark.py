@@ -384,8 +384,21 @@ def _params_note(cfg: BenchConfig) -> dict:
     elif src is None:
         note = "UNTUNED: default IndexParams"
     elif src.startswith("robust defaults"):
-        note = (f"ROBUST DEFAULTS: {src[len('robust defaults '):].strip('()')}, tuned over many deployments "
-                "(tuning/robust_defaults.py; docs/design.md section 10), not on this workload")
+        ip = cfg.index_params
+        order = ("SJF's order (every index coefficient 0: index = SJF)"
+                 if all(getattr(ip, f) == 0 for f in ("kappa", "gamma", "theta", "beta", "w_prefix", "a_edf"))
+                 else "index " + ", ".join(f"{k} {v:g}" for k, v in dataclasses.asdict(ip).items()))
+        lv = dict(dict(cfg.levers).get("index" + SHED_SUFFIX + GUARD_SUFFIX, ()))
+        extra = ""
+        if lv:
+            thr = lv.get("long_prefill_token_threshold", 0)
+            extra = (f"; index+shed+tpot-guard adds the rule (u {lv.get('budget_u', 0):g}, B_min "
+                     f"{lv.get('budget_bmin', 0):g}) and vLLM's flags B {lv.get('max_num_batched_tokens')}, "
+                     f"max_num_seqs {lv.get('max_num_seqs')}, threshold {thr or 'off'} (fractions of this "
+                     "deployment's)")
+        note = (f"ROBUST DEFAULTS ({src[len('robust defaults '):].strip('()')}; tuned over a mixture of deployments "
+                f"by tuning/robust_defaults.py, not on this workload): {order}, shed margin "
+                f"{cfg.shed_margin('index'):g}{extra}")
     else:
         note = f"from {Path(src).name}; not produced by this project's tuning (untuned)"
     return {"index": dataclasses.asdict(cfg.index_params),

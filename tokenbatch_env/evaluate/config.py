@@ -47,7 +47,7 @@ def robust_fields(profile, path=None) -> dict:
     flags as fractions of the profile's. T_ref is the evaluated workload's (``t_ref_mode`` trace)."""
     from ..params import ROBUST_FILE, levers_for, load_robust_defaults
     from ..policies import IndexParams
-    d = load_robust_defaults(path)
+    d = load_robust_defaults(path, "--defaults")
     params = IndexParams.from_dict(d["index"])
     margin = (("index", float(d["shed_margin"])),)
     levers = levers_for(profile, d["flag_fractions"], d["tpot_guard"])
