@@ -137,6 +137,14 @@ def test_upper_bound_at_least_relaxation_optimum(seed):
 
 
 # ------------------------------------------------------------------------------ random traces
+def chained_trace(arrival, prompt, output, chains, t1, t2):
+    """A trace with SLOs and one prefix chain (a list of block hashes) per request."""
+    return Trace.build(arrival_ns=arrival, prompt_tokens=prompt, output_tokens=output,
+                       ttft_slo_ns=t1, tpot_slo_ns=t2,
+                       prefix_offsets=np.concatenate([[0], np.cumsum([len(c) for c in chains])]),
+                       prefix_hashes=np.array([h for c in chains for h in c], np.int64))
+
+
 def random_trace(rng, n, *, bs=16):
     """Clustered arrivals, shared prefixes, SLOs from loose to impossible."""
     arrival = np.sort(rng.integers(0, int(rng.choice([50e6, 400e6, 2e9])), n)).astype(np.int64)
@@ -149,10 +157,7 @@ def random_trace(rng, n, *, bs=16):
         chains.append([1000 * (groups[i] + 1) + j for j in range(k)])
     t1 = (rng.uniform(0.005, 1.5, n) * 1e9).astype(np.int64)
     t2 = (rng.uniform(0.004, 0.06, n) * 1e9).astype(np.int64)
-    return Trace.build(arrival_ns=arrival, prompt_tokens=prompt, output_tokens=output,
-                       ttft_slo_ns=t1, tpot_slo_ns=t2,
-                       prefix_offsets=np.concatenate([[0], np.cumsum([len(c) for c in chains])]),
-                       prefix_hashes=np.array([h for c in chains for h in c], np.int64))
+    return chained_trace(arrival, prompt, output, chains, t1, t2)
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -186,10 +191,7 @@ def kv_bound_trace(rng, n, *, bs=16):
               for i in range(n)]
     t1 = (rng.uniform(0.3, 3.0, n) * 1e9).astype(np.int64)
     t2 = (rng.uniform(0.0075, 0.02, n) * 1e9).astype(np.int64)
-    return Trace.build(arrival_ns=arrival, prompt_tokens=prompt, output_tokens=output,
-                       ttft_slo_ns=t1, tpot_slo_ns=t2,
-                       prefix_offsets=np.concatenate([[0], np.cumsum([len(c) for c in chains])]),
-                       prefix_hashes=np.array([h for c in chains for h in c], np.int64))
+    return chained_trace(arrival, prompt, output, chains, t1, t2)
 
 
 @pytest.mark.parametrize("num_blocks", [64, 160])
