@@ -16,7 +16,7 @@ at its defaults, the tuned index and the best tuned baseline, with both runs' ev
 
     python tools/deployment_leaderboard.py                          # every cell (about an hour)
     python tools/deployment_leaderboard.py --groups azure-code-like/llama2-7b-a100/mlperf-llama3_1-8b
-    python tools/deployment_leaderboard.py --tables runs/leaderboard/leaderboard.json
+    python tools/deployment_leaderboard.py --tables runs/leaderboard/leaderboard.json   # tables and plot again
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def plot(results: list, path: Path) -> None:
     import matplotlib.pyplot as plt
     cells = [c for r in results for c in r["cells"]]
     y = range(len(cells))
-    fig, ax = plt.subplots(figsize=(8, 0.22 * len(cells) + 1.2))
+    fig, ax = plt.subplots(figsize=(9.5, 0.22 * len(cells) + 1.2))
     for key, lab, m in (("upper_bound", "upper bound", "|"), ("oracle_selector", "oracle selector", "x"),
                         ("index_defaults", "index (robust defaults)", "o"), ("index_tuned", "index+shed (tuned)", "s"),
                         ("fcfs", "FCFS", ".")):
@@ -134,7 +134,7 @@ def plot(results: list, path: Path) -> None:
     ax.legend(fontsize=6, loc="lower left")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=130)
+    fig.savefig(tmp, dpi=100)
     plt.close(fig)
     tmp.replace(path)
 
@@ -145,11 +145,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/leaderboard", help="output directory (default runs/leaderboard)")
     p.add_argument("--max-train-traces", type=int, default=12, help="train traces the tuning sees (default 12)")
     p.add_argument("--tables", default=None, metavar="JSON",
-                   help="print the tables of an earlier run's leaderboard.json")
+                   help="print the tables of an earlier run's leaderboard.json and draw its plot again")
     a = p.parse_args(argv)
     if a.tables:
         try:
-            print(table(json.loads(Path(a.tables).read_text())["groups"]))
+            res = json.loads(Path(a.tables).read_text())["groups"]
+            print(table(res))
+            plot(res, Path(a.tables).with_name("leaderboard.png"))
         except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"deployment_leaderboard.py: error: --tables {a.tables}: not a leaderboard.json this tool wrote "
                   f"({type(e).__name__}: {e})", file=sys.stderr)
