@@ -14,7 +14,8 @@ pytest.importorskip("optuna")
 from tokenbatch_env.engine.profiles import load_profile
 from tokenbatch_env.errors import ConfigError
 from tokenbatch_env.metrics import paired_difference, stratified_difference
-from tokenbatch_env.robust import (ROBUST_FILE, RobustConfig, judge_held_out, levers_for, load_robust,
+from tokenbatch_env.params import load_robust_defaults as load_robust
+from tokenbatch_env.robust import (ROBUST_FILE, RobustConfig, judge_held_out, levers_for,
                                    objective_value, run_robust)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"

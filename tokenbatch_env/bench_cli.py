@@ -115,7 +115,8 @@ def config_from_args(args):
 
     from .engine.flags import budget_overrides, engine_config, resolve_with_flags
     engine = engine_config(args)
-    resolve_with_flags(engine, load_profile(args.profile), args)  # unknown profile: one line listing the valid ones
+    # (an unknown profile: one line listing the valid ones)
+    deployment = resolve_with_flags(engine, load_profile(args.profile), args)
     kw = {}
     guard = budget_overrides(args)
     if guard:   # a <row>+tpot-guard row beside every row
@@ -130,8 +131,7 @@ def config_from_args(args):
         raise ConfigError(f"--defaults: one of {', '.join(DEFAULTS)} or a robust-defaults file, got {defaults!r}")
     if not args.params and defaults != "formula":
         from .evaluate.config import robust_fields
-        kw.update(robust_fields(resolve_with_flags(engine, load_profile(args.profile), args),
-                                None if defaults == "robust" else defaults))
+        kw.update(robust_fields(deployment, None if defaults == "robust" else defaults))
     if args.params:
         params, margins = load_params_file(args.params)
         kw.update(index_params=params, shed_margins=margins, params_source=args.params,

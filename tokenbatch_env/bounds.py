@@ -119,8 +119,9 @@ of two (rounded down) and the capacity rounded up: a relaxation again. ``kv=Fals
 without this term (never smaller).
 
 The bound is computed with (w, D2) (and the KV term) and with (w^p, D1); ``ub`` is the min of both
-and of the number of attainable requests. Exactness: each relaxation is the true optimum of the one-machine problem
-when the met set is, e.g., a single request, or requests whose windows are disjoint and roomy.
+and of the number of attainable requests. Exactness: each relaxation is the true optimum of the
+one-machine problem when the met set is, e.g., a single request, or requests whose windows are
+disjoint and roomy.
 """
 
 from __future__ import annotations
@@ -499,8 +500,9 @@ def interval_bound(release, deadline, work, *, kv=None, usable_blocks: Optional[
     span = int(min(max_span, K))
     rank = np.empty(n, np.int64)
     rank[np.argsort(w, kind="stable")] = np.arange(n)
+    scale = 1
     if kv is None:
-        kvs = (rank, w, -1, 1)
+        kvs = (rank, w, -1, scale)
     else:
         kv = np.asarray(kv, np.int64)
         scale = kv_scale(kv)
@@ -515,7 +517,7 @@ def interval_bound(release, deadline, work, *, kv=None, usable_blocks: Optional[
     length = int(t[-1] - t[0])
     ub = min(ub, count_fit(w, length))
     if kv is not None:
-        ub = min(ub, count_fit(kv, min(KV_LIMIT, -(-length // kvs[3]) * int(usable_blocks))))
+        ub = min(ub, count_fit(kv, min(KV_LIMIT, -(-length // scale) * int(usable_blocks))))
     return ub, span >= K, span
 
 

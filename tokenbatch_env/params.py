@@ -264,7 +264,7 @@ def load_robust_defaults(path=None, what: str = "robust defaults") -> dict:
     """The robust-defaults file (default: the shipped one), checked: the index's parameters, its
     shed margin, the tpot-guard rule's u and B_min and vLLM's flags as fractions of a profile's.
     ``what``: the option or field that gave the path, named in errors."""
-    from .engine.levers import GUARD_LEVERS
+    from .engine.levers import GUARD_LEVERS, check_levers
     p = Path(path) if path is not None else ROBUST_FILE
     where = f"{what} {p}"
     if not p.is_file():
@@ -278,10 +278,9 @@ def load_robust_defaults(path=None, what: str = "robust defaults") -> dict:
         raise ConfigError(f"{where}: not a {ROBUST_FORMAT} file")
     _policy_parameters({"index": d.get("index", {}), "shed_margin": d.get("shed_margin", 0.0)}, where)
     g, f = d.get("tpot_guard"), d.get("flag_fractions")
-    if not isinstance(g, dict) or set(g) != set(GUARD_LEVERS) or any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi
-            for k, (lo, hi) in GUARD_LEVERS.items() for v in [g.get(k)]):
-        raise ConfigError(f"{where}: tpot_guard: expected {{budget_u, budget_bmin}} in their ranges, got {g!r}")
+    if not isinstance(g, dict) or set(g) != set(GUARD_LEVERS):
+        raise ConfigError(f"{where}: tpot_guard: expected {{budget_u, budget_bmin}}, got {g!r}")
+    check_levers(g, f"{where}: tpot_guard", guard=True)   # (their ranges)
     if not isinstance(f, dict) or set(f) != {"budget_frac", "seqs_frac", "threshold_frac"} or any(
             isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= (2 if k == "threshold_frac" else 1)
             for k, v in f.items()):

@@ -45,7 +45,8 @@ ROBUST_ROW = "index+shed" + GUARD_SUFFIX
 #: the flags as fractions of the profile's: (name, lower end, upper end); a threshold fraction >= 1
 #: is off (the profile's setting), as a tuned threshold >= the budget is
 FRACTIONS = (("budget_frac", 1 / 16, 1.0), ("seqs_frac", 1 / 16, 1.0), ("threshold_frac", 1 / 16, 2.0))
-FORMAT = ROBUST_FORMAT
+#: the defaults themselves, in a robust-defaults file (the rest is where they come from)
+DEFAULT_KEYS = ("index", "shed_margin", "tpot_guard", "flag_fractions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +172,14 @@ class _Group:
         return self.obj.goodput_per_unit(row, configs, idx).mean(axis=1)
 
     def robust_configs(self, trials: list) -> list:
-        return [{"index": t["index"], "shed_margin": t["shed_margin"],
-                 "engine": levers_for(self.obj.profile, t["fractions"], t["guard"])} for t in trials]
+        return [robust_config(self.obj.profile, t) for t in trials]
+
+
+def robust_config(profile, trial: dict) -> dict:
+    """The tuning objective's config (``TrainObjective``, row ``ROBUST_ROW``) of a trial of the
+    defaults' study (``suggest_robust``) on ``profile``: the flags' fractions made absolute."""
+    return {"index": trial["index"], "shed_margin": trial["shed_margin"],
+            "engine": levers_for(profile, trial["fractions"], trial["guard"])}
 
 
 def objective_value(d: np.ndarray, penalty: float) -> float:
@@ -182,7 +189,7 @@ def objective_value(d: np.ndarray, penalty: float) -> float:
 
 
 # ------------------------------------------------------------------------------------ baselines
-def tune_baselines(cfg: RobustConfig, groups: dict, out: Path, bar=None) -> dict:
+def tune_baselines(cfg: RobustConfig, groups: dict, bar=None) -> dict:
     """Per cell: each baseline's +shed row tuned on its train units (margin and vLLM's flags, the
     row's own warm starts, ``baseline_trials`` trials, seeded TPE), the best kept. -> {cell: {"row",
     "config", "train"}}."""
@@ -229,10 +236,9 @@ def run_robust(cfg: RobustConfig) -> dict:
     from tqdm.auto import tqdm
 
     from . import __version__
-    from ._io import write_text_atomic as atomic_write_text
-    from .tuning import make_sampler, TuneConfig
+    from ._io import check_writable, write_text_atomic as atomic_write_text
+    from .tuning import TuneConfig, make_sampler
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    from ._io import check_writable
     out = Path(cfg.out)
     check_writable(out, "--out", directory=True)
     if cfg.install:
@@ -259,7 +265,7 @@ def run_robust(cfg: RobustConfig) -> dict:
             old = json.loads(cache.read_text())
             base = old["cells"] if old.get("key") == key else None
         if base is None:
-            base = tune_baselines(cfg, groups, out, bar)
+            base = tune_baselines(cfg, groups, bar)
             atomic_write_text(cache, json.dumps({"key": key, "cells": base}, indent=1, sort_keys=True) + "\n")
         else:
             bar.update(n_base)
@@ -308,7 +314,7 @@ def run_robust(cfg: RobustConfig) -> dict:
     evidence = hashlib.sha256(canonical_json(inputs).encode()).hexdigest()
     params = defaults_document(best_cfg, evidence, cfg, d_train, d_val)
     report = {
-        "format": FORMAT + "-report", "evidence_id": evidence, "config": cfg.to_dict(),
+        "format": ROBUST_FORMAT + "-report", "evidence_id": evidence, "config": cfg.to_dict(),
         "objective": {"definition": f"mean_c d_c - {cfg.penalty:g} mean_c max(0, -d_c), d_c = goodput minus the "
                                     "best tuned baseline on cell c (train)", "train": float(bt.value),
                       "history": [float(x) for x in history]},
@@ -337,7 +343,7 @@ def defaults_document(c: dict, evidence: str, cfg: RobustConfig, d_train, d_val)
     """The shipped file: the index's parameters, its margin, u and B_min, the flags' fractions,
     and where they come from (``meta``: ``t_ref_mode`` trace, no profile)."""
     return {
-        "format": FORMAT, "version": 1,
+        "format": ROBUST_FORMAT, "version": 1,
         "index": c["index"], "shed_margin": float(c["shed_margin"]),
         "tpot_guard": {k: float(v) for k, v in c["guard"].items()},
         "flag_fractions": {k: float(v) for k, v in c["fractions"].items()},
@@ -360,8 +366,7 @@ def robust_markdown(rep: dict) -> str:
         lines.append(f"| {c['cell']} | {c['best_baseline']} | {c['baseline_train']:.3f} | {c['d_train']:+.4f} | "
                      f"{c['baseline_validation']:.3f} | {c['d_validation']:+.4f} |")
     d = rep["defaults"]
-    lines += ["", "Defaults: " + json.dumps({k: d[k] for k in ("index", "shed_margin", "tpot_guard",
-                                                                    "flag_fractions")}, sort_keys=True)]
+    lines += ["", "Defaults: " + json.dumps({k: d[k] for k in DEFAULT_KEYS}, sort_keys=True)]
     return "\n".join(lines) + "\n"
 
 
@@ -382,7 +387,8 @@ def _run(args, prog: str) -> int:
     if cfg.judge is not None:
         if not Path(cfg.traces_dir).is_dir():
             raise ConfigError(f"--traces-dir: directory {cfg.traces_dir!r} not found")
-        rep = judge_held_out(load_robust(None if cfg.judge == "shipped" else cfg.judge), cfg.traces_dir,
+        rep = judge_held_out(load_robust_defaults(None if cfg.judge == "shipped" else cfg.judge, "--judge"),
+                             cfg.traces_dir,
                              out=cfg.out, progress=cfg.progress)
         if cfg.progress:
             print(goal_markdown(rep))
@@ -416,11 +422,6 @@ DEFAULT_ROWS = ("fcfs", "priority", "sjf", "edf", "llf", "fcfs+shed", "priority+
 NON_INFERIOR = -0.01
 
 
-def load_robust(path=None) -> dict:
-    """The robust-defaults file (default: the shipped one), checked (``params.load_robust_defaults``)."""
-    return load_robust_defaults(path)
-
-
 def _default_row_config(row: str) -> tuple:
     """(tuning row, config) of a baseline at its shipped defaults: +shed at margin 0, plain rows with
     shedding off."""
@@ -440,7 +441,7 @@ def judge_held_out(defaults: dict, traces_dir, *, out=None, windows: int = 200, 
     from .metrics import paired_difference, stratified_difference, win_rate
     from .tuning import TuneConfig, TrainObjective
     trial = {"index": defaults["index"], "shed_margin": defaults["shed_margin"], "guard": defaults["tpot_guard"],
-             "fractions": defaults["flag_fractions"]}
+             "fractions": defaults["flag_fractions"]}   # (the file's defaults as a trial of their study)
     traces = HELD_OUT_TRACES if traces is None else traces
     cells, per, inputs = [], {r: [] for r in rows}, {}
     jobs = [(name, rule) for name in traces for rule in rules]
@@ -453,9 +454,7 @@ def judge_held_out(defaults: dict, traces_dir, *, out=None, windows: int = 200, 
             obj = TrainObjective(tc, split=tc.test_split)
             inputs[f"{name}/{rule}"] = obj.evidence_inputs
             n = len(obj.units) // len(loads)
-            grp_cfg = [{"index": trial["index"], "shed_margin": trial["shed_margin"],
-                        "engine": levers_for(obj.profile, trial["fractions"], trial["guard"])}]
-            g_def = obj.goodput_per_unit(ROBUST_ROW, grp_cfg)[0].reshape(len(loads), n)
+            g_def = obj.goodput_per_unit(ROBUST_ROW, [robust_config(obj.profile, trial)])[0].reshape(len(loads), n)
             g_base = {}
             for row in rows:
                 trow, c = _default_row_config(row)
@@ -483,15 +482,13 @@ def judge_held_out(defaults: dict, traces_dir, *, out=None, windows: int = 200, 
     verdict = all(v["pass"] for c in cells for v in c["vs"].values()) and all(p["pass"] for p in pooled.values())
     from . import __version__
     evidence = hashlib.sha256(canonical_json({
-        "purpose": "robust defaults on held-out cells", "defaults": {k: defaults[k] for k in
-                                                                     ("index", "shed_margin", "tpot_guard",
-                                                                      "flag_fractions")},
+        "purpose": "robust defaults on held-out cells", "defaults": {k: defaults[k] for k in DEFAULT_KEYS},
         "rows": list(rows), "loads": list(loads), "bootstrap_b": bootstrap_b, "workloads": inputs,
         "pooled_ci": "stratified by cell, a trace's windows resampled together",
         "package_version": __version__}).encode()).hexdigest()
-    rep = {"format": FORMAT + "-goal", "evidence_id": evidence,
+    rep = {"format": ROBUST_FORMAT + "-goal", "evidence_id": evidence,
            "defaults_evidence_id": defaults["meta"].get("evidence_id"),
-           "defaults": {k: defaults[k] for k in ("index", "shed_margin", "tpot_guard", "flag_fractions")},
+           "defaults": {k: defaults[k] for k in DEFAULT_KEYS},
            "goal": (f"every held-out cell: paired CI lower end >= {NON_INFERIOR:g} against every baseline at its "
                     "shipped defaults; pooled over cells (each weighted equally; a trace's windows resampled together "
                     "across its cells): difference > 0 with its CI above 0"),

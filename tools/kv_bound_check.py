@@ -21,21 +21,16 @@ CELLS = [(s, p) for s in ("seed-200", "azure-code-like", "azure-conv-like", "moo
 
 
 def check(suite: str, profile: str, rule, rho: float, num_blocks=None, max_traces=None) -> tuple:
-    from tokenbatch_env.bounds import upper_bound
     from tokenbatch_env.engine.profiles import load_profile
     from tokenbatch_env.engine.state import EngineConfig
     from tokenbatch_env.evaluate import BenchConfig, prepare_workload
+    from tokenbatch_env.evaluate.benchmark import unit_upper_bound
     bc = BenchConfig(suite=suite, split="test", profile=profile, loads=(rho,), slo_rule=rule, max_traces=max_traces,
                      engine=EngineConfig(num_blocks=num_blocks))
     prof = bc.engine.resolve(load_profile(profile))
     wl = prepare_workload(bc, prof)
-    out = {False: [], True: []}
-    for u, t in enumerate(wl.at(rho)):
-        m = wl.scored[u]
-        for kv in (False, True):
-            b = upper_bound(t, prof, config=bc.engine, kv=kv)
-            out[kv].append(min(b.ub, int(b.attainable[m].sum())) / int(m.sum()))
-    a, b = np.array(out[False]), np.array(out[True])
+    a, b = (np.array([unit_upper_bound(t, prof, bc.engine, wl.scored[u], kv=kv) for u, t in enumerate(wl.at(rho))])
+            for kv in (False, True))
     return float(a.mean()), float(b.mean()), float((a - b).max())
 
 

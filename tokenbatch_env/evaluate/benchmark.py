@@ -33,6 +33,14 @@ def _copy_ci(d: dict) -> dict:
     return {"mean": d["mean"], "ci95": list(d["ci95"])}
 
 
+def unit_upper_bound(trace, profile, engine, scored, kv: bool = True) -> float:
+    """The upper bound's share of a unit's scored requests (``bounds.upper_bound`` on the unit's
+    whole trace, warm-up and cool-down included; at most the scored requests that are attainable)."""
+    from ..bounds import upper_bound
+    b = upper_bound(trace, profile, config=engine, kv=kv)
+    return min(b.ub, int(b.attainable[scored].sum())) / int(scored.sum())
+
+
 def _paired(a, b, cfg: BenchConfig, block) -> dict:
     from ..metrics import paired_difference, win_rate
     m, lo, hi = paired_difference(a, b, B=cfg.bootstrap_b, seed=cfg.bootstrap_seed, block=block)
@@ -169,14 +177,9 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                 bar.update(1)
         ub = None
         if cfg.upper_bound:
-            from ..bounds import upper_bound
             bar.set_postfix_str("upper bound")
-            ub = np.empty((L, U))
-            for li, rho in enumerate(loads):
-                for u, t in enumerate(at[rho]):
-                    b = upper_bound(t, profile, config=cfg.engine)
-                    m = wl.scored[u]
-                    ub[li, u] = min(b.ub, int(b.attainable[m].sum())) / int(m.sum())
+            ub = np.array([[unit_upper_bound(t, profile, cfg.engine, wl.scored[u]) for u, t in enumerate(at[rho])]
+                           for rho in loads])
             bar.update(1)
         sens = sensitivity(cfg, wl, rows, at, est_pred, est_oracle, profile, _primary_load(loads))
         caps = None

@@ -57,22 +57,16 @@ def build_rows(cfg: BenchConfig) -> list:
     if is_primary_suite(cfg):
         add("index", True, True)
     if cfg.tpot_guard is not None:   # beside every policy row, as +shed (docs/design.md section 11)
-        for r in list(rows):
-            if r.label.endswith(PROFILE_FLAGS_SUFFIX):
-                continue
-            label = r.label + GUARD_SUFFIX   # its own tuned parameters and levers when it has them
-            rows.append(dataclasses.replace(
-                r, label=label, added=True, guard=True, twin=None, levers=levers.get(label, r.levers),
-                shed_margin=None if r.shed_margin is None else cfg.shed_margin(r.policy, guard=True),
-                index_params=cfg.guard_index_params if r.policy == "index" else None))
-    else:   # a levered +tpot-guard row beside its row (the robust defaults' index+shed+tpot-guard)
-        for label, lv in levers.items():
-            base = next((r for r in rows if r.label + GUARD_SUFFIX == label), None)
-            if base is not None:
-                rows.append(dataclasses.replace(
-                    base, label=label, added=True, guard=True, twin=None, levers=lv,
-                    shed_margin=None if base.shed_margin is None else cfg.shed_margin(base.policy, guard=True),
-                    index_params=cfg.guard_index_params if base.policy == "index" else None))
+        bases = [r for r in rows if not r.label.endswith(PROFILE_FLAGS_SUFFIX)]
+    else:   # beside a row whose +tpot-guard row has levers of its own (the robust defaults' index+shed)
+        by_label = {r.label + GUARD_SUFFIX: r for r in rows}
+        bases = [by_label[label] for label in levers if label in by_label]
+    for r in bases:
+        label = r.label + GUARD_SUFFIX   # its own tuned parameters and levers when it has them
+        rows.append(dataclasses.replace(
+            r, label=label, added=True, guard=True, twin=None, levers=levers.get(label, r.levers),
+            shed_margin=None if r.shed_margin is None else cfg.shed_margin(r.policy, guard=True),
+            index_params=cfg.guard_index_params if r.policy == "index" else None))
     for policy in ("fcfs", "priority"):   # vLLM's own orders with tuned flags
         label = policy + FLAGS_SUFFIX
         if label in levers:
