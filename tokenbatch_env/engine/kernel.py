@@ -50,8 +50,12 @@ NO_TPOT_SLO_NS = 10**15
 # decision epochs (docs/design.md section 5), ``EngineArrays.epoch`` columns: the episode start, the epoch
 # length (ns), the scored requests [s0, s1), the first scored request not yet seen ended (end states
 # never revert, so this cursor only moves forward), shedding on (the decision rule's), and why the
-# copy last stopped (written with ``cfg[C_DECIDE]``)
-(EP_T0, EP_DT, EP_S0, EP_S1, EP_OPEN, EP_SHED, EP_STOP, N_EP) = range(8)
+# copy last stopped (written with ``cfg[C_DECIDE]``). Then what a cluster's router reads (docs/design.md
+# section 12): the running requests, free blocks and ended requests as the copy's last iteration was
+# scheduled (before its completions: the view of an iteration in flight), and the copy's totals of
+# busy time (ns), admitted tokens and their prefix-cache hits (vLLM's queries and hits)
+(EP_T0, EP_DT, EP_S0, EP_S1, EP_OPEN, EP_SHED, EP_STOP, EP_V_RUN, EP_V_FREE, EP_V_ENDED, EP_BUSY, EP_QUERY_TOK,
+ EP_HIT_TOK, N_EP) = range(14)
 STOP_NONE, STOP_DECIDE, STOP_ENDED, STOP_CAP = 0, 1, 2, 3
 _FOREVER = np.iinfo(np.int64).max // 2  # a time no run reaches
 
@@ -1510,6 +1514,10 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                             dq += 1
                             dr -= 1000
                     if k > 0:
+                        epoch[c, EP_V_RUN] = n_run[c]   # the last iteration as scheduled (section 12)
+                        epoch[c, EP_V_FREE] = n_free[c]
+                        epoch[c, EP_V_ENDED] = n_ended[c]
+                        epoch[c, EP_BUSY] += t - now[c]
                         for q in range(D):
                             r = run_ids[c, q]
                             computed[c, r] += k
@@ -1762,6 +1770,8 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                     held[c, r] = hits
                     n_cached[c, r] = hits
                     computed[c, r] = hits * bs
+                    epoch[c, EP_QUERY_TOK] += num_tokens
+                    epoch[c, EP_HIT_TOK] += hits * bs
                     need = _bdiv(hits * bs + new + bs - 1, bs, bsh) - hits
                     if need > 0:
                         _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held,
@@ -1854,6 +1864,11 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                     + cfg[C_PS_DECODE] * dec + cfg[C_PS_KV] * kv + cfg[C_SWAP_PS_PER_BLOCK] * acc[2])
             end = t_now + (t_ps + 999) // 1000
             itc = it[c]
+
+            epoch[c, EP_V_RUN] = n_run[c]   # the iteration as scheduled (a router's view, section 12)
+            epoch[c, EP_V_FREE] = n_free[c]
+            epoch[c, EP_V_ENDED] = n_ended[c]
+            epoch[c, EP_BUSY] += end - t_now
 
             # Rule 7: apply the iteration; tokens are emitted at the iteration's end.
             for k in range(ns):

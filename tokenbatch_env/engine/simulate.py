@@ -109,10 +109,19 @@ def record_rows(A: K.EngineArrays, copies: np.ndarray, lo: int, hi: int, ttft_sl
 
 
 def _record_columns(A: K.EngineArrays, copy, lo: int, hi: int, slos) -> dict:
-    col = lambda a: np.asarray(a[copy, lo:hi]).copy()  # noqa: E731
     request = np.arange(lo, hi)
-    rec = {
-        "request": request if np.ndim(copy) == 0 else np.tile(request, (len(copy), 1)),
+    rec = request_columns(A, lambda a: np.asarray(a[copy, lo:hi]).copy(),
+                          request if np.ndim(copy) == 0 else np.tile(request, (len(copy), 1)))
+    rec.update(request_metrics(rec, slos))
+    return rec
+
+
+def request_columns(A: K.EngineArrays, col: Callable, request: np.ndarray) -> dict:
+    """The request records' engine columns (docs/design.md section 3, "Outcomes"), ``col(array)``
+    taking each one's rows out of the struct of arrays (a copy); ``request`` their ids. Without the
+    SLO outcome columns (``outcomes.request_metrics``)."""
+    return {
+        "request": request,
         "arrival_ns": col(A.arrival), "prompt_tokens": col(A.prompt),
         "output_tokens": col(A.out_len), "first_scheduled_ns": col(A.first_sched),
         "first_token_ns": col(A.first_token), "first_token_iteration": col(A.first_token_it),
@@ -121,8 +130,6 @@ def _record_columns(A: K.EngineArrays, copy, lo: int, hi: int, slos) -> dict:
         "swapped_blocks": col(A.swapped),
         "end_state": col(A.end_state).astype(np.int64),
     }
-    rec.update(request_metrics(rec, slos))
-    return rec
 
 
 def _resolve_policy(policy) -> EnginePolicy:

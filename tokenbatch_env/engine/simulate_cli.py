@@ -42,8 +42,43 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", default=None, help="write per-iteration records (CSV)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
+    g = p.add_argument_group("cluster (docs/design.md section 12)")
+    g.add_argument("--replicas", type=int, default=None, metavar="R",
+                   help="replay on R engine replicas behind a router (default 1: the single engine)")
+    g.add_argument("--router", default=None, choices=LazyChoices(_routers),
+                   help="how arrivals are routed to replicas (default round-robin)")
+    g.add_argument("--replica-profiles", default=None, metavar="P1,P2,...",
+                   help="one profile per replica (mixed GPUs; one block size), instead of --profile for all")
+    g.add_argument("--metrics-staleness-ms", type=float, default=0.0, metavar="S",
+                   help="the router reads the replicas' state as of S ms ago (default 0)")
     add_engine_flags(p)
     add_budget_flags(p)
+
+
+def _routers() -> tuple:
+    from .cluster import ROUTER_NAMES
+    return ROUTER_NAMES
+
+
+def _cluster_args(args):
+    """(replicas, profile names) of a cluster run, or None for the single engine. Bad values raise
+    ``ConfigError`` naming the flag."""
+    names = None
+    if args.replica_profiles is not None:
+        names = [x.strip() for x in args.replica_profiles.split(",")]
+        if not all(names):
+            raise ConfigError(f"--replica-profiles {args.replica_profiles!r}: an empty profile name")
+    if args.replicas is None and names is None and args.router is None and not args.metrics_staleness_ms:
+        return None
+    R = args.replicas if args.replicas is not None else (len(names) if names else 1)
+    if R < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {R}")
+    if names is not None and len(names) != R:
+        raise ConfigError(f"--replica-profiles: {len(names)} profiles for --replicas {R}")
+    st = args.metrics_staleness_ms
+    if not (np.isfinite(st) and st >= 0):
+        raise ConfigError(f"--metrics-staleness-ms must be a number of ms >= 0, got {st}")
+    return R, names or [args.profile] * R
 
 
 def _csv_sink(stack: contextlib.ExitStack, path: str, names=None, convert=None):
@@ -102,8 +137,18 @@ def run(args) -> int:
             if other != opt:   # (one would replace the other, or the input trace)
                 raise ConfigError(f"{opt} {out}: the same file as {other}")
             check_writable(out, opt)   # before the run, not after it
+    cluster = _cluster_args(args)
+    if cluster is not None and args.iterations:
+        raise ConfigError("--iterations: per-iteration records of a cluster are not written (--records names "
+                          "each request's replica)")
     trace, report = load_trace(args.trace, args.format)
-    profile = load_profile(args.profile)
+    profile = load_profile(args.profile if cluster is None else cluster[1][0])
+    replica_profiles = None if cluster is None else [load_profile(n) for n in cluster[1]]
+    if replica_profiles is not None:
+        sizes = sorted({resolve_with_flags(EngineConfig(**engine_overrides(args)), p, args).block_size
+                        for p in replica_profiles})
+        if len(sizes) > 1:
+            raise ConfigError(f"--replica-profiles: one block size per cluster, got {sizes}")
     if args.rho is not None and not (np.isfinite(args.rho) and args.rho > 0):
         raise ConfigError(f"--rho must be a positive number, got {args.rho}")
     if args.sla_seed < 0:
@@ -138,8 +183,9 @@ def run(args) -> int:
         from .saturation import measure_lambda_sat
         # at the deployment's flags without the budget rule (docs/design.md section 10: loads and SLOs
         # at the reference configuration; the rule changes only the run)
-        lam = measure_lambda_sat(trace, profile, dataclasses.replace(config, budget_rule=None, budget_u=None,
-                                                                      budget_bmin=None))
+        ref = dataclasses.replace(config, budget_rule=None, budget_u=None, budget_bmin=None)
+        # a cluster's: the sum over its replicas (docs/design.md section 12)
+        lam = sum(measure_lambda_sat(trace, p, ref) for p in (replica_profiles or [profile]))
         try:
             trace = scale_to_rate(trace, args.rho * lam)
         except (ConfigError, TraceError) as e:   # (its times stretched beyond the engine's int64 ns)
@@ -152,12 +198,27 @@ def run(args) -> int:
     with contextlib.ExitStack() as stack:
         it_sink = _csv_sink(stack, args.iterations, ITER_COLUMNS) if args.iterations else None
         rec_sink = _csv_sink(stack, args.records, convert=end_state_names) if args.records else None
-        res = simulate(trace, profile, args.policy, config, progress=args.progress,
-                       iteration_sink=it_sink, record_sink=rec_sink)
-        rec = res.records(0)
+        if cluster is None:
+            res = simulate(trace, profile, args.policy, config, progress=args.progress,
+                           iteration_sink=it_sink, record_sink=rec_sink)
+            rec = res.records(0)
+        else:
+            from .cluster import simulate_cluster
+            res = simulate_cluster(trace, replica_profiles, args.policy, config, replicas=cluster[0],
+                                   router=args.router or "round-robin", staleness_ms=args.metrics_staleness_ms)
+            rec = res.records()
+            if rec_sink is not None:
+                rec_sink(0, rec)
         if rec_sink is not None:
             rec_sink.header([*rec, "priority"])  # an empty trace: the header alone
     s = summarize(rec, trace)
+    if cluster is not None:
+        st = res.replica_stats()
+        s["cluster"] = {"replicas": cluster[0], "profiles": cluster[1], "router": res.router.label,
+                        "metrics_staleness_ms": args.metrics_staleness_ms,
+                        "requests": st["requests"].tolist(), "rejected_at_router": st["rejected_at_router"],
+                        "utilisation": st["utilisation"].tolist(), "imbalance": st["imbalance"],
+                        "prefix_hit_rate": st["prefix_hit_rate"]}
     from ..util import canonical_json
     s.update({"trace": trace.name, "trace_digest": trace.digest, "file_digest": file_digest, "profile": profile.name,
               "profile_provenance": profile.provenance,
@@ -186,6 +247,15 @@ def run(args) -> int:
           + (f"  budget rule tpot-guard (u {e['budget_u']:g}, B_min {e['budget_bmin']:g})"
              if "budget_rule" in e else "")
           + (f"  (given: {', '.join(sorted(overrides))})" if overrides else ""))
+    if cluster is not None:
+        cl = s["cluster"]
+        mix = ", ".join(f"{cl['profiles'].count(n)} x {n}" for n in sorted(set(cl["profiles"])))
+        print(f"cluster   {cl['replicas']} replicas ({mix})  "
+              f"router {cl['router']}"
+              + (f"  metrics staleness {cl['metrics_staleness_ms']:g} ms" if cl["metrics_staleness_ms"] else ""))
+        print(f"replicas  requests {cl['requests']}  rejected at the router {cl['rejected_at_router']}")
+        print(f"          utilisation {' '.join(f'{u:.2f}' for u in cl['utilisation'])}  imbalance "
+              f"{cl['imbalance']:.3f} (max / mean busy time)  prefix hit rate {cl['prefix_hit_rate']:.1%}")
     a = s["admission"]
     print(f"admission rejected {a['rejected_share']:.1%}, length-capped {a['capped_share']:.1%} of the arrivals "
           f"(max_model_len {e['max_model_len']}); ceiling {a['ceiling']:.3f}")

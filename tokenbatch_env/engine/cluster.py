@@ -1,0 +1,262 @@
+"""Clusters: R engine replicas behind a router (docs/design.md section 12).
+
+``simulate_cluster(trace, profile, policy, replicas=R, router="jsq")`` replays one trace on a cluster
+and returns per-request records in trace order, each naming the replica that served it, and the
+replicas' busy time and prefix-cache counters. The loop (routing, the router's view, the order of
+events at one instant) is compiled: ``engine/cluster_kernel.py``. Every replica runs the engine's own
+step, so a replica is exactly a single engine fed the requests routed to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..traces.trace import Trace
+from . import cluster_kernel as CK
+from . import kernel as K
+from .profiles import Profile
+from .outcomes import request_metrics
+from .simulate import EnginePolicy, EngineRun, SimResult, request_columns
+from .state import EngineConfig, capped_outputs, unique_block_bases
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterSpec:
+    """A router's kernel id and its parameters' defaults and tuning ranges (name: (default, lo, hi))."""
+
+    rid: int
+    params: dict
+    doc: str
+
+
+#: the routers of docs/design.md section 12, by name (``first``: everything to the first replica
+#: that can serve the prompt, for the exactness tests only; not listed)
+ROUTERS = {
+    "round-robin": RouterSpec(CK.R_ROUND_ROBIN, {}, "replicas in turn"),
+    "random": RouterSpec(CK.R_RANDOM, {}, "uniform, from the shared counter-based stream"),
+    "least-outstanding": RouterSpec(CK.R_LEAST_OUTSTANDING, {}, "fewest routed and not ended (Vidur's LOR)"),
+    "jsq": RouterSpec(CK.R_JSQ, {}, "fewest waiting (queued, and routed since the last boundary)"),
+    "least-kv": RouterSpec(CK.R_LEAST_KV, {}, "most free KV blocks"),
+    "po2": RouterSpec(CK.R_PO2, {}, "two random replicas, the one with fewer outstanding"),
+    "prefix-affinity": RouterSpec(CK.R_PREFIX_AFFINITY, {"alpha": (0.5, 0.0, 4.0), "beta": (8.0, 0.0, 64.0)},
+                                  "longest cached prefix unless outstanding > (1 + alpha) x least + beta"),
+    "least-predicted-ttft": RouterSpec(CK.R_LEAST_PREDICTED_TTFT, {},
+                                       "shortest predicted idle-prefill wait for the request"),
+}
+ROUTER_NAMES = tuple(ROUTERS)
+_TEST_ROUTERS = {"first": RouterSpec(CK.R_FIRST, {}, "everything to the first replica that can serve it")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+    """A router and its parameters (``ROUTERS[name].params``; the others are ignored) and the seed of
+    the random stream (``random``, ``po2``)."""
+
+    name: str = "round-robin"
+    alpha: float = 0.5
+    beta: float = 8.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.name not in ROUTERS and self.name not in _TEST_ROUTERS:
+            raise ConfigError(f"unknown router {self.name!r}; valid: {', '.join(ROUTER_NAMES)}")
+        for k in ("alpha", "beta"):
+            v = getattr(self, k)
+            if not np.isfinite(v) or v < 0:
+                raise ConfigError(f"router {self.name}: {k} must be a finite number >= 0, got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ConfigError(f"router seed must be an integer >= 0, got {self.seed!r}")
+
+    @property
+    def spec(self) -> RouterSpec:
+        return ROUTERS.get(self.name) or _TEST_ROUTERS[self.name]
+
+    @property
+    def label(self) -> str:
+        """The name, with the parameters that differ from their defaults."""
+        extra = [f"{k}={getattr(self, k):g}" for k, (d, _, _) in self.spec.params.items() if getattr(self, k) != d]
+        return self.name + (f"({','.join(extra)})" if extra else "")
+
+    def params(self) -> dict:
+        return {k: getattr(self, k) for k in self.spec.params}
+
+
+def resolve_router(router: Union[str, Router]) -> Router:
+    return router if isinstance(router, Router) else Router(str(router))
+
+
+def replica_profiles(profile, replicas: Optional[int]) -> list:
+    """One profile (name or Profile) per replica: ``profile`` a list of them, or one for all
+    ``replicas``. Raises ``ConfigError`` for R < 1 or a list of the wrong length."""
+    if isinstance(profile, (list, tuple)):
+        if replicas is not None and len(profile) != replicas:
+            raise ConfigError(f"replica profiles: got {len(profile)} for {replicas} replicas")
+        profiles = list(profile)
+    else:
+        profiles = [profile] * (1 if replicas is None else replicas)
+    if replicas is not None and (isinstance(replicas, bool) or int(replicas) < 1):
+        raise ConfigError(f"replicas must be >= 1, got {replicas}")
+    if not profiles:
+        raise ConfigError("a cluster needs at least one replica")
+    return profiles
+
+
+@dataclasses.dataclass
+class ClusterResult:
+    """A cluster replay: ``route[i]`` the replica request i went to (-1: rejected at the router),
+    ``row[i]`` its row there; the replicas' struct of arrays ``arrays`` ([R, ...])."""
+
+    trace: Trace
+    profiles: Sequence[Profile]      # per replica, resolved
+    configs: Sequence[EngineConfig]
+    policy: str
+    router: Router
+    route: np.ndarray
+    row: np.ndarray
+    engine: SimResult                # the replicas' own outcomes (copy c = replica c, its rows in routing order)
+    n_iterations: int
+
+    @property
+    def arrays(self) -> K.EngineArrays:
+        return self.engine.arrays
+
+    def iterations(self, replica: int) -> dict:
+        """Replica ``replica``'s per-iteration records (with ``EngineConfig.record_iterations``)."""
+        return self.engine.iterations(replica)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.profiles)
+
+    def records(self) -> dict:
+        """Per-request records in trace order (``SimResult.records``' columns) and ``replica``."""
+        A, t = self.arrays, self.trace
+        c = np.maximum(self.route, 0)
+        k = np.maximum(self.row, 0)
+        out = np.flatnonzero(self.route < 0)
+        mml = max(p.max_model_len for p in self.profiles)
+        room_len = _capped(t.prompt_tokens[out], t.output_tokens[out], mml)
+
+        rec = request_columns(A, lambda a: np.asarray(a)[c, k].copy(), np.arange(len(t)))
+        if len(out):   # rejected at the router: recorded as the engine records a prompt it cannot serve
+            fills = {"arrival_ns": t.arrival_ns[out], "prompt_tokens": t.prompt_tokens[out],
+                     "output_tokens": room_len, "finish_ns": t.arrival_ns[out], "end_state": K.E_REJECTED,
+                     "preemptions": 0, "recomputed_tokens": 0, "swapped_blocks": 0}
+            for name, v in rec.items():
+                if name != "request":
+                    v[out] = fills.get(name, -1)
+        rec.update(request_metrics(rec, t))
+        rec["replica"] = self.route.copy()
+        return rec
+
+    def replica_stats(self) -> dict:
+        """Per replica: requests routed, busy time (ns), utilisation (busy / the trace's span to the
+        last end), and vLLM's prefix-cache counters (admitted prompt tokens queried, hit); the
+        cluster's imbalance (max / mean busy time) and prefix hit rate."""
+        A, R = self.arrays, self.replicas
+        busy = A.epoch[:, K.EP_BUSY].astype(np.int64)
+        q = A.epoch[:, K.EP_QUERY_TOK].astype(np.int64)
+        h = A.epoch[:, K.EP_HIT_TOK].astype(np.int64)
+        t = self.trace
+        t0 = int(t.arrival_ns[0]) if len(t) else 0
+        span = max(1, int(max(A.now.max(), t.arrival_ns[-1] if len(t) else 0)) - t0)
+        mean = busy.mean() if R else 0.0
+        return {
+            "requests": np.bincount(self.route[self.route >= 0], minlength=R)[:R],
+            "rejected_at_router": int((self.route < 0).sum()),
+            "busy_ns": busy, "utilisation": busy / span,
+            "imbalance": float(busy.max() / mean) if mean > 0 else 1.0,
+            "prefix_query_tokens": q, "prefix_hit_tokens": h,
+            "prefix_hit_rate": float(h.sum() / q.sum()) if q.sum() > 0 else 0.0,
+        }
+
+
+def _capped(prompt, output, max_model_len) -> np.ndarray:
+    """Rule 8's output lengths (``state.capped_outputs``, called as the engine calls it: 2-D)."""
+    return capped_outputs(np.array(prompt, np.int64)[None], np.array(output, np.int64)[None], max_model_len)[0][0]
+
+
+def _key(trace: Trace) -> tuple:
+    d = trace.digest
+    return int(d[:8], 16), int(d[8:16], 16)
+
+
+def simulate_cluster(trace: Trace, profile: Union[str, Profile, Sequence[Union[str, Profile]]] = "stress-512",
+                     policy: Union[str, EnginePolicy] = "fcfs",
+                     config: Union[None, EngineConfig, Sequence[EngineConfig]] = None, *,
+                     replicas: Optional[int] = None, router: Union[str, Router] = "round-robin",
+                     staleness_ms: float = 0.0, estimates: Optional[np.ndarray] = None,
+                     residual_life: Optional[np.ndarray] = None, guard: Optional[tuple] = None) -> ClusterResult:
+    """Replay ``trace`` on ``replicas`` engine replicas (or one per entry of a ``profile`` list: mixed
+    profiles share a block size) behind ``router``; each replica runs ``policy`` with ``config`` (one,
+    or one per replica). ``staleness_ms``: the router reads the replicas' state as of that long ago
+    (``--metrics-staleness-ms``). ``estimates``: the trace's output-length estimates (one per request);
+    ``guard``: the tpot-guard rule's (u, B_min) when ``config`` turns it on."""
+    if not isinstance(trace, Trace):
+        raise ConfigError("simulate_cluster replays one Trace")
+    router = resolve_router(router)
+    profiles = replica_profiles(profile, replicas)
+    R = len(profiles)
+    stale = float(staleness_ms)
+    if not np.isfinite(stale) or stale < 0:
+        raise ConfigError(f"metrics staleness must be a number of ms >= 0, got {staleness_ms!r}")
+    est = None if estimates is None else [np.asarray(estimates, np.float64)] * R
+    run = EngineRun([trace] * R, profiles, policy, config, estimates=est, residual_life=residual_life)
+    if guard is not None:
+        run.set_guard(slice(None), guard[0], guard[1])
+    A = run.arrays
+    bs = run.profiles[0].block_size
+    if trace.block_size != bs:
+        from ..traces.blocks import at_block_size
+        trace = at_block_size(trace, bs)
+    N = len(trace)
+    # the cluster's request table: the trace's columns, chain ids dense over the trace, unique block
+    # ids past every chain (sized for the largest max_model_len: any replica's room fits)
+    # (writable copies: a read-only array would compile other variants of the compiled functions)
+    g_arrival, g_prompt, g_output, g_prio = (np.array(a, np.int64) for a in (
+        trace.arrival_ns, trace.prompt_tokens, trace.output_tokens, trace.priority))
+    g_t1, g_t2 = A.t1[0].copy(), A.t2[0].copy()
+    g_est = A.est[0].copy()
+    n_uniq, inv = trace.prefix_ids()
+    g_coff = np.array(trace.prefix_offsets, np.int64)
+    g_cval = np.array(inv, np.int64)
+    out_max = _capped(g_prompt, g_output, max(p.max_model_len for p in run.profiles))
+    g_ubase, ids = unique_block_bases(g_prompt, out_max, np.array(trace.prefix_lengths, np.int64), n_uniq, bs)
+    if any(c.prefix_caching for c in run.configs) and int(ids) > A.hash_head.shape[1]:
+        A = run.arrays = A._replace(hash_head=np.full((R, int(ids)), -1, np.int32))
+    # the replicas start with no rows: the router appends them
+    A.n_req[:] = 0
+    A.chain_off[:] = 0
+    A.now[:] = g_arrival[0] if N else 0
+    route = np.full(N, -1, np.int64)
+    row = np.full(N, -1, np.int64)
+    view = np.zeros((R, CK.N_VIEW), np.int64)
+    stale_ns = int(round(stale * 1e6))
+    snap = np.zeros((N if stale_ns > 0 else 1, R, CK.N_VIEW), np.int64)
+    snap_hits = np.zeros((N if stale_ns > 0 else 1, R), np.int64)
+    pred = np.zeros(R, np.int64)
+    rstate = np.zeros(1, np.int64)
+    rpar = np.zeros(CK.N_RPAR)
+    rpar[CK.RP_ALPHA], rpar[CK.RP_BETA], rpar[CK.RP_SEED] = router.alpha, router.beta, router.seed
+    active = np.zeros(R, np.bool_)
+    claim = np.zeros(1, np.int64)
+    until = np.zeros(R, np.int64)
+    kargs = K.kernel_args(A, run.cfg, run.fcfg, run.theta, run.shed_margin, run.mrl, run.tier, run.score, active,
+                          1 << 62, until, claim=claim)
+    key0, key1 = _key(trace)
+    total = CK.run_cluster_kernel(
+        router.spec.rid, rpar, key0, key1, stale_ns, g_arrival, g_prompt, g_output, g_prio, g_t1, g_t2, g_est,
+        g_coff, g_cval, g_ubase, route, row, view, snap, snap_hits, pred, rstate,
+        run.cfg, A.n_req, A.arrival, A.prompt, A.out_len, A.prio, A.capped, A.t1, A.t2, A.est, A.chain_off,
+        A.chain_val, A.uniq_base, A.now, A.it, A.next_arr, A.n_ended, A.n_run, A.n_wait, A.n_swap, A.n_pend,
+        A.n_free, A.status, A.gen, A.computed, A.run_ids, A.wait_ids, A.hash_head, A.epoch, active, claim, until,
+        *kargs)
+    if total == -2:
+        raise RuntimeError("a cluster replica made no progress; please report this trace")
+    total = K.checked_total(total, kargs)
+    res = run.result()
+    return ClusterResult(trace, run.profiles, run.configs, run.policy.name, router, route, row, res, total)
