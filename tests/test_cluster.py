@@ -218,11 +218,15 @@ def test_simulate_cli_cluster_records_name_the_replica(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, msg", [
-    (["--replicas", "0"], "--replicas must be >= 1, got 0"),
+    (["--replicas", "0"], "--replicas must be in [1, 4096], got 0"),
+    (["--replicas", "1.5"], "--replicas: must be an integer, got '1.5'"),
+    (["--router", "jsq"], "--router and --metrics-staleness-ms: a cluster's settings, with --replicas R > 1"),
+    (["--replicas", "1", "--metrics-staleness-ms", "5"], "--router and --metrics-staleness-ms: a cluster's"),
+    (["--metrics-staleness-ms", "abc"], "--metrics-staleness-ms: must be a number, got 'abc'"),
     (["--replicas", "3", "--replica-profiles", "linear,linear"], "--replica-profiles: 2 profiles for --replicas 3"),
     (["--replica-profiles", "linear,"], "--replica-profiles 'linear,': an empty profile name"),
     (["--replicas", "2", "--block-size", "32", "--replica-profiles", "linear,stress-512"], None),
-    (["--replica-profiles", "linear,bs32.json"], "--replica-profiles: one block size per cluster, got [16, 32]"),
+    (["--replica-profiles", "linear,bs32.json"], "--profile and --replica-profiles: give one"),
     (["--metrics-staleness-ms", "-1"], "--metrics-staleness-ms must be a number of ms >= 0, got -1.0"),
     (["--replicas", "2", "--rho", "0"], "--rho must be a positive number, got 0.0"),
     (["--replicas", "2", "--iterations", "it.csv"], "--iterations: per-iteration records of a cluster"),
@@ -236,7 +240,8 @@ def test_simulate_cli_bad_cluster_input_is_one_line(argv, msg, tmp_path, capsys,
     (tmp_path / "bs32.json").write_text(json.dumps(dict(load_profile("linear").to_dict(), name="bs32",
                                                         block_size=32)))
     out = tmp_path / "rec.csv"
-    rc = main(["simulate", "--trace", str(path), "--profile", "linear", "--records", str(out), *argv])
+    base = [] if "--replica-profiles" in argv and "bs32.json" not in ",".join(argv) else ["--profile", "linear"]
+    rc = main(["simulate", "--trace", str(path), *base, "--records", str(out), *argv])
     if msg is None:   # (the same block size after the flag: accepted)
         assert rc == 0
         return
@@ -246,9 +251,100 @@ def test_simulate_cli_bad_cluster_input_is_one_line(argv, msg, tmp_path, capsys,
     assert not out.exists() and not (tmp_path / "it.csv").exists()
 
 
+def test_simulate_cli_cluster_flags(tmp_path, capsys):
+    """One replica alone is the single engine (per-iteration records allowed); mixed replica profiles
+    print in their order; a block-size mismatch between replica profiles is one line."""
+    import json
+
+    from tokenbatch_env.cli import main
+    from tokenbatch_env.engine.profiles import load_profile
+    path = _trace_file(tmp_path, 30)
+    assert main(["simulate", "--trace", str(path), "--profile", "linear", "--replicas", "1", "--iterations",
+                 str(tmp_path / "it.csv")]) == 0
+    assert "cluster" not in capsys.readouterr().out and (tmp_path / "it.csv").exists()
+    assert main(["simulate", "--trace", str(path), "--replica-profiles", "stress-512,linear,linear"]) == 0
+    out = capsys.readouterr().out
+    assert "cluster   3 replicas (1 x stress-512, 2 x linear)" in out and "replica 0's" in out
+    (tmp_path / "bs32.json").write_text(json.dumps(dict(load_profile("linear").to_dict(), name="bs32",
+                                                        block_size=32)))
+    assert main(["simulate", "--trace", str(path), "--replica-profiles", f"linear,{tmp_path / 'bs32.json'}"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "tokenbatch: error: --replica-profiles: one block size per cluster, got [16, 32]")
+
+
 def test_simulate_cli_unknown_router(tmp_path, capsys):
     from tokenbatch_env.cli import main
     path = _trace_file(tmp_path, 10)
     with pytest.raises(SystemExit) as e:
         main(["simulate", "--trace", str(path), "--replicas", "2", "--router", "nope"])
     assert e.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_a_replica_given_more_than_its_share_gets_room(monkeypatch):
+    """Each replica's rows and id spaces start at twice its even share; a router that sends a replica
+    more (here everything) runs again with more room, and the result is the same."""
+    from tokenbatch_env.engine import cluster
+    rng = np.random.default_rng(4)
+    n = 90
+    chains = [[500 + (i % 4) * 10 + j for j in range(3)] for i in range(n)]
+    tr = tiny_trace(np.cumsum(rng.exponential(4, n)), rng.integers(60, 200, n), rng.integers(1, 30, n),
+                    chains=chains)
+    cfg = EngineConfig(prefix_caching=True, num_blocks=60)
+    want = simulate(tr, "linear", "fcfs", cfg).records(0)
+    monkeypatch.setattr(cluster, "ROW_SLACK", 0)
+    got = simulate_cluster(tr, "linear", "fcfs", cfg, replicas=4, router=Router("first"))
+    _same_records(got.records(), want, "retried")
+    assert got.arrays.arrival.shape[1] == n
+    rr = simulate_cluster(tr, "linear", "fcfs", cfg, replicas=4, router="round-robin")
+    assert rr.arrays.arrival.shape[1] < n    # (an even share: no retry, smaller rows)
+
+
+# ------------------------------------------------------------------------- found by review: each a fixed bug
+@pytest.mark.parametrize("async_", [False, True])
+def test_arrivals_at_one_instant_reach_an_idle_replica_together(async_):
+    """An idle replica given an arrival at t starts its iteration at t only after every arrival at t
+    is routed: the single engine schedules requests 1 and 2 (both at 100 ms) together, and so does
+    the cluster; round-robin on same-instant arrivals equals the split traces."""
+    cfg = EngineConfig(async_scheduling=async_, record_iterations=1000)
+    tr = tiny_trace([0.0, 100.0, 100.0], [50, 60, 70], [3, 4, 5])
+    _same_records(simulate_cluster(tr, "linear", "fcfs", cfg, replicas=2, router=Router("first")).records(),
+                  simulate(tr, "linear", "fcfs", cfg).records(0), "first")
+    tr = tiny_trace([0.0, 100.0, 100.0, 100.0], [50, 60, 70, 80], [3, 4, 5, 6])
+    rec = simulate_cluster(tr, "linear", "fcfs", cfg, replicas=2, router="round-robin").records()
+    for r in range(2):
+        part = np.arange(4)[np.arange(4) % 2 == r]
+        _same_records({k: v[part] for k, v in rec.items()}, simulate(tr.subset(part), "linear", "fcfs", cfg).records(0),
+                      f"replica {r}")
+
+
+def test_a_stale_read_before_the_first_arrival_sees_empty_replicas():
+    """Read before anything ran, every replica is empty (not "in flight" with no free blocks):
+    least-kv picks the larger pool whatever the staleness."""
+    tr = tiny_trace([0.0, 1.0, 2.0], [20, 20, 20], [5, 5, 5])
+    cfgs = [EngineConfig(num_blocks=40), EngineConfig(num_blocks=400)]
+    for S in (0.0, 0.5, 10.0):
+        res = simulate_cluster(tr, ["linear", "linear"], "fcfs", cfgs, router="least-kv", staleness_ms=S)
+        assert res.route.tolist() == [1, 1, 1], S
+
+
+def test_an_idle_async_replica_s_finished_requests_free_their_blocks():
+    """Replica 0's request finished long ago; under async scheduling its blocks free at the next
+    schedule, which an idle replica had at its last end: least-kv sees them free, as with sync."""
+    tr = tiny_trace([0.0, 1.0, 1000.0], [900, 20, 20], [2, 3000, 5])
+    for async_ in (False, True):
+        res = simulate_cluster(tr, "linear", "fcfs", EngineConfig(async_scheduling=async_, num_blocks=200),
+                               replicas=2, router="least-kv")
+        assert res.route.tolist() == [0, 1, 0], async_
+
+
+def test_staleness_changes_nothing_for_routers_that_read_only_their_counters():
+    rng = np.random.default_rng(8)
+    n = 150
+    tr = tiny_trace(np.cumsum(rng.exponential(3, n)), rng.integers(20, 300, n), rng.integers(1, 40, n))
+    for router in ("round-robin", "random", "least-outstanding", "po2"):
+        a = simulate_cluster(tr, "linear", "fcfs", replicas=3, router=router).route
+        b = simulate_cluster(tr, "linear", "fcfs", replicas=3, router=router, staleness_ms=50.0).route
+        np.testing.assert_array_equal(a, b)
+    a = simulate_cluster(tr, "linear", "fcfs", replicas=3, router="jsq").route
+    b = simulate_cluster(tr, "linear", "fcfs", replicas=3, router="jsq", staleness_ms=50.0).route
+    assert (a != b).any()

@@ -62,6 +62,17 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "request's SLOs and priority (default: a trace's own; default-3class for the columns a "
                         "trace file lacks)")
     p.add_argument("--slo-seed", default="0", help="seed of the SLO rule's class draw (default 0)")
+    g = p.add_argument_group("cluster (docs/design.md section 12)")
+    g.add_argument("--replicas", default=None, metavar="R",
+                   help="run every row on R engine replicas behind a router (default 1: the single engine); rho "
+                        "is then the admitted arrival rate / (R x lambda_sat), a trace file's windows hold W x R "
+                        "scored requests; no upper bound, --capacity or controllers yet")
+    g.add_argument("--routers", default=None, metavar="R1,R2,...",
+                   help="with --replicas: comma-separated routers, each row once per router, labelled "
+                        "'<router> x <row>' when several (default round-robin; tokenbatch simulate --help lists "
+                        "them); the first router's fcfs is the reference")
+    g.add_argument("--metrics-staleness-ms", default=None, metavar="S",
+                   help="with --replicas: the routers read the replicas' state as of S ms ago (default 0)")
     from .engine.flags import add_budget_flags, add_engine_flags
     add_engine_flags(p)
     add_budget_flags(p, bench=True)
@@ -107,6 +118,34 @@ def parse_policies(text: str) -> tuple:
     return tuple(dict.fromkeys(items))
 
 
+def parse_routers(text) -> tuple:
+    """``--routers``: comma-separated router names (``engine.cluster.ROUTER_NAMES``), no duplicates."""
+    from .config_cli import check_names
+    from .engine.cluster import ROUTER_NAMES
+    return check_names([x.strip() for x in str(text).split(",") if x.strip()], ROUTER_NAMES, "--routers", "router")
+
+
+def cluster_kwargs(args) -> dict:
+    """The ``BenchConfig`` cluster fields of ``--replicas``, ``--routers``, ``--metrics-staleness-ms`` ({}
+    when none is given); a bad value is one line naming its flag."""
+    kw = {}
+    R = _int(args.replicas, "replicas", 1)
+    if R is not None:
+        kw["replicas"] = R
+    if args.routers is not None or args.metrics_staleness_ms is not None:
+        if R is None or R == 1:
+            raise ConfigError("--routers and --metrics-staleness-ms: a cluster's settings, with --replicas R > 1")
+        if args.routers is not None:
+            kw["routers"] = parse_routers(args.routers)
+        st = _float(args.metrics_staleness_ms, "metrics-staleness-ms")
+        if st is not None:
+            if st < 0:
+                raise ConfigError(f"--metrics-staleness-ms: must be a number of ms >= 0, got "
+                                  f"{args.metrics_staleness_ms!r}")
+            kw["metrics_staleness_ms"] = st
+    return kw
+
+
 def config_from_args(args):
     from .engine.profiles import load_profile
     from .evaluate import BenchConfig
@@ -115,6 +154,7 @@ def config_from_args(args):
 
     from .engine.flags import budget_overrides, engine_config, resolve_with_flags
     engine = engine_config(args)
+    cluster = cluster_kwargs(args)
     # (an unknown profile: one line listing the valid ones)
     deployment = resolve_with_flags(engine, load_profile(args.profile), args)
     kw = {}
@@ -183,9 +223,11 @@ def config_from_args(args):
         capacity_target=target, gpu_price=_float(args.gpu_price, "gpu-price"),
         gpus=_int(args.gpus, "gpus", 1), trace_file=args.trace, trace_format=args.format,
         windows=_int(args.windows, "windows", 1), warmup=_int(args.warmup, "warmup", 0),
-        cooldown=_int(args.cooldown, "cooldown", 0), upper_bound=not args.no_upper_bound,
+        cooldown=_int(args.cooldown, "cooldown", 0),
+        # (the upper bound is a single engine's: off in cluster mode)
+        upper_bound=not args.no_upper_bound and cluster.get("replicas", 1) == 1,
         progress=not args.quiet, engine=engine, slo_rule=args.slo_rule,
-        slo_seed=_int(args.slo_seed, "slo-seed", 0), **kw)
+        slo_seed=_int(args.slo_seed, "slo-seed", 0), **cluster, **kw)
 
 
 def run(args) -> int:

@@ -27,6 +27,8 @@ COMMANDS = {
     "fidelity": ("tokenbatch_env.integrations.fidelity_cli",
                  "compare the engine with vLLM's real scheduler on a trace (needs the vllm extra)"),
     "bench": ("tokenbatch_env.bench_cli", "benchmark policies x traces x loads with CIs (docs/design.md section 6)"),
+    "plan": ("tokenbatch_env.plan_cli",
+             "how many replicas (GPUs) a deployment needs, per router x policy (docs/design.md section 12)"),
     "tune": ("tokenbatch_env.tune_cli",
              "tune the index, shed margins, comparators and vLLM flags with Optuna (needs the tune extra)"),
     "train": ("tokenbatch_env.agents.train", "train a PPO agent on TokenBatch-v0 (needs the rl extra)"),

@@ -191,6 +191,20 @@ def parse_int(text, flag: str, lo: Optional[int] = None, none: Optional[str] = N
     return v
 
 
+def check_names(items, valid, flag: str, kind: str, unknown=ConfigError) -> tuple:
+    """``items`` as a tuple when each is one of ``valid``, at least one and no duplicates; else one
+    ``ConfigError`` naming ``flag`` (``unknown``: the error class for a name not in ``valid``)."""
+    items = tuple(items)
+    if not items:
+        raise ConfigError(f"{flag}: need at least one; valid: {', '.join(valid)}")
+    bad = [x for x in items if x not in valid]
+    if bad:
+        raise unknown(f"{flag}: unknown {kind} {bad[0]!r}; valid: {', '.join(valid)}")
+    if len(set(items)) != len(items):
+        raise ConfigError(f"{flag}: duplicates in {list(items)}")
+    return items
+
+
 def parse_float(text, flag: str, what: str = "a number", none: Optional[str] = None) -> Optional[float]:
     """A number (``float()``'s spellings, nan and inf included: ranges are the config's check)."""
     t = str(text).strip()

@@ -107,19 +107,29 @@ def primary_lines(data: dict) -> list:
              f"rho {p['rho']:g}, {p['units']} traces): {p['diff']:+.4f}  95% CI [{p['ci95'][0]:+.4f}, "
              f"{p['ci95'][1]:+.4f}]  win rate {p['win_rate']:.3f}  "
              f"(index+shed {p['index_plus_shed']:.4f}, edf+shed {p['edf_plus_shed']:.4f})"]
-    if not p["is_primary_split"]:
+    if "cluster" in p:
+        lines.append(f"  (a cluster of {p['cluster']['replicas']} replicas behind {p['cluster']['router']}: not the "
+                     f"pre-registered single-engine test)")
+    elif not p["is_primary_split"]:
         lines.append("  (not the pre-registered test set: other split or --max-traces)")
     lines.append(f"  parameters: {p['parameters']['note']}")
     return lines
 
 
+def _own(d: dict, label: str) -> str:
+    """The label of row ``label`` behind the same router as the row ``d`` (a cluster benchmark with
+    several routers labels its rows ``<router> x <label>``)."""
+    prefix = f"{d['router']} x " if "router" in d else ""
+    return prefix + label if prefix and d["label"].startswith(prefix) else label
+
+
 def leaderboard_rows(entry: dict, gap_printed: bool) -> list:
-    """Rows of the main leaderboard at one load (strings)."""
+    """Rows of the main leaderboard at one load (strings); "vs" a baseline behind the row's own router."""
     out = []
     for d in sorted(entry["rows"], key=lambda d: -d["goodput"]["mean"]):
         name = d["label"] + (" (reference)" if d["reference"] else "")
-        out.append([name, _ci(d["goodput"]), _diff(d["vs"].get("fcfs")), _diff(d["vs"].get("edf+shed")),
-                    _f(d["vs"]["edf+shed"]["win_rate"], 2) if "edf+shed" in d["vs"] else "-",
+        fcfs, edf = d["vs"].get(_own(d, "fcfs")), d["vs"].get(_own(d, "edf+shed"))
+        out.append([name, _ci(d["goodput"]), _diff(fcfs), _diff(edf), _f(edf["win_rate"], 2) if edf else "-",
                     "-" if d["relative_goodput"] is None else f"{d['relative_goodput']:+.1%}",
                     _ms(d["ttft_ms"]["p99_all"]), _ms(d["ttft_ms"]["p99_completed"]),
                     _f(d["sla_respect"]), str(d["shed"]), str(d["preemptions"]),
@@ -176,12 +186,32 @@ def _header_lines(data) -> list:
             f"{w['requests_scored']} scored requests; bootstrap {w['bootstrap']}",
             f"profile    {data['profile']['name']} [{data['profile']['provenance']}]; lambda_sat "
             f"{lam['rps']:.4g} req/s ({lam['source']})",
+            *_cluster_header(data),
             f"predictor  {data['predictor']}; T_ref {data['t_ref_ms']:.1f} ms",
             f"parameters {data['parameters']['note']}",
             *_engine_lines(data),
             *_admission_lines(data),
             *[f"WARNING    {w}" for w in data.get("warnings", [])],
             f"evidence   {data['evidence_id']}"]
+
+
+def _cluster_header(data) -> list:
+    """A cluster benchmark's replicas and routers (docs/design.md section 12)."""
+    c = data.get("cluster")
+    if c is None:
+        return []
+    return [f"cluster    {c['replicas']} replicas behind {', '.join(c['routers'])}"
+            + (f"; metrics staleness {c['metrics_staleness_ms']:g} ms" if c["metrics_staleness_ms"] else "")]
+
+
+def cluster_rows(entry: dict) -> list:
+    """Each row's replicas at one load (cluster mode): utilisation per replica, imbalance, prefix hit rate."""
+    return [[d["label"], " ".join(f"{u:.2f}" for u in d["cluster"]["utilisation"]),
+             f"{d['cluster']['imbalance']:.3f}", f"{d['cluster']['prefix_hit_rate']:.1%}"]
+            for d in entry["rows"] if "cluster" in d]
+
+
+CLUSTER_HEADER = ["row", "replica utilisation", "imbalance (max / mean busy)", "prefix hit rate"]
 
 
 def _engine_lines(data) -> list:
@@ -273,6 +303,10 @@ def console_summary(data: dict) -> str:
     lines += _text_table(LB_HEADER, leaderboard_rows(e, e["gap_closed_printed"]))
     lines += [""] + _text_table(BOUND_HEADER, bound_rows(e))[2:] + [gap_line(e)]
     lines += mlperf_lines(e)
+    cl = cluster_rows(e)
+    if cl:
+        lines += ["", f"replicas at rho {rho:g} (utilisation: mean over units; prefix hit rate: pooled):"]
+        lines += _text_table(CLUSTER_HEADER, cl)
     lev = lever_lines(e)
     if lev:
         lines += ["", f"tuned levers at rho {rho:g} (each row against itself at the untuned flags: the profile's, "
@@ -319,6 +353,12 @@ def report_markdown(data: dict) -> str:
     L += ["", f"## Leaderboard at rho {rho:g}", ""]
     L += _table(LB_HEADER, leaderboard_rows(e, e["gap_closed_printed"]))
     L += ["", *_table(BOUND_HEADER, bound_rows(e)), "", gap_line(e)]
+    cl = cluster_rows(e)
+    if cl:
+        L += ["", f"## Replicas at rho {rho:g}", "",
+              "Utilisation (busy / span) per replica and imbalance: means over units; prefix hit rate: hit / "
+              "queried tokens, pooled.", ""]
+        L += _table(CLUSTER_HEADER, cl)
     lev = lever_lines(e)
     if lev:
         L += ["", f"## Tuned levers at rho {rho:g}", "",

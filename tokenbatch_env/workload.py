@@ -329,7 +329,7 @@ def prepare_workload(spec, profile) -> Workload:
         nominal = empirical_rate_rps(train)
     share = admitted_share(lam_units, profile)
     wl = Workload(trace.name, "trace", units, scored, spans, part, nominal, lam, src, rl,
-                  float(np.median(train.ttft_slo_ns)) / 1e6, _default_predictor(),
+                  float(np.median(train.ttft_slo_ns)) / 1e6, default_predictor(),
                   _class_names(rule, ncls), [trace.digest], notes, share)
     if cfg.trace_split is not None:
         # the train part's own admitted rate, times rate_scale, relative to lambda_sat
@@ -407,6 +407,7 @@ def _unit_notes(n_units: int) -> list:
             "independent units; use at least two, preferably 20 or more)"]
 
 
-def _default_predictor():
+def default_predictor():
+    """The predictor of a real trace's workload (no suite to name one): noisy, sigma 0.5, seed 0."""
     from .predictors import PredictorSpec
     return PredictorSpec("noisy", 0.5, 0)

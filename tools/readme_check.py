@@ -50,7 +50,7 @@ TINY = {
 }
 #: commands run exactly as written (prefixes)
 AS_WRITTEN = ("pip install", "tokenbatch simulate", "tokenbatch traces", "tokenbatch profiles",
-              "tokenbatch audit")
+              "tokenbatch audit", "tokenbatch plan")
 
 
 def readme_commands(text: str) -> list:

@@ -20,8 +20,8 @@ from . import cluster_kernel as CK
 from . import kernel as K
 from .profiles import Profile
 from .outcomes import request_metrics
-from .simulate import EnginePolicy, EngineRun, SimResult, request_columns
-from .state import EngineConfig, capped_outputs, unique_block_bases
+from .simulate import EnginePolicy, EngineRun, SimResult, resolve_copies, request_columns
+from .state import NEVER, EngineConfig, capped_outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,8 @@ ROUTERS = {
 }
 ROUTER_NAMES = tuple(ROUTERS)
 _TEST_ROUTERS = {"first": RouterSpec(CK.R_FIRST, {}, "everything to the first replica that can serve it")}
+#: the routers that read the replicas' state (the others read only their own counters and streams)
+_READS_STATE = (CK.R_JSQ, CK.R_LEAST_KV, CK.R_PREFIX_AFFINITY, CK.R_LEAST_PREDICTED_TTFT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +187,58 @@ def _key(trace: Trace) -> tuple:
     return int(d[:8], 16), int(d[8:16], 16)
 
 
+#: rows (and chain and hash ids) each replica gets beyond twice its even share (tests set it to 0)
+ROW_SLACK = 64
+
+
+def _run_cluster(trace, profiles, policy, config, R, router, stale, est, residual_life, guard, width, H, U, n_uniq,
+                 g_arrival, g_prompt, g_output, g_prio, g_coff, g_cval, g_room, key):
+    """One run of the compiled cluster loop with replicas of ``width`` rows, ``H`` chain ids and ``U``
+    hash ids each: (its result, the run, route, row, kernel args); result -3: a replica was full."""
+    N = len(trace)
+    head = trace.subset(slice(0, max(1, width))) if N else trace
+    run = EngineRun([head] * R, profiles, policy, config, residual_life=residual_life,
+                    estimates=None if est is None else [est[:len(head)]] * R)
+    if guard is not None:
+        run.set_guard(slice(None), guard[0], guard[1])
+    run.cfg[:, K.C_STOP_IDLE] = 1   # (a replica's iteration at t waits for the other arrivals at t)
+    A = run.arrays = run.arrays._replace(chain_val=np.zeros((R, max(1, H)), np.int64),
+                                         hash_head=np.full((R, max(1, U)), -1, np.int32))
+    g_t1 = np.full(N, NEVER // 4, np.int64) if not trace.has_slos else np.array(trace.ttft_slo_ns, np.int64)
+    g_t2 = np.full(N, NEVER // 4, np.int64) if not trace.has_slos else np.array(trace.tpot_slo_ns, np.int64)
+    g_est = np.full(N, np.nan) if est is None else np.array(est, np.float64)
+    # the replicas start with no rows: the router appends them
+    A.n_req[:] = 0
+    A.chain_off[:] = 0
+    A.now[:] = g_arrival[0] if N else 0
+    route = np.full(N, -1, np.int64)
+    row = np.full(N, -1, np.int64)
+    view = np.zeros((R, CK.N_VIEW), np.int64)
+    # (staleness delays only what routers read of the replicas' state: the others keep their counters)
+    stale_ns = int(round(stale * 1e6)) if router.spec.rid in _READS_STATE else 0
+    # the views read at t - S and not yet used: at most the arrivals within S of one another, plus one
+    ring = 1 if stale_ns == 0 or N == 0 else int(
+        (np.arange(N) - np.searchsorted(g_arrival, g_arrival - stale_ns, side="left")).max()) + 2
+    snap = np.zeros((ring, R, CK.N_VIEW), np.int64)
+    snap_hits = np.zeros((ring, R), np.int64)
+    rpar = np.zeros(CK.N_RPAR)
+    rpar[CK.RP_ALPHA], rpar[CK.RP_BETA], rpar[CK.RP_SEED] = router.alpha, router.beta, router.seed
+    active = np.zeros(R, np.bool_)
+    claim = np.zeros(1, np.int64)
+    until = np.zeros(R, np.int64)
+    kargs = K.kernel_args(A, run.cfg, run.fcfg, run.theta, run.shed_margin, run.mrl, run.tier, run.score, active,
+                          1 << 62, until, claim=claim)
+    total = CK.run_cluster_kernel(
+        router.spec.rid, rpar, key[0], key[1], stale_ns, g_arrival, g_prompt, g_output, g_prio, g_t1, g_t2, g_est,
+        g_coff, g_cval, g_room, np.full(R, n_uniq, np.int64), route, row, view, snap, snap_hits,
+        np.zeros(R, np.int64), np.zeros(1, np.int64),
+        run.cfg, A.n_req, A.arrival, A.prompt, A.out_len, A.prio, A.capped, A.t1, A.t2, A.est, A.chain_off,
+        A.chain_val, A.uniq_base, A.now, A.it, A.next_arr, A.n_ended, A.n_run, A.n_wait, A.n_swap, A.n_pend,
+        A.n_free, A.status, A.gen, A.computed, A.run_ids, A.wait_ids, A.pend_ids, A.table, A.slot_of, A.held, A.ref,
+        A.hash_head, A.epoch, active, claim, until, *kargs)
+    return total, run, route, row, kargs
+
+
 def simulate_cluster(trace: Trace, profile: Union[str, Profile, Sequence[Union[str, Profile]]] = "stress-512",
                      policy: Union[str, EnginePolicy] = "fcfs",
                      config: Union[None, EngineConfig, Sequence[EngineConfig]] = None, *,
@@ -199,62 +253,46 @@ def simulate_cluster(trace: Trace, profile: Union[str, Profile, Sequence[Union[s
     if not isinstance(trace, Trace):
         raise ConfigError("simulate_cluster replays one Trace")
     router = resolve_router(router)
-    profiles = replica_profiles(profile, replicas)
-    R = len(profiles)
+    profile_list = replica_profiles(profile, replicas)
+    R = len(profile_list)
     stale = float(staleness_ms)
     if not np.isfinite(stale) or stale < 0:
         raise ConfigError(f"metrics staleness must be a number of ms >= 0, got {staleness_ms!r}")
-    est = None if estimates is None else [np.asarray(estimates, np.float64)] * R
-    run = EngineRun([trace] * R, profiles, policy, config, estimates=est, residual_life=residual_life)
-    if guard is not None:
-        run.set_guard(slice(None), guard[0], guard[1])
-    A = run.arrays
-    bs = run.profiles[0].block_size
+    est_all = None if estimates is None else np.asarray(estimates, np.float64)
+    if est_all is not None and est_all.shape != (len(trace),):
+        raise ConfigError(f"estimates have shape {est_all.shape}, expected ({len(trace)},)")
+    _, resolved = resolve_copies(profile_list, config, R)
+    bs = resolved[0].block_size
+    key = _key(trace)   # (the trace as given: the stream is shared at any block size)
     if trace.block_size != bs:
         from ..traces.blocks import at_block_size
         trace = at_block_size(trace, bs)
     N = len(trace)
-    # the cluster's request table: the trace's columns, chain ids dense over the trace, unique block
-    # ids past every chain (sized for the largest max_model_len: any replica's room fits)
-    # (writable copies: a read-only array would compile other variants of the compiled functions)
+    # the cluster's request table: the trace's columns, its chains' dense ids, each request's room of
+    # unique block ids (writable copies: a read-only array would compile other variants)
     g_arrival, g_prompt, g_output, g_prio = (np.array(a, np.int64) for a in (
         trace.arrival_ns, trace.prompt_tokens, trace.output_tokens, trace.priority))
-    g_t1, g_t2 = A.t1[0].copy(), A.t2[0].copy()
-    g_est = A.est[0].copy()
     n_uniq, inv = trace.prefix_ids()
     g_coff = np.array(trace.prefix_offsets, np.int64)
     g_cval = np.array(inv, np.int64)
-    out_max = _capped(g_prompt, g_output, max(p.max_model_len for p in run.profiles))
-    g_ubase, ids = unique_block_bases(g_prompt, out_max, np.array(trace.prefix_lengths, np.int64), n_uniq, bs)
-    if any(c.prefix_caching for c in run.configs) and int(ids) > A.hash_head.shape[1]:
-        A = run.arrays = A._replace(hash_head=np.full((R, int(ids)), -1, np.int32))
-    # the replicas start with no rows: the router appends them
-    A.n_req[:] = 0
-    A.chain_off[:] = 0
-    A.now[:] = g_arrival[0] if N else 0
-    route = np.full(N, -1, np.int64)
-    row = np.full(N, -1, np.int64)
-    view = np.zeros((R, CK.N_VIEW), np.int64)
-    stale_ns = int(round(stale * 1e6))
-    snap = np.zeros((N if stale_ns > 0 else 1, R, CK.N_VIEW), np.int64)
-    snap_hits = np.zeros((N if stale_ns > 0 else 1, R), np.int64)
-    pred = np.zeros(R, np.int64)
-    rstate = np.zeros(1, np.int64)
-    rpar = np.zeros(CK.N_RPAR)
-    rpar[CK.RP_ALPHA], rpar[CK.RP_BETA], rpar[CK.RP_SEED] = router.alpha, router.beta, router.seed
-    active = np.zeros(R, np.bool_)
-    claim = np.zeros(1, np.int64)
-    until = np.zeros(R, np.int64)
-    kargs = K.kernel_args(A, run.cfg, run.fcfg, run.theta, run.shed_margin, run.mrl, run.tier, run.score, active,
-                          1 << 62, until, claim=claim)
-    key0, key1 = _key(trace)
-    total = CK.run_cluster_kernel(
-        router.spec.rid, rpar, key0, key1, stale_ns, g_arrival, g_prompt, g_output, g_prio, g_t1, g_t2, g_est,
-        g_coff, g_cval, g_ubase, route, row, view, snap, snap_hits, pred, rstate,
-        run.cfg, A.n_req, A.arrival, A.prompt, A.out_len, A.prio, A.capped, A.t1, A.t2, A.est, A.chain_off,
-        A.chain_val, A.uniq_base, A.now, A.it, A.next_arr, A.n_ended, A.n_run, A.n_wait, A.n_swap, A.n_pend,
-        A.n_free, A.status, A.gen, A.computed, A.run_ids, A.wait_ids, A.hash_head, A.epoch, active, claim, until,
-        *kargs)
+    chain_len = np.diff(g_coff)
+    out_max = _capped(g_prompt, g_output, max(p.max_model_len for p in resolved))
+    g_room = (g_prompt + out_max + bs - 1) // bs + 1 - chain_len
+    # each replica's rows, chain ids and hash ids: twice its even share (and more, run again, when a
+    # router sends a replica more than that)
+    share = [(N, 0), (int(chain_len.sum()), int(chain_len.max(initial=0))), (int(g_room.sum()),
+                                                                             int(g_room.max(initial=0)))]
+    sizes = [min(tot, 2 * -(-tot // R) + top + ROW_SLACK) for tot, top in share]
+    while True:
+        width, H, U = sizes
+        total, run, route, row, kargs = _run_cluster(
+            trace, profile_list, policy, config, R, router, stale, est_all, residual_life, guard, width, H, U + n_uniq,
+            n_uniq, g_arrival, g_prompt, g_output, g_prio, g_coff, g_cval, g_room, key)
+        if total != -3:
+            break
+        if sizes == [tot for tot, _ in share]:
+            raise RuntimeError("a cluster replica ran out of rows at full size; please report this trace")
+        sizes = [min(tot, 2 * x) for x, (tot, _) in zip(sizes, share)]
     if total == -2:
         raise RuntimeError("a cluster replica made no progress; please report this trace")
     total = K.checked_total(total, kargs)

@@ -168,12 +168,34 @@ def request_hits(hash_head, c, g_coff, g_cval, prompt_i, i, bs):
 
 
 @njit
-def replica_view(c, t, now, n_req, next_arr, n_run, n_wait, n_swap, n_pend, n_free, n_ended, epoch, status,
-                 prompt, gen, computed, run_ids, wait_ids, want_queued, out):
+def pending_frees(c, n_pend, pend_ids, table, slot_of, held, ref):
+    """The blocks replica c frees when it retires its pending requests (async: those that finished
+    at its last iteration's end free their blocks at the next schedule): each block whose every
+    reference is one of theirs. ``ref`` is restored."""
+    freed = 0
+    for k in range(n_pend[c]):
+        r = pend_ids[c, k]
+        s = slot_of[c, r]
+        for j in range(held[c, r]):
+            b = table[c, s, j]
+            ref[c, b] -= 1
+            if ref[c, b] == 0:
+                freed += 1
+    for k in range(n_pend[c]):
+        r = pend_ids[c, k]
+        s = slot_of[c, r]
+        for j in range(held[c, r]):
+            ref[c, table[c, s, j]] += 1
+    return freed
+
+
+@njit
+def replica_view(c, t, now, it, n_req, next_arr, n_run, n_wait, n_swap, n_pend, n_free, n_ended, epoch, status,
+                 prompt, gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, want_queued, out):
     """``out[V_*]`` of replica c at t: its state at its last iteration boundary <= t (as scheduled, for
     an iteration in flight), ``V_SINCE_*`` its rows not yet visible to it (routed since that
     boundary), ``V_NEXT`` the first of them. ``V_OUT`` (outstanding) is completed by the caller."""
-    inflight = now[c] > t
+    inflight = now[c] > t and it[c] > 0   # (a replica that never ran holds its first arrival's time)
     if inflight:
         out[V_RUN] = epoch[c, K.EP_V_RUN]
         out[V_FREE] = epoch[c, K.EP_V_FREE]
@@ -182,6 +204,9 @@ def replica_view(c, t, now, n_req, next_arr, n_run, n_wait, n_swap, n_pend, n_fr
     else:
         out[V_RUN] = n_run[c] - n_pend[c]       # (async: those that finished at this boundary have ended)
         out[V_FREE] = n_free[c]
+        if n_pend[c] > 0 and now[c] < t:
+            # an idle async replica: its last schedule (at its last end, before t) freed them
+            out[V_FREE] += pending_frees(c, n_pend, pend_ids, table, slot_of, held, ref)
         out[V_OUT] = n_ended[c]
         out[V_REM] = 0
     out[V_WAIT] = n_wait[c] + n_swap[c]
@@ -227,17 +252,22 @@ def _advance(t, R, cfg_rows, n_req, now, it, n_ended, active, claim, until_ns, k
 
 @njit
 def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, g_output, g_prio, g_t1, g_t2, g_est,
-                       g_coff, g_cval, g_ubase, route, row, view, snap, snap_hits, pred, rstate,
+                       g_coff, g_cval, g_room, u_next, route, row, view, snap, snap_hits, pred, rstate,
                        cfg_rows, n_req, arrival, prompt, out_len, prio, capped, t1, t2, est, chain_off, chain_val,
                        uniq_base, now, it, next_arr, n_ended, n_run, n_wait, n_swap, n_pend, n_free, status, gen,
-                       computed, run_ids, wait_ids, hash_head, epoch, active, claim, until_ns, *kargs):
+                       computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, hash_head, epoch, active,
+                       claim, until_ns, *kargs):
     """Route every request of the cluster's table (``g_*``, in arrival order) and run the replicas to
     the end. ``route[i]`` is the replica request i went to (-1: no replica can serve its prompt:
     rejected at the router), ``row[i]`` its row there. ``kargs``: ``kernel.kernel_args`` of the
-    replicas' struct of arrays, the arrays named before it being the same objects. Returns the
-    iterations run, or ``_advance``'s error code."""
+    replicas' struct of arrays, the arrays named before it being the same objects. A replica's
+    unique block ids are its own (``u_next[c]``, the next free one; request i takes ``g_room[i]``),
+    so each replica's rows, chains and hash table are sized for its share of the trace. Returns the
+    iterations run, ``_advance``'s error code, or -3 when a replica's rows, chain ids or hash ids
+    are full (the caller runs again with room for more)."""
     R = n_req.shape[0]
     N = g_arrival.shape[0]
+    ring = snap.shape[0]   # the views read at t - S and not yet used: a ring of them
     bs = cfg_rows[0, K.C_BS]
     want_q = router == R_LEAST_PREDICTED_TTFT
     want_hits = router == R_PREFIX_AFFINITY or router == R_LEAST_PREDICTED_TTFT
@@ -254,11 +284,13 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
                 return done
             total += done
             for c in range(R):
-                replica_view(c, ts, now, n_req, next_arr, n_run, n_wait, n_swap, n_pend, n_free, n_ended, epoch,
-                             status, prompt, gen, computed, run_ids, wait_ids, want_q, snap[a_snap, c])
-                snap_hits[a_snap, c] = 0
+                replica_view(c, ts, now, it, n_req, next_arr, n_run, n_wait, n_swap, n_pend, n_free, n_ended, epoch,
+                             status, prompt, gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref,
+                             want_q, snap[a_snap % ring, c])
+                snap_hits[a_snap % ring, c] = 0
                 if want_hits and cfg_rows[c, K.C_PREFIX] != 0:
-                    snap_hits[a_snap, c] = request_hits(hash_head, c, g_coff, g_cval, g_prompt[a_snap], a_snap, bs)
+                    snap_hits[a_snap % ring, c] = request_hits(hash_head, c, g_coff, g_cval, g_prompt[a_snap], a_snap,
+                                                               bs)
             a_snap += 1
             continue
         done = _advance(t, R, cfg_rows, n_req, now, it, n_ended, active, claim, until_ns, kargs)
@@ -281,10 +313,10 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
             if stale_ns > 0:
                 # the replica's state read at t - S, the router's counters at t: the rows routed since
                 # the state was read are those from its first not-yet-visible row on
-                ended_now = epoch[c, K.EP_V_ENDED] if now[c] > t else n_ended[c]
+                ended_now = epoch[c, K.EP_V_ENDED] if now[c] > t and it[c] > 0 else n_ended[c]
                 for j in range(N_VIEW):
-                    v[j] = snap[a, c, j]
-                v[V_HITS] = snap_hits[a, c]
+                    v[j] = snap[a % ring, c, j]
+                v[V_HITS] = snap_hits[a % ring, c]
                 v[V_OUT] = n_req[c] - ended_now
                 v[V_SINCE_N] = n_req[c] - v[V_NEXT]
                 tok = 0
@@ -292,8 +324,9 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
                     tok += prompt[c, k]
                 v[V_SINCE_TOK] = tok
             else:
-                replica_view(c, t, now, n_req, next_arr, n_run, n_wait, n_swap, n_pend, n_free, n_ended, epoch,
-                             status, prompt, gen, computed, run_ids, wait_ids, want_q, v)
+                replica_view(c, t, now, it, n_req, next_arr, n_run, n_wait, n_swap, n_pend, n_free, n_ended, epoch,
+                             status, prompt, gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref,
+                             want_q, v)
                 v[V_OUT] = n_req[c] - v[V_OUT]
                 v[V_HITS] = 0
                 if want_hits and cfg_rows[c, K.C_PREFIX] != 0:
@@ -307,6 +340,13 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
         c = choose(router, rpar, key0, key1, a, cand, n_cand, view, rstate, pred)
         # append request a to replica c's rows (its arrival becomes visible at c's next iteration start)
         k = n_req[c]
+        lo = g_coff[a]
+        nch = g_coff[a + 1] - lo
+        o = chain_off[c, k]
+        prefix_c = cfg_rows[c, K.C_PREFIX] != 0
+        if k + 1 > arrival.shape[1] or o + nch > chain_val.shape[1] or (
+                prefix_c and u_next[c] + g_room[a] > hash_head.shape[1]):
+            return -3
         arrival[c, k] = t
         prompt[c, k] = p
         room = cfg_rows[c, K.C_MAX_LEN] - p
@@ -318,13 +358,13 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
         t1[c, k] = g_t1[a]
         t2[c, k] = g_t2[a]
         est[c, k] = g_est[a]
-        lo = g_coff[a]
-        nch = g_coff[a + 1] - lo
-        o = chain_off[c, k]
         for j in range(nch):
             chain_val[c, o + j] = g_cval[lo + j]
         chain_off[c, k + 1] = o + nch
-        uniq_base[c, k] = g_ubase[a]
+        uniq_base[c, k] = 0
+        if prefix_c:
+            uniq_base[c, k] = u_next[c]
+            u_next[c] += g_room[a]
         n_req[c] = k + 1
         route[a] = c
         row[a] = k
@@ -335,5 +375,6 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
     return total + done
 
 
-guard_stale_cache([_mul32, _fmix32, stream_u32, _pick, choose, request_hits, replica_view, _advance,
+guard_stale_cache([_mul32, _fmix32, stream_u32, _pick, choose, request_hits, pending_frees, replica_view,
+                   _advance,
                    run_cluster_kernel], tag="cluster")

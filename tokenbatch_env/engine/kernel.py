@@ -37,7 +37,12 @@ MODE_FCFS, MODE_PRIORITY, MODE_SCORE = 0, 1, 2
 (C_BUDGET, C_MAX_SEQS, C_BS, C_USABLE, C_WATERMARK, C_MAX_LEN, C_PREFIX, C_ASYNC, C_MODE, C_JUMPS,
  C_MAX_WAIT, C_TIMEOUT_RUNNING, C_SKIP_HOL, C_MAX_ITERS,
  C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, C_WAIT_PREEMPT, C_ADMISSION,
- C_SWAP, C_HOST_BLOCKS, C_SWAP_PS_PER_BLOCK, C_REC_STREAM, C_DECIDE, C_THRESHOLD, C_BUDGET_RULE, N_CFG) = range(32)
+ C_SWAP, C_HOST_BLOCKS, C_SWAP_PS_PER_BLOCK, C_REC_STREAM, C_DECIDE, C_THRESHOLD, C_BUDGET_RULE, C_STOP_IDLE,
+ N_CFG) = range(33)
+# ``cfg[C_STOP_IDLE]``: an idle copy whose clock jumps to its next arrival at or past ``until_ns`` stops
+# there (a cluster's replica, docs/design.md section 12: its iteration at t waits for the other
+# arrivals at t); otherwise that arrival's iteration runs (``EngineRun.advance``: the first iteration
+# boundary at or after ``until_ns``)
 # float cfg vector indices: ms per prefill / decode token at a full batch (docs/design.md section 4);
 # the tpot-guard rule's u and B_min (section 11)
 (F_U_P, F_U_D, F_GUARD_U, F_GUARD_BMIN, N_FCFG) = range(5)
@@ -1189,10 +1194,13 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                 stop = STOP_ENDED
                 break  # copy done
 
-            # Idle engine: jump the clock to the next arrival.
+            # Idle engine: jump the clock to the next arrival (a cluster's replica stops there if that
+            # is at or past until_ns: see C_STOP_IDLE).
             if n_run[c] == 0 and n_wait[c] == 0 and n_pend[c] == 0 and n_swap[c] == 0:
                 if next_arr[c] < n and arrival[c, next_arr[c]] > now[c]:
                     now[c] = arrival[c, next_arr[c]]
+                    if cfg[C_STOP_IDLE] != 0 and now[c] >= until:
+                        break
             t_now = now[c]
 
             # Rule 1: arrivals visible iff arrival <= iteration start. Rule 8: too-long prompts rejected.
@@ -1770,8 +1778,9 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                     held[c, r] = hits
                     n_cached[c, r] = hits
                     computed[c, r] = hits * bs
-                    epoch[c, EP_QUERY_TOK] += num_tokens
-                    epoch[c, EP_HIT_TOK] += hits * bs
+                    if prefix_on:
+                        epoch[c, EP_QUERY_TOK] += num_tokens
+                        epoch[c, EP_HIT_TOK] += hits * bs
                     need = _bdiv(hits * bs + new + bs - 1, bs, bsh) - hits
                     if need > 0:
                         _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held,

@@ -152,7 +152,7 @@ def _shared(values: Sequence, what: str):
     return first
 
 
-def _resolve_copies(profile, config, C: int) -> tuple:
+def resolve_copies(profile, config, C: int) -> tuple:
     """Per-copy (configs, profiles): each copy's profile with its config's overrides applied
     (``EngineConfig.resolve``), resolved once per distinct pair."""
     configs = copies_of(EngineConfig() if config is None else config, C, EngineConfig, "engine config")
@@ -222,7 +222,7 @@ class EngineRun(_Copies):
             traces = [traces]
         self.traces = list(traces)
         C = len(self.traces)
-        self.configs, self.profiles = _resolve_copies(profile, config, C)
+        self.configs, self.profiles = resolve_copies(profile, config, C)
         self.policy = _resolve_policy(policy)
         compile_notice()   # (one line, once, if numba is about to compile the kernel: a run would look hung)
         self.arrays = A = build_arrays(self.traces, self.profiles, self.configs, estimates)

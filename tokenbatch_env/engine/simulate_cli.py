@@ -26,10 +26,12 @@ def _vllm_modes() -> tuple:
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="trace file (any supported format)")
     p.add_argument("--format", default=None, help="trace format (default: detected)")
-    p.add_argument("--profile", default="stress-512", help="engine profile (tokenbatch profiles list)")
-    p.add_argument("--policy", default="fcfs", choices=LazyChoices(_vllm_modes), help="scheduling policy")
+    p.add_argument("--profile", default=None, help="engine profile (tokenbatch profiles list; default stress-512)")
+    p.add_argument("--policy", default="fcfs", choices=LazyChoices(_vllm_modes),
+                   help="scheduling policy (default fcfs)")
     p.add_argument("--rho", type=float, default=None,
-                   help="rescale arrivals to rho x lambda_sat (FCFS saturation rate, measured)")
+                   help="rescale arrivals to rho x lambda_sat (FCFS saturation rate, measured; a cluster's: the sum "
+                        "over its replicas); default: the trace's own timestamps")
     p.add_argument("--slo-rule", default=None, metavar="FILE|NAME",
                    help="SLO rule (a preset: tokenbatch_env/data/slo_rules, or a JSON file); given, it sets "
                         "every request's SLOs and priority, the trace's own replaced (default: default-3class, "
@@ -43,16 +45,23 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
     g = p.add_argument_group("cluster (docs/design.md section 12)")
-    g.add_argument("--replicas", type=int, default=None, metavar="R",
-                   help="replay on R engine replicas behind a router (default 1: the single engine)")
+    g.add_argument("--replicas", default=None, metavar="R",
+                   help=f"replay on R engine replicas behind a router (default 1: the single engine; at most "
+                        f"{MAX_REPLICAS})")
     g.add_argument("--router", default=None, choices=LazyChoices(_routers),
                    help="how arrivals are routed to replicas (default round-robin)")
     g.add_argument("--replica-profiles", default=None, metavar="P1,P2,...",
                    help="one profile per replica (mixed GPUs; one block size), instead of --profile for all")
-    g.add_argument("--metrics-staleness-ms", type=float, default=0.0, metavar="S",
-                   help="the router reads the replicas' state as of S ms ago (default 0)")
+    g.add_argument("--metrics-staleness-ms", default=None, metavar="S",
+                   help="the router reads the replicas' state as of S ms ago (default 0; routers that read only their "
+                        "own counters, round-robin, random, least-outstanding and po2, are unaffected)")
     add_engine_flags(p)
     add_budget_flags(p)
+
+
+def _rate(trace):
+    from ..traces.windows import empirical_rate_rps
+    return float(empirical_rate_rps(trace)) if len(trace) > 1 else None
 
 
 def _routers() -> tuple:
@@ -60,25 +69,36 @@ def _routers() -> tuple:
     return ROUTER_NAMES
 
 
+#: the most replicas ``simulate`` replays (each is a whole engine's state)
+MAX_REPLICAS = 4096
+
+
 def _cluster_args(args):
-    """(replicas, profile names) of a cluster run, or None for the single engine. Bad values raise
-    ``ConfigError`` naming the flag."""
+    """(replicas, profile names, staleness ms) of a cluster run, or None for the single engine (also
+    ``--replicas 1`` alone). Bad values raise ``ConfigError`` naming the flag."""
+    from ..config_cli import parse_float, parse_int
     names = None
     if args.replica_profiles is not None:
         names = [x.strip() for x in args.replica_profiles.split(",")]
         if not all(names):
             raise ConfigError(f"--replica-profiles {args.replica_profiles!r}: an empty profile name")
-    if args.replicas is None and names is None and args.router is None and not args.metrics_staleness_ms:
-        return None
-    R = args.replicas if args.replicas is not None else (len(names) if names else 1)
-    if R < 1:
-        raise ConfigError(f"--replicas must be >= 1, got {R}")
-    if names is not None and len(names) != R:
-        raise ConfigError(f"--replica-profiles: {len(names)} profiles for --replicas {R}")
-    st = args.metrics_staleness_ms
+        if args.profile is not None:
+            raise ConfigError("--profile and --replica-profiles: give one (--replica-profiles names every replica's)")
+    R = None if args.replicas is None else parse_int(args.replicas, "--replicas")
+    if R is not None and not 1 <= R <= MAX_REPLICAS:
+        raise ConfigError(f"--replicas must be in [1, {MAX_REPLICAS}], got {R}")
+    st = 0.0 if args.metrics_staleness_ms is None else parse_float(args.metrics_staleness_ms, "--metrics-staleness-ms")
     if not (np.isfinite(st) and st >= 0):
         raise ConfigError(f"--metrics-staleness-ms must be a number of ms >= 0, got {st}")
-    return R, names or [args.profile] * R
+    if R is None and names is not None:
+        R = len(names)
+    if names is not None and len(names) != R:
+        raise ConfigError(f"--replica-profiles: {len(names)} profiles for --replicas {R}")
+    if (R or 1) == 1 and names is None:
+        if args.router is not None or args.metrics_staleness_ms is not None:
+            raise ConfigError("--router and --metrics-staleness-ms: a cluster's settings, with --replicas R > 1")
+        return None
+    return R, names or [args.profile or "stress-512"] * R, st
 
 
 def _csv_sink(stack: contextlib.ExitStack, path: str, names=None, convert=None):
@@ -142,7 +162,7 @@ def run(args) -> int:
         raise ConfigError("--iterations: per-iteration records of a cluster are not written (--records names "
                           "each request's replica)")
     trace, report = load_trace(args.trace, args.format)
-    profile = load_profile(args.profile if cluster is None else cluster[1][0])
+    profile = load_profile((args.profile or "stress-512") if cluster is None else cluster[1][0])
     replica_profiles = None if cluster is None else [load_profile(n) for n in cluster[1]]
     if replica_profiles is not None:
         sizes = sorted({resolve_with_flags(EngineConfig(**engine_overrides(args)), p, args).block_size
@@ -205,7 +225,7 @@ def run(args) -> int:
         else:
             from .cluster import simulate_cluster
             res = simulate_cluster(trace, replica_profiles, args.policy, config, replicas=cluster[0],
-                                   router=args.router or "round-robin", staleness_ms=args.metrics_staleness_ms)
+                                   router=args.router or "round-robin", staleness_ms=cluster[2])
             rec = res.records()
             if rec_sink is not None:
                 rec_sink(0, rec)
@@ -215,7 +235,7 @@ def run(args) -> int:
     if cluster is not None:
         st = res.replica_stats()
         s["cluster"] = {"replicas": cluster[0], "profiles": cluster[1], "router": res.router.label,
-                        "metrics_staleness_ms": args.metrics_staleness_ms,
+                        "metrics_staleness_ms": cluster[2], "arrival_rate_rps": _rate(trace),
                         "requests": st["requests"].tolist(), "rejected_at_router": st["rejected_at_router"],
                         "utilisation": st["utilisation"].tolist(), "imbalance": st["imbalance"],
                         "prefix_hit_rate": st["prefix_hit_rate"]}
@@ -239,6 +259,8 @@ def run(args) -> int:
     print(f"profile   {profile.name} [{profile.provenance}]  policy {args.policy}"
           + (f"  rho {args.rho} (lambda_sat {lam:.3f} req/s)" if lam else ""))
     e = _engine_summary(engine, config)
+    if cluster is not None and len(set(cluster[1])) > 1:
+        print("engine    (replica 0's; the others run their own profiles with the same flags)")
     print(f"engine    B {e['max_num_batched_tokens']}  max_num_seqs {e['max_num_seqs']}  {e['num_blocks']} blocks "
           f"x {e['block_size']} tokens  max_model_len {e['max_model_len']}  prefix caching "
           f"{'on' if e['prefix_caching'] else 'off'}  {'async' if e['async_scheduling'] else 'sync'}"
@@ -249,13 +271,24 @@ def run(args) -> int:
           + (f"  (given: {', '.join(sorted(overrides))})" if overrides else ""))
     if cluster is not None:
         cl = s["cluster"]
-        mix = ", ".join(f"{cl['profiles'].count(n)} x {n}" for n in sorted(set(cl["profiles"])))
-        print(f"cluster   {cl['replicas']} replicas ({mix})  "
-              f"router {cl['router']}"
+        runs = []   # the replicas' profiles in order, runs of one profile compressed
+        for n in cl["profiles"]:
+            if runs and runs[-1][1] == n:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, n])
+        mix = ", ".join(f"{k} x {n}" for k, n in runs)
+        rate = f"{cl['arrival_rate_rps']:.3f} req/s" if cl["arrival_rate_rps"] is not None else "-"
+        print(f"cluster   {cl['replicas']} replicas ({mix})  router {cl['router']}  arrivals {rate}"
               + (f"  metrics staleness {cl['metrics_staleness_ms']:g} ms" if cl["metrics_staleness_ms"] else ""))
-        print(f"replicas  requests {cl['requests']}  rejected at the router {cl['rejected_at_router']}")
-        print(f"          utilisation {' '.join(f'{u:.2f}' for u in cl['utilisation'])}  imbalance "
-              f"{cl['imbalance']:.3f} (max / mean busy time)  prefix hit rate {cl['prefix_hit_rate']:.1%}")
+
+        def per(values, fmt):
+            if len(values) <= 16:
+                return " ".join(fmt(v) for v in values)
+            return f"min {fmt(min(values))} mean {fmt(float(np.mean(values)))} max {fmt(max(values))}"
+        print(f"replicas  requests {per(cl['requests'], str)}  rejected at the router {cl['rejected_at_router']}")
+        print(f"          utilisation (busy / first arrival to last end) {per(cl['utilisation'], lambda u: f'{u:.2f}')}"
+              f"  imbalance {cl['imbalance']:.3f} (max / mean busy time)  prefix hit rate {cl['prefix_hit_rate']:.1%}")
     a = s["admission"]
     print(f"admission rejected {a['rejected_share']:.1%}, length-capped {a['capped_share']:.1%} of the arrivals "
           f"(max_model_len {e['max_model_len']}); ceiling {a['ceiling']:.3f}")

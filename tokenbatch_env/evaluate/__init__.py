@@ -44,7 +44,8 @@ Where each part lives
 ``outcomes`` (``request_outcomes``, ``unit_metrics``, ``pooled_metrics``), ``evidence``
 (``evidence_inputs``, ``evidence_id``), ``slo_capacity`` (capacity at SLO), ``batch`` (the batched
 goodput of many parameter sets, for tuning), ``benchmark`` (``run_benchmark``, ``BenchReport``),
-``definitions`` (``DEFINITIONS``). The workload (``Workload``, ``prepare_workload``) is
+``cluster`` (cluster mode, ``replicas`` > 1: the workload at R replicas and each row's replica numbers;
+docs/design.md section 12), ``definitions`` (``DEFINITIONS``). The workload (``Workload``, ``prepare_workload``) is
 ``tokenbatch_env.workload``, shared with the env; parameter files (``load_params_file``, ...) are
 ``tokenbatch_env.params``; percentiles (``pct``, ``pcts``) ``tokenbatch_env.metrics``: all
 importable from here as well.

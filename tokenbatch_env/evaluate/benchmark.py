@@ -14,12 +14,13 @@ import numpy as np
 
 from ..engine.levers import FLAGS_SUFFIX, LEVERS
 from ..errors import ConfigError
-from ..workload import prepare_workload
+from .cluster import bench_workload, cluster_block
 from .config import BASELINE_ROWS, GUARD_SUFFIX, PRIMARY_LOAD, PRIMARY_SPLIT, SHED_SUFFIX, BenchConfig
 from .definitions import DEFINITIONS
 from .evidence import evidence_id, evidence_inputs, num_or_str
 from .outcomes import pooled_metrics, prompt_quintile_edges, request_outcomes, unit_metrics
-from .rows import CONTROL_COMPARATORS, CONTROLLED, build_rows, is_primary_suite, row_guard, run_row
+from .rows import (CONTROL_COMPARATORS, CONTROLLED, build_rows, is_primary_suite, plain_label, routed_label,
+                   row_guard, run_row)
 from .slo_capacity import capacity_summary, row_capacity
 
 
@@ -110,7 +111,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
     t_start = time.time()
     cfg = config
     profile = cfg.engine.resolve(load_profile(cfg.profile))
-    wl = prepare_workload(cfg, profile)
+    wl = bench_workload(cfg, profile)   # (prepare_workload; in cluster mode scaled to R replicas)
     if cfg.native_load:   # the trace's own timestamps as a load: its rho, from the train part
         cfg = dataclasses.replace(cfg, loads=tuple(sorted({*cfg.loads, wl.native_rho})), native_load=False)
     from ..params import deployment_warnings
@@ -135,7 +136,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
         if lv.get("long_prefill_token_threshold", 0) > profile.max_model_len:
             raise ConfigError(f"levers[{label!r}]: long_prefill_token_threshold {lv['long_prefill_token_threshold']} "
                               f"exceeds max_model_len {profile.max_model_len} (vLLM refuses it)")
-    unused = sorted(set(dict(cfg.levers)) - {r.label for r in rows})
+    unused = sorted(set(dict(cfg.levers)) - {plain_label(r, cfg) for r in rows})
     ctl = [r.label for r in rows if r.policy == CONTROLLED]
     if ctl and any(f in LEVERS for _, lv in cfg.levers for f, _ in lv):
         wl.notes.append(f"{', '.join(ctl)}: at the profile's flags (a controller switches parameters mid-run; vLLM's "
@@ -154,11 +155,13 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
     total = len(rows) + (1 if cfg.upper_bound else 0) + (len(rows) * cfg.capacity_steps if cfg.capacity else 0)
     bar = tqdm(total=total, desc="bench runs", unit="run", disable=not cfg.progress, file=sys.stderr,
                leave=False)
-    per_row = {}
+    per_row, per_row_stats = {}, {}
     try:
         def one_row(row):
             est = est_oracle if row.reference else est_pred
             res = run_row(row, wl, copies, est * L, profile, cfg)
+            if row.router is not None:   # (cluster mode: the replicas' numbers of each copy)
+                per_row_stats[row.label] = [[res.replica_stats(li * U + u) for u in range(U)] for li in range(L)]
             return [[request_outcomes(res.records(li * U + u), copies[li * U + u], wl.scored[u])
                      for u in range(U)] for li in range(L)]
 
@@ -209,30 +212,39 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
     if cfg.slo_rule is not None:
         from ..traces.slo_rules import load_slo_rule
         limits = load_slo_rule(cfg.slo_rule).p99_limits
+    # a row's own comparators are the rows behind its own router (cluster mode; the single engine's
+    # rows have none); the reference (FCFS's goodput, relative goodput, gap closed) is the first
+    # router's fcfs row
+    ref = routed_label(cfg, cfg.routers[0] if cfg.cluster else None, "fcfs")
     loads_out = []
     curves = {"loads": loads, "goodput": {}, "ttft_cdf": {}}
     for li, rho in enumerate(loads):
         res_rows = []
-        g_fcfs = float(unit_good["fcfs"][li].mean())
+        g_fcfs = float(unit_good[ref][li].mean())
         for r in rows:
             outs = per_row[r.label][li]
             um = [unit_metrics(o) for o in outs]
             g = unit_good[r.label][li]
-            d = {"label": r.label, "policy": r.policy,
+            base = plain_label(r, cfg)
+            own = [x for x in rows if x.router == r.router]   # (every row for a single engine)
+            d = {"label": r.label, **({"router": r.router} if r.router is not None else {}), "policy": r.policy,
                  "shed_margin": num_or_str(r.shed_margin), "reference": r.reference,
                  "goodput": _ci(g, cfg, block),
                  "relative_goodput": (float(g.mean()) / g_fcfs - 1) if g_fcfs > 0 else None}
-            vs = BASELINE_ROWS + (CONTROL_COMPARATORS if r.policy == CONTROLLED else ())
-            if r.label == "index" + SHED_SUFFIX:   # against every other tuned row (shed rows, vLLM's flags)
-                vs += tuple(x.label for x in rows if (x.label.endswith(SHED_SUFFIX) or x.label.endswith(FLAGS_SUFFIX))
+            vs = tuple(routed_label(cfg, r.router, b) for b in BASELINE_ROWS) \
+                + (CONTROL_COMPARATORS if r.policy == CONTROLLED else ())
+            if base == "index" + SHED_SUFFIX:   # against every other tuned row (shed rows, vLLM's flags)
+                vs += tuple(x.label for x in own if (x.label.endswith(SHED_SUFFIX) or x.label.endswith(FLAGS_SUFFIX))
                             and x.label not in vs)
             if r.guard:   # the rule's gain: against the same row without it
                 u, bmin = row_guard(r, cfg)
                 d["tpot_guard"] = {"u": u, "bmin": bmin}
                 vs += (r.label[:-len(GUARD_SUFFIX)],)
-            if r.label == "index" + SHED_SUFFIX + GUARD_SUFFIX:   # against every other shed row with the rule
-                vs += tuple(x.label for x in rows if x.label.endswith(SHED_SUFFIX + GUARD_SUFFIX)
+            if base == "index" + SHED_SUFFIX + GUARD_SUFFIX:   # against every other shed row with the rule
+                vs += tuple(x.label for x in own if x.label.endswith(SHED_SUFFIX + GUARD_SUFFIX)
                             and x.label not in vs)
+            if r.router is not None and r.router != cfg.routers[0]:   # the router's gain: the same row behind the first
+                vs += (routed_label(cfg, cfg.routers[0], base),)
             if r.levers:
                 d["levers"] = dict(r.levers)
             if r.levers and r.twin:   # the levers' gain: against the same row at the profile's flags
@@ -258,6 +270,8 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                 d["mlperf"] = {"p99_ttft_ms": p99["ttft_ms"], "p99_tpot_ms": p99["tpot_ms"], "limits": limits,
                                "valid": bool(all(p99[k] <= limits[k] for k in limits))}
             d["goodput_per_unit"] = [float(x) for x in g]
+            if r.label in per_row_stats:
+                d["cluster"] = cluster_block(per_row_stats[r.label][li], cfg, r.router)
             res_rows.append(d)
             curves["goodput"].setdefault(r.label, []).append(d["goodput"])
             if rho == _primary_load(loads):
@@ -287,16 +301,19 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
     if is_primary_suite(cfg):
         if PRIMARY_LOAD in loads:
             li = loads.index(PRIMARY_LOAD)
-            p = _paired(unit_good["index+shed"][li], unit_good["edf+shed"][li], cfg, block)
+            # (in cluster mode: the first router's rows, and not the pre-registered single-engine test)
+            ix, ed = (routed_label(cfg, cfg.routers[0] if cfg.cluster else None, b) for b in ("index+shed", "edf+shed"))
+            p = _paired(unit_good[ix][li], unit_good[ed][li], cfg, block)
             lv = dict(cfg.levers)
             primary = {
                 "definition": ("paired difference in mean goodput, index with shedding minus EDF with "
                                "shedding, seed-200/test at rho = 1.2, 95% paired percentile bootstrap CI"),
                 **({"levers": {k: dict(lv[k]) for k in ("index+shed", "edf+shed") if k in lv}} if lv else {}),
                 "split": cfg.split, "rho": PRIMARY_LOAD, "units": U,
-                "is_primary_split": cfg.split == PRIMARY_SPLIT and cfg.max_traces is None,
-                "index_plus_shed": float(unit_good["index+shed"][li].mean()),
-                "edf_plus_shed": float(unit_good["edf+shed"][li].mean()), **p,
+                "is_primary_split": cfg.split == PRIMARY_SPLIT and cfg.max_traces is None and not cfg.cluster,
+                **({"cluster": {"replicas": cfg.replicas, "router": cfg.routers[0]}} if cfg.cluster else {}),
+                "index_plus_shed": float(unit_good[ix][li].mean()),
+                "edf_plus_shed": float(unit_good[ed][li].mean()), **p,
                 "parameters": _params_note(cfg),
             }
         else:
@@ -313,6 +330,8 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                      "bootstrap": ("moving-block, block %d" % block) if block else "percentile (independent traces)",
                      "notes": wl.notes},
         "profile": {"name": profile.name, "provenance": profile.provenance},
+        **({"cluster": {"replicas": cfg.replicas, "routers": list(cfg.routers),
+                        "metrics_staleness_ms": cfg.metrics_staleness_ms}} if cfg.cluster else {}),
         "lambda_sat": {"rps": wl.lambda_sat, "source": wl.lambda_sat_source},
         "admission": adm,
         **({"sensitivity": sens} if sens else {}),

@@ -16,6 +16,8 @@ from ..errors import ConfigError, PolicyError
 DEFAULT_LOADS = (0.6, 0.8, 1.0, 1.2, 1.5, 2.0)
 DEFAULT_POLICIES = ("fcfs", "sjf", "edf", "llf", "index")
 BASELINE_ROWS = ("fcfs", "edf+shed")
+#: the router of a cluster benchmark when none is named (docs/design.md section 12)
+DEFAULT_ROUTER = "round-robin"
 PRIMARY_SUITE, PRIMARY_SPLIT, PRIMARY_LOAD = "seed-200", "test", 1.2
 SHED_SUFFIX = "+shed"
 
@@ -75,7 +77,9 @@ class BenchConfig:
     ``engine``, the rows (``policies``, ``shed``, ``index_params``, ``weights``, ``schedule``,
     ``controllers``), the ``loads`` (rho, relative to FCFS saturation), the statistics
     (``bootstrap_seed``, ``bootstrap_b``) and the optional ``capacity`` search and ``upper_bound``.
-    The module docstring says how each is used.
+    ``replicas`` > 1 is cluster mode (docs/design.md section 12): every row runs on R engine replicas
+    behind each of ``routers``, which read the replicas' state ``metrics_staleness_ms`` ago; these three
+    enter the evidence id only then. The module docstring says how each is used.
 
     Raises:
         ConfigError: a field out of range or of the wrong type (the message names it).
@@ -122,6 +126,9 @@ class BenchConfig:
     tpot_guard: Optional[tuple] = None          # (u, B_min): a <row>+tpot-guard row beside every policy row
     guard_index_params: object = None           # IndexParams of index+tpot-guard rows (None: index_params)
     guard_shed_margins: Optional[tuple] = None  # ((policy, margin), ...) of +tpot-guard rows (None: shed_margins)
+    replicas: int = 1                           # > 1: every row on a cluster of R replicas (docs/design.md s. 12)
+    routers: tuple = (DEFAULT_ROUTER,)          # cluster mode: each row once per router (engine.cluster.ROUTER_NAMES)
+    metrics_staleness_ms: float = 0.0           # cluster mode: the routers read the replicas' state this long ago
 
     def __post_init__(self):
         from ..engine.state import EngineConfig
@@ -141,15 +148,8 @@ class BenchConfig:
             set_("engine", EngineConfig())
         elif not isinstance(self.engine, EngineConfig):
             raise ConfigError("engine must be an EngineConfig")
-        pols = tuple(self.policies)
-        if not pols:
-            raise ConfigError(f"policies: need at least one; valid: {', '.join(BASELINES)}")
-        bad = [p for p in pols if p not in BASELINES]
-        if bad:
-            raise PolicyError(f"unknown policy {bad[0]!r}; valid: {', '.join(BASELINES)}")
-        if len(set(pols)) != len(pols):
-            raise ConfigError(f"policies: duplicates in {list(pols)}")
-        set_("policies", pols)
+        from ..config_cli import check_names
+        set_("policies", check_names(self.policies, BASELINES, "policies", "policy", PolicyError))
         loads = tuple(_finite_pos(x, "loads (rho)") for x in self.loads)
         if self.native_load and self.trace_split is None:
             raise ConfigError("loads: native (the trace's own timestamps) needs a trace file and its split "
@@ -226,6 +226,45 @@ class BenchConfig:
             except (TypeError, ValueError):
                 raise ConfigError(f"tpot_guard: expected (u, B_min), got {self.tpot_guard!r}") from None
             set_("tpot_guard", (float(u), float(bmin)))
+        self._check_cluster(set_)
+
+    def _check_cluster(self, set_) -> None:
+        """The cluster fields (docs/design.md section 12): ``replicas`` >= 1, ``routers`` known names
+        without duplicates, ``metrics_staleness_ms`` >= 0; routers and staleness only in cluster mode,
+        and what cluster mode does not support yet."""
+        R = self.replicas
+        if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or R < 1:
+            raise ConfigError(f"replicas: must be an integer >= 1, got {R!r}")
+        set_("replicas", int(R))
+        routers = (self.routers,) if isinstance(self.routers, str) else tuple(self.routers)
+        if routers != (DEFAULT_ROUTER,):   # (the routers' names without importing the cluster's engine)
+            from ..config_cli import check_names
+            from ..engine.cluster import ROUTER_NAMES
+            check_names(routers, ROUTER_NAMES, "routers", "router")
+        set_("routers", routers)
+        st = self.metrics_staleness_ms
+        if isinstance(st, bool) or not isinstance(st, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(float(st)) or float(st) < 0:
+            raise ConfigError(f"metrics_staleness_ms: must be a finite number of ms >= 0, got {st!r}")
+        set_("metrics_staleness_ms", float(st))
+        if R == 1:   # the single engine, exactly as without these fields
+            if routers != (DEFAULT_ROUTER,) or self.metrics_staleness_ms != 0.0:
+                raise ConfigError("routers and metrics_staleness_ms: a cluster's settings, with replicas R > 1 "
+                                  "(--replicas R)")
+            return
+        if self.schedule is not None or self.controllers:
+            raise ConfigError("controller rows (--schedule, agents) are not supported in cluster mode "
+                              "(replicas > 1) yet")
+        if self.capacity:
+            raise ConfigError("capacity (--capacity) is not supported in cluster mode (replicas > 1) yet")
+        if self.upper_bound:
+            raise ConfigError("upper_bound: the upper bound is a single engine's; not supported in cluster mode "
+                              "(replicas > 1) yet (give upper_bound=False)")
+
+    @property
+    def cluster(self) -> bool:
+        """Cluster mode: every row on ``replicas`` > 1 engine replicas behind each router."""
+        return self.replicas > 1
 
     def shed_margin(self, policy: str, guard: bool = False) -> float:
         """The +shed row's margin for ``policy`` (default 0.0); ``guard``: of its +tpot-guard row (its

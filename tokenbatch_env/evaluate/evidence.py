@@ -1,6 +1,7 @@
 """The evidence id (docs/design.md section 6): SHA-256 of the canonical JSON of everything a
 benchmark's numbers depend on (trace digests, windows, loads, lambda_sat, engine config, profile,
-policy parameters, predictor, residual-life table, bootstrap seed and B, package version)."""
+policy parameters, predictor, residual-life table, bootstrap seed and B, package version; in cluster
+mode the replicas, routers and metrics staleness)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
     for r in rows:
         d = {"label": r.label, "policy": r.policy, "shed_margin": num_or_str(r.shed_margin),
              "estimates": "oracle" if r.reference else "predictor"}
+        if r.router is not None:   # (cluster mode only)
+            d["router"] = r.router
         if r.levers:
             d["levers"] = dict(r.levers)
         if r.guard:
@@ -49,7 +52,7 @@ def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
                                **({"tpot_guard_base": list(spec.guard)} if spec.guard is not None else {})}
             d["t_ref_ms"] = wl.t_ref_ms
         pol.append(d)
-    return {
+    out = {
         "workload": {"kind": wl.kind, "name": wl.name,
                      "split": cfg.split if wl.kind == "suite" else None,
                      "trace_digests": wl.digests,
@@ -71,6 +74,10 @@ def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
         "upper_bound": cfg.upper_bound,
         "package_version": __version__,
     }
+    if cfg.cluster:   # (only then: a single engine's evidence id is the one it had before clusters)
+        out["cluster"] = {"replicas": cfg.replicas, "routers": list(cfg.routers),
+                          "metrics_staleness_ms": cfg.metrics_staleness_ms}
+    return out
 
 
 def slo_rule_evidence(cfg: BenchConfig) -> dict:

@@ -1,6 +1,7 @@
 """The benchmark's rows (docs/design.md section 6): which policies a ``BenchConfig`` puts on the
 leaderboard (``build_rows``: the requested ones, the required baselines, the controllers) and the
-one simulate call that runs a row on every (load, unit) copy (``run_row``)."""
+one simulate call that runs a row on every (load, unit) copy (``run_row``). In cluster mode
+(docs/design.md section 12) every row runs once per router, a cluster replay per copy."""
 
 from __future__ import annotations
 
@@ -24,6 +25,19 @@ class Row:
     twin: Optional[str] = None       # a levered row: the label of the same row at the profile's flags
     guard: bool = False              # runs with the tpot-guard budget rule (``BenchConfig.tpot_guard``)
     index_params: object = None      # a +tpot-guard index row's own IndexParams (None: the config's)
+    router: Optional[str] = None     # cluster mode: the router in front of its replicas (None: one engine)
+
+
+def routed_label(cfg: BenchConfig, router: Optional[str], label: str) -> str:
+    """The label of the row ``label`` (a single engine's label: ``fcfs``, ``edf+shed``, ...) behind
+    ``router``: ``"<router> x <label>"`` when a cluster benchmark has several routers, else ``label``."""
+    return f"{router} x {label}" if router is not None and len(cfg.routers) > 1 else label
+
+
+def plain_label(row: Row, cfg: BenchConfig) -> str:
+    """A row's label without its router (``routed_label``'s inverse)."""
+    prefix = routed_label(cfg, row.router, "")
+    return row.label[len(prefix):] if prefix and row.label.startswith(prefix) else row.label
 
 
 def build_rows(cfg: BenchConfig) -> list:
@@ -74,6 +88,10 @@ def build_rows(cfg: BenchConfig) -> list:
             rows.append(Row(label, policy, None, False, True, levers[label], policy))
     for spec in control_specs(cfg):
         rows.append(Row(spec.label, CONTROLLED, None))
+    if cfg.cluster:   # every row behind each router (docs/design.md section 12), router by router
+        rows = [dataclasses.replace(r, router=router, label=routed_label(cfg, router, r.label),
+                                    twin=None if r.twin is None else routed_label(cfg, router, r.twin))
+                for router in cfg.routers for r in rows]
     return rows
 
 
@@ -108,7 +126,38 @@ def run_row(row: Row, wl, traces: list, est: list, profile, cfg: BenchConfig):
                         weights=cfg.weights, shed_margin=row.shed_margin, t_ref_ms=wl.t_ref_ms)
     # (``profile`` is resolved with ``cfg.engine`` already; resolving again with the row's levers on top
     # changes only what they set)
+    if row.router is not None:
+        return run_cluster_row(row, wl, traces, est, profile, cfg, pol)
     return simulate(traces, profile, pol, row_engine(row, cfg), estimates=est, residual_life=wl.residual_life)
+
+
+class ClusterRuns:
+    """A row's cluster replays, one per copy (docs/design.md section 12): ``records(i)`` copy i's
+    per-request records in trace order (``SimResult.records``' columns and ``replica``), and
+    ``replica_stats(i)`` its replicas' utilisation, imbalance and prefix-cache counters."""
+
+    def __init__(self, runs: list):
+        self.runs = runs
+
+    def records(self, copy: int = 0) -> dict:
+        return self.runs[copy].records()
+
+    def replica_stats(self, copy: int = 0) -> dict:
+        return self.runs[copy].replica_stats()
+
+
+def run_cluster_row(row: Row, wl, traces: list, est: list, profile, cfg: BenchConfig, pol) -> ClusterRuns:
+    """``row`` in cluster mode: each copy replayed on ``cfg.replicas`` replicas behind the row's router
+    (``engine.cluster.simulate_cluster``), every replica at the row's engine configuration. A
+    +tpot-guard row's u and B_min are its engine configuration's (``row_engine``) and are also given
+    as the cluster's ``guard``, which sets them per replica as ``EngineRun.set_guard`` does."""
+    from ..engine.cluster import simulate_cluster
+    engine = row_engine(row, cfg)
+    guard = row_guard(row, cfg) if row.guard else None
+    return ClusterRuns([simulate_cluster(t, profile, pol, engine, replicas=cfg.replicas, router=row.router,
+                                         staleness_ms=cfg.metrics_staleness_ms, estimates=est[i],
+                                         residual_life=wl.residual_life, guard=guard)
+                        for i, t in enumerate(traces)])
 
 
 def row_index_params(row: Row, cfg: BenchConfig):

@@ -1,0 +1,346 @@
+"""Capacity planning: how many replicas a deployment needs (docs/design.md section 12).
+
+``plan_capacity(PlanConfig) -> dict`` replays one trace on clusters of R replicas for every row
+(router x replica policy) and finds, per row, the smallest R whose goodput over the admitted,
+uncapped requests meets the target at both R and R + 1: doubling from R = 1, then bisection, then
+R + 1 checked (and, if it misses, the search goes on upward and the row is flagged non-monotone).
+Every R evaluated is listed with its goodput and a moving-block bootstrap CI (units: the admitted
+uncapped requests in arrival order, cut into ``units`` consecutive groups). One static R serves
+the whole trace: the deployment is sized for its peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+from .engine.cluster import ROUTER_NAMES, Router
+from .engine.state import EngineConfig, length_denied
+from .errors import ConfigError
+from .policies import engine_policy
+from .predictors import ResidualLife, estimates
+from .traces.trace import Trace
+from .util import canonical_json
+from .workload import default_predictor
+
+HOURS_PER_YEAR = 8766   # 365.25 days
+#: the reference row: savings and gains are counted against it (docs/design.md section 12)
+REFERENCE = ("round-robin", "fcfs", False)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """A row: a router, a replica policy (its plain name) and whether it sheds."""
+
+    router: str
+    policy: str
+    shed: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.router} x {self.policy}{'+shed' if self.shed else ''}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """What ``plan_capacity`` searches: ``trace`` (SLOs set, at the rate to plan for) on replicas of
+    ``profile`` with ``engine`` settings, rows ``routers`` x ``policies`` (x shed variants with
+    ``shed``), round-robin x fcfs always included; ``target`` goodput; R up to ``max_replicas``."""
+
+    trace: Trace
+    profile: object                      # Profile (resolved with ``engine`` by the caller or here)
+    engine: EngineConfig = EngineConfig()
+    routers: tuple = ("round-robin", "least-outstanding", "jsq", "least-kv", "po2", "prefix-affinity",
+                      "least-predicted-ttft")
+    policies: tuple = ("fcfs", "sjf", "edf")
+    shed: bool = False
+    target: float = 0.9
+    max_replicas: int = 256
+    gpu_price_usd: float = 2.0           # per GPU-hour
+    gpus_per_replica: int = 1
+    units: int = 40
+    bootstrap_b: int = 2000
+    bootstrap_seed: int = 0
+    workers: int = 1
+    staleness_ms: float = 0.0            # the routers read the replicas' state this long ago
+
+    def __post_init__(self):
+        if not self.trace.has_slos:
+            raise ConfigError("plan: the trace needs SLOs (an SLO rule sets them)")
+        if not 0 < self.target <= 1:
+            raise ConfigError(f"--target must be in (0, 1], got {self.target}")
+        for r in self.routers:
+            if r not in ROUTER_NAMES:
+                raise ConfigError(f"unknown router {r!r}; valid: {', '.join(ROUTER_NAMES)}")
+        from .policies import POLICIES
+        for p in self.policies:
+            if p not in POLICIES or p == "srpt-oracle":
+                raise ConfigError(f"unknown policy {p!r} for a plan; valid: "
+                                  f"{', '.join(sorted(k for k in POLICIES if k != 'srpt-oracle'))}")
+        if int(self.max_replicas) < 1:
+            raise ConfigError(f"--max-replicas must be >= 1, got {self.max_replicas}")
+        if not (np.isfinite(self.gpu_price_usd) and self.gpu_price_usd >= 0):
+            raise ConfigError(f"--gpu-price must be a number >= 0, got {self.gpu_price_usd}")
+        if int(self.workers) < 1:
+            raise ConfigError(f"--workers must be >= 1, got {self.workers}")
+
+    def rows(self) -> list:
+        routers = list(dict.fromkeys([REFERENCE[0], *self.routers]))
+        policies = list(dict.fromkeys([REFERENCE[1], *self.policies]))
+        out = [PlanRow(r, p, False) for r in routers for p in policies]
+        if self.shed:
+            out += [PlanRow(r, p, True) for r in routers for p in policies]
+        return out
+
+
+def admitted_uncapped(trace: Trace, max_model_len: int) -> np.ndarray:
+    rejected, capped = length_denied(trace.prompt_tokens, trace.output_tokens, max_model_len)
+    return ~(rejected | capped)
+
+
+def evaluate_row(trace: Trace, profile, engine: EngineConfig, row: PlanRow, R: int, units: int, B: int,
+                 seed: int, est=None, residual_life=None, staleness_ms: float = 0.0) -> dict:
+    """Goodput of ``row`` on ``R`` replicas: over the admitted uncapped requests (point), and its
+    moving-block bootstrap CI over ``units`` consecutive groups of them."""
+    from .engine.cluster import simulate_cluster
+    from .metrics import bootstrap_ci, default_block
+    pol = engine_policy(row.policy, shed_margin=0.0 if row.shed else None, t_ref_ms=t_ref_ms(trace))
+    res = simulate_cluster(trace, profile, pol, engine, replicas=R, router=Router(row.router), estimates=est,
+                           residual_life=residual_life, staleness_ms=staleness_ms)
+    rec = res.records()
+    ok = admitted_uncapped(trace, profile.max_model_len)
+    met = rec["met"][ok].astype(np.float64)
+    groups = [g for g in np.array_split(met, min(units, max(1, met.size))) if g.size]
+    per_unit = np.array([g.mean() for g in groups]) if groups else np.zeros(1)
+    _, lo, hi = bootstrap_ci(per_unit, B=B, seed=seed, block=default_block(per_unit.size))
+    st = res.replica_stats()
+    return {"replicas": R, "goodput": float(met.mean()) if met.size else 0.0, "ci95": [float(lo), float(hi)],
+            "imbalance": st["imbalance"], "prefix_hit_rate": st["prefix_hit_rate"]}
+
+
+def t_ref_ms(trace: Trace) -> float:
+    """The index's and shed rule's time unit: the trace's median TTFT SLO (ms)."""
+    return float(np.median(trace.ttft_slo_ns)) / 1e6 if len(trace) else 1.0
+
+
+def search_row(cfg: PlanConfig, row: PlanRow, profile, engine, est=None, residual_life=None) -> dict:
+    """Section 12's search for one row (module docstring)."""
+    seen: dict = {}
+
+    def good(R: int) -> bool:
+        if R not in seen:
+            seen[R] = evaluate_row(cfg.trace, profile, engine, row, R, cfg.units, cfg.bootstrap_b,
+                                   cfg.bootstrap_seed, est, residual_life, cfg.staleness_ms)
+        return seen[R]["goodput"] >= cfg.target
+
+    R_max = int(cfg.max_replicas)
+    lo, hi = 0, 1   # lo misses the target (0: no replica), hi meets it
+    while not good(hi):
+        if hi >= R_max:
+            hi = None
+            break
+        lo, hi = hi, min(2 * hi, R_max)
+    found = None
+    if hi is not None:
+        while hi - lo > 1:   # bisection, as if goodput were monotone in R
+            mid = (lo + hi) // 2
+            if good(mid):
+                hi = mid
+            else:
+                lo = mid
+        R = hi
+        while found is None and R <= R_max:   # R + 1 must meet it too (may be R_max + 1)
+            if good(R + 1):
+                found = R
+            else:   # up to the next R that meets it
+                R += 2
+                while R <= R_max and not good(R):
+                    R += 1
+    evaluated = [seen[k] for k in sorted(seen)]
+    passes = [e["goodput"] >= cfg.target for e in evaluated]
+    # non-monotone: a larger R misses the target where a smaller one met it
+    non_monotone = any(passes[i] and not passes[j] for i in range(len(passes)) for j in range(i + 1, len(passes)))
+    at = seen.get(found)
+    return {"router": row.router, "policy": row.policy, "shed": row.shed, "label": row.label,
+            "replicas": found, "at": at, "evaluated": evaluated, "non_monotone": non_monotone,
+            # the point meets the target but its CI reaches below it: the R is not certain
+            "ci_below_target": bool(at is not None and at["ci95"][0] < cfg.target),
+            "usd_per_year": (found * cfg.gpus_per_replica * cfg.gpu_price_usd * HOURS_PER_YEAR
+                             if found is not None else None)}
+
+
+def _search_task(args):
+    return search_row(*args)
+
+
+def plan_inputs(cfg: PlanConfig, profile) -> dict:
+    """What a plan's numbers depend on (its evidence id hashes this)."""
+    from . import __version__
+    t = cfg.trace
+    return {"trace_digest": t.digest, "profile": profile.to_dict(), "engine_config": cfg.engine.to_dict(),
+            "rows": [r.label for r in cfg.rows()], "predictor": default_predictor().to_dict(),
+            "target": cfg.target, "max_replicas": int(cfg.max_replicas),
+            "units": cfg.units, "bootstrap": [cfg.bootstrap_b, cfg.bootstrap_seed],
+            "gpu_price_usd": cfg.gpu_price_usd, "gpus_per_replica": cfg.gpus_per_replica,
+            **({"metrics_staleness_ms": cfg.staleness_ms} if cfg.staleness_ms else {}),
+            "tokenbatch_version": __version__}
+
+
+def plan_capacity(cfg: PlanConfig, progress: bool = False) -> dict:
+    """Every row's search (in ``cfg.workers`` processes: the same results as one), then the gains:
+    router gain (best router x fcfs vs round-robin x fcfs), policy gain (round-robin x best policy),
+    both (the best row), each in replicas and $/year."""
+    profile = cfg.engine.resolve(cfg.profile)
+    rows = cfg.rows()
+    # the deployable policies' length estimates (the default predictor's, as bench's for a real trace)
+    # and the residual-life table of the trace's own outputs
+    est = estimates(cfg.trace, default_predictor())
+    rl = ResidualLife.from_lengths(cfg.trace.output_tokens).table
+    tasks = [(cfg, r, profile, cfg.engine, est, rl) for r in rows]
+    from tqdm.auto import tqdm
+    import sys
+    bar = tqdm(total=len(rows), desc="plan rows", unit="row", disable=not progress, leave=False, file=sys.stderr)
+    try:
+        if cfg.workers > 1 and len(rows) > 1:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+            with ProcessPoolExecutor(min(cfg.workers, len(rows)), mp_context=mp.get_context("spawn")) as ex:
+                results = []
+                for res in ex.map(_search_task, tasks):
+                    results.append(res)
+                    bar.update(1)
+        else:
+            results = []
+            for t in tasks:
+                bar.set_postfix_str(t[1].label)
+                results.append(_search_task(t))
+                bar.update(1)
+    finally:
+        bar.close()
+    by = {(r["router"], r["policy"], r["shed"]): r for r in results}
+    ref = by[REFERENCE]
+
+    def best(rs):
+        reached = [r for r in rs if r["replicas"] is not None]
+        return min(reached, key=lambda r: (r["replicas"], -r["at"]["goodput"])) if reached else None
+
+    def gain(r):
+        if r is None:
+            return None
+        if ref["replicas"] is None:   # the reference needs more than max_replicas: a lower bound
+            least = int(cfg.max_replicas) + 1
+            saved = least - r["replicas"]
+            return {"row": r["label"], "replicas": r["replicas"], "at_least": True, "replicas_saved": saved,
+                    "fraction_saved": saved / least,
+                    "usd_per_year_saved": saved * cfg.gpus_per_replica * cfg.gpu_price_usd * HOURS_PER_YEAR}
+        saved = ref["replicas"] - r["replicas"]
+        return {"row": r["label"], "replicas": r["replicas"], "at_least": False, "replicas_saved": saved,
+                "fraction_saved": saved / ref["replicas"],
+                "usd_per_year_saved": ref["usd_per_year"] - r["usd_per_year"]}
+    gains = {
+        "router": gain(best([r for r in results if r["policy"] == "fcfs" and not r["shed"]])),
+        "policy": gain(best([r for r in results if r["router"] == "round-robin"])),
+        "both": gain(best(results)),
+    }
+    inputs = plan_inputs(cfg, profile)
+    eid = hashlib.sha256(canonical_json(inputs).encode()).hexdigest()
+    from .traces.windows import empirical_rate_rps
+    n_ok = int(admitted_uncapped(cfg.trace, profile.max_model_len).sum())
+    return {"format": "tokenbatch-plan", "version": 1, "evidence_id": eid,
+            "trace": {"name": cfg.trace.name, "digest": cfg.trace.digest, "requests": len(cfg.trace),
+                      "rate_rps": float(empirical_rate_rps(cfg.trace)) if len(cfg.trace) > 1 else None,
+                      "admitted_uncapped": n_ok},
+            "profile": profile.name, "target": cfg.target,
+            "sized_for": "the whole trace with one static R (no autoscaling: provisioned through its peaks; the "
+                         "target is the whole trace's goodput)",
+            "metrics_staleness_ms": cfg.staleness_ms,
+            "reference": ref["label"], "gpu_price_usd_per_hour": cfg.gpu_price_usd,
+            "gpus_per_replica": cfg.gpus_per_replica, "rows": results, "gains": gains, "inputs": inputs}
+
+
+def plot_plan(plan: dict, path) -> None:
+    """Goodput vs replicas, one line per row (its evaluated R), the target as a dashed line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from ._io import atomic_path
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in plan["rows"]:
+        ev = r["evaluated"]
+        x = [e["replicas"] for e in ev]
+        y = [e["goodput"] for e in ev]
+        lw = 2.2 if r["label"] in (plan["reference"], (plan["gains"]["both"] or {}).get("row")) else 0.9
+        line, = ax.plot(x, y, marker="o", ms=3, lw=lw, label=r["label"] + (f" (R {r['replicas']})" if r["replicas"]
+                                                                           else " (not reached)"))
+        if r["at"] is not None:   # the chosen R, with its CI
+            ax.errorbar([r["replicas"]], [r["at"]["goodput"]], ms=7, marker="s", color=line.get_color(),
+                        yerr=[[r["at"]["goodput"] - r["at"]["ci95"][0]], [r["at"]["ci95"][1] - r["at"]["goodput"]]])
+    ax.axhline(plan["target"], ls="--", color="k", lw=1)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({e["replicas"] for r in plan["rows"] for e in r["evaluated"]})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlabel("replicas")
+    ax.set_ylabel("goodput (admitted uncapped requests)")
+    ax.set_title(f"{plan['trace']['name']} on {plan['profile']}: goodput vs replicas (target {plan['target']:g})")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+
+
+def format_plan(plan: dict) -> str:
+    """The console table: one line per row, then the gains."""
+    tr = plan["trace"]
+    rate = f"{tr['rate_rps']:.3f} req/s" if tr["rate_rps"] is not None else "one request"
+    lines = [f"plan      {tr['name']} ({tr['requests']} requests at {rate}, {tr['admitted_uncapped']} admitted "
+             f"uncapped) on {plan['profile']} replicas"
+             + (f"; routers read state {plan['metrics_staleness_ms']:g} ms old"
+                if plan["metrics_staleness_ms"] else ""),
+             f"target    goodput >= {plan['target']:g} over the admitted uncapped requests, at R and R + 1; "
+             f"sized for {plan['sized_for']}",
+             f"evidence  {plan['evidence_id'][:16]}"]
+    denied = 1 - tr["admitted_uncapped"] / tr["requests"] if tr["requests"] else 0.0
+    if denied > 0.05:
+        lines.append(f"WARNING   {denied:.1%} of the requests can never be met (the context limit rejects or caps "
+                     "them): they are left out of the goodput")
+    lines += ["",
+             f"{'row':<40} {'R':>5}  {'goodput [95% CI]':<24} {'$/year':>12}  evaluated (R: goodput)"]
+    for r in plan["rows"]:
+        at = r["at"]
+        g = f"{at['goodput']:.3f} [{at['ci95'][0]:.3f}, {at['ci95'][1]:.3f}]" if at else "not reached"
+        usd = f"{r['usd_per_year']:,.0f}" if r["usd_per_year"] is not None else "-"
+        ev = " ".join(f"{e['replicas']}:{e['goodput']:.3f}" for e in r["evaluated"])
+        flag = ("  NON-MONOTONE" if r["non_monotone"] else "") \
+            + ("  CI below target" if r["ci_below_target"] else "")
+        lines.append(f"{r['label']:<40} {r['replicas'] if r['replicas'] is not None else '-':>5}  {g:<24} "
+                     f"{usd:>12}  {ev}{flag}")
+    lines.append("(CI: 95% moving-block bootstrap over 40 consecutive groups of requests; \"CI below target\": the "
+                 "R's goodput meets the target but its CI reaches below it)")
+    lines.append("")
+    for k, name in (("router", "router gain (best router x fcfs)"), ("policy", "policy gain (round-robin x best "
+                                                                                "policy)"), ("both", "both")):
+        gk = plan["gains"][k]
+        if gk is not None and gk["row"] == plan["reference"]:
+            lines.append(f"{name}: none ({plan['reference']} itself needs the fewest)")
+        elif gk is None:
+            lines.append(f"{name}: not available (every such row missed the target up to --max-replicas)")
+        else:
+            most = "at least " if gk["at_least"] else ""
+            lines.append(f"{name}: {gk['row']} needs {gk['replicas']} replica{'s' if gk['replicas'] != 1 else ''}, "
+                         f"{most}{gk['replicas_saved']} "
+                         f"({most}{gk['fraction_saved']:.0%}) fewer than {plan['reference']}"
+                         + (" (which needs more than --max-replicas)" if gk["at_least"] else "")
+                         + f", {most}${gk['usd_per_year_saved']:,.0f}/year saved at "
+                         f"${plan['gpu_price_usd_per_hour']:g}/GPU-hour")
+    return "\n".join(lines)
+
+
+def json_rows(plan: dict) -> list:
+    """``--json``'s rows: router, policy (the plain name), replicas (None: not reached), goodput at
+    it, $/year, and the variant fields."""
+    return [{"router": r["router"], "policy": r["policy"], "replicas": r["replicas"],
+             "goodput": r["at"]["goodput"] if r["at"] else None, "usd_per_year": r["usd_per_year"],
+             "shed": r["shed"], "levers": None} for r in plan["rows"]]
