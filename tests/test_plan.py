@@ -38,7 +38,7 @@ def test_each_row_s_replicas_are_confirmed_by_replays():
                                                   "jsq x sjf"]
     est, rl = P.estimates(tr, P.default_predictor()), P.ResidualLife.from_lengths(tr.output_tokens).table
     prof = load_profile("linear")
-    ok = P.admitted_uncapped(tr, prof.max_model_len)
+    ok = P.admitted_uncapped(tr.prompt_tokens, tr.output_tokens, prof.max_model_len)
 
     def replay(row, R):
         pol = P.engine_policy(row["policy"], shed_margin=None, t_ref_ms=P.t_ref_ms(tr))

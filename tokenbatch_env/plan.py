@@ -12,17 +12,15 @@ the whole trace: the deployment is sized for its peak.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import numpy as np
 
 from .engine.cluster import ROUTER_NAMES, Router
-from .engine.state import EngineConfig, length_denied
+from .engine.state import EngineConfig, admitted_uncapped
 from .errors import ConfigError
 from .policies import engine_policy
 from .predictors import ResidualLife, estimates
 from .traces.trace import Trace
-from .util import canonical_json
 from .workload import default_predictor
 
 HOURS_PER_YEAR = 8766   # 365.25 days
@@ -86,6 +84,10 @@ class PlanConfig:
         if int(self.workers) < 1:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
 
+    def usd_per_year(self, replicas: int) -> float:
+        """What ``replicas`` replicas cost a year at ``gpu_price_usd`` per GPU-hour."""
+        return replicas * self.gpus_per_replica * self.gpu_price_usd * HOURS_PER_YEAR
+
     def rows(self) -> list:
         routers = list(dict.fromkeys([REFERENCE[0], *self.routers]))
         policies = list(dict.fromkeys([REFERENCE[1], *self.policies]))
@@ -93,11 +95,6 @@ class PlanConfig:
         if self.shed:
             out += [PlanRow(r, p, True) for r in routers for p in policies]
         return out
-
-
-def admitted_uncapped(trace: Trace, max_model_len: int) -> np.ndarray:
-    rejected, capped = length_denied(trace.prompt_tokens, trace.output_tokens, max_model_len)
-    return ~(rejected | capped)
 
 
 def evaluate_row(trace: Trace, profile, engine: EngineConfig, row: PlanRow, R: int, units: int, B: int,
@@ -109,9 +106,8 @@ def evaluate_row(trace: Trace, profile, engine: EngineConfig, row: PlanRow, R: i
     pol = engine_policy(row.policy, shed_margin=0.0 if row.shed else None, t_ref_ms=t_ref_ms(trace))
     res = simulate_cluster(trace, profile, pol, engine, replicas=R, router=Router(row.router), estimates=est,
                            residual_life=residual_life, staleness_ms=staleness_ms)
-    rec = res.records()
-    ok = admitted_uncapped(trace, profile.max_model_len)
-    met = rec["met"][ok].astype(np.float64)
+    ok = admitted_uncapped(trace.prompt_tokens, trace.output_tokens, profile.max_model_len)
+    met = res.records()["met"][ok].astype(np.float64)
     groups = [g for g in np.array_split(met, min(units, max(1, met.size))) if g.size]
     per_unit = np.array([g.mean() for g in groups]) if groups else np.zeros(1)
     _, lo, hi = bootstrap_ci(per_unit, B=B, seed=seed, block=default_block(per_unit.size))
@@ -167,8 +163,7 @@ def search_row(cfg: PlanConfig, row: PlanRow, profile, engine, est=None, residua
             "replicas": found, "at": at, "evaluated": evaluated, "non_monotone": non_monotone,
             # the point meets the target but its CI reaches below it: the R is not certain
             "ci_below_target": bool(at is not None and at["ci95"][0] < cfg.target),
-            "usd_per_year": (found * cfg.gpus_per_replica * cfg.gpu_price_usd * HOURS_PER_YEAR
-                             if found is not None else None)}
+            "usd_per_year": cfg.usd_per_year(found) if found is not None else None}
 
 
 def _search_task(args):
@@ -199,26 +194,20 @@ def plan_capacity(cfg: PlanConfig, progress: bool = False) -> dict:
     est = estimates(cfg.trace, default_predictor())
     rl = ResidualLife.from_lengths(cfg.trace.output_tokens).table
     tasks = [(cfg, r, profile, cfg.engine, est, rl) for r in rows]
-    from tqdm.auto import tqdm
+    import contextlib
     import sys
-    bar = tqdm(total=len(rows), desc="plan rows", unit="row", disable=not progress, leave=False, file=sys.stderr)
-    try:
-        if cfg.workers > 1 and len(rows) > 1:
+
+    from tqdm.auto import tqdm
+    with contextlib.ExitStack() as stack:
+        searches = map(_search_task, tasks)
+        if cfg.workers > 1 and len(rows) > 1:   # (in task order: the same results as one process)
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor
-            with ProcessPoolExecutor(min(cfg.workers, len(rows)), mp_context=mp.get_context("spawn")) as ex:
-                results = []
-                for res in ex.map(_search_task, tasks):
-                    results.append(res)
-                    bar.update(1)
-        else:
-            results = []
-            for t in tasks:
-                bar.set_postfix_str(t[1].label)
-                results.append(_search_task(t))
-                bar.update(1)
-    finally:
-        bar.close()
+            ex = stack.enter_context(ProcessPoolExecutor(min(cfg.workers, len(rows)),
+                                                         mp_context=mp.get_context("spawn")))
+            searches = ex.map(_search_task, tasks)
+        results = list(tqdm(searches, total=len(rows), desc="plan rows", unit="row", disable=not progress,
+                            leave=False, file=sys.stderr))
     by = {(r["router"], r["policy"], r["shed"]): r for r in results}
     ref = by[REFERENCE]
 
@@ -229,26 +218,23 @@ def plan_capacity(cfg: PlanConfig, progress: bool = False) -> dict:
     def gain(r):
         if r is None:
             return None
-        if ref["replicas"] is None:   # the reference needs more than max_replicas: a lower bound
-            least = int(cfg.max_replicas) + 1
-            saved = least - r["replicas"]
-            return {"row": r["label"], "replicas": r["replicas"], "at_least": True, "replicas_saved": saved,
-                    "fraction_saved": saved / least,
-                    "usd_per_year_saved": saved * cfg.gpus_per_replica * cfg.gpu_price_usd * HOURS_PER_YEAR}
-        saved = ref["replicas"] - r["replicas"]
-        return {"row": r["label"], "replicas": r["replicas"], "at_least": False, "replicas_saved": saved,
-                "fraction_saved": saved / ref["replicas"],
-                "usd_per_year_saved": ref["usd_per_year"] - r["usd_per_year"]}
+        # (the reference needing more than max_replicas: a lower bound)
+        least = ref["replicas"] if ref["replicas"] is not None else int(cfg.max_replicas) + 1
+        saved = least - r["replicas"]
+        return {"row": r["label"], "replicas": r["replicas"], "at_least": ref["replicas"] is None,
+                "replicas_saved": saved, "fraction_saved": saved / least,
+                "usd_per_year_saved": (cfg.usd_per_year(saved) if ref["replicas"] is None
+                                       else ref["usd_per_year"] - r["usd_per_year"])}
     gains = {
         "router": gain(best([r for r in results if r["policy"] == "fcfs" and not r["shed"]])),
         "policy": gain(best([r for r in results if r["router"] == "round-robin"])),
         "both": gain(best(results)),
     }
-    inputs = plan_inputs(cfg, profile)
-    eid = hashlib.sha256(canonical_json(inputs).encode()).hexdigest()
+    from .evaluate.evidence import evidence_id
     from .traces.windows import empirical_rate_rps
-    n_ok = int(admitted_uncapped(cfg.trace, profile.max_model_len).sum())
-    return {"format": "tokenbatch-plan", "version": 1, "evidence_id": eid,
+    inputs = plan_inputs(cfg, profile)
+    n_ok = int(admitted_uncapped(cfg.trace.prompt_tokens, cfg.trace.output_tokens, profile.max_model_len).sum())
+    return {"format": "tokenbatch-plan", "version": 1, "evidence_id": evidence_id(inputs),
             "trace": {"name": cfg.trace.name, "digest": cfg.trace.digest, "requests": len(cfg.trace),
                       "rate_rps": float(empirical_rate_rps(cfg.trace)) if len(cfg.trace) > 1 else None,
                       "admitted_uncapped": n_ok},

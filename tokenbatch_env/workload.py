@@ -49,6 +49,7 @@ class WorkloadSpec:
     rate_scale: float = 1.0             # the native load: the trace's own rate times this
     slo_rule: Optional[str] = None      # an SLO rule named by the user: it sets every request's SLOs
     slo_seed: int = 0                   # its class draw's seed (unit i of a suite split: seed + i)
+    replicas: int = 1                   # a cluster's (docs/design.md section 12): lambda_sat x R replicas
 
     def __post_init__(self):
         if self.trace_split is not None and self.trace_split not in ("train", "validation", "test"):
@@ -207,6 +208,11 @@ class Workload:
         return [e[lo:hi].copy() for lo, hi, _, _ in self.windows]
 
 
+def _cluster_lambda(lam: float, src: str, replicas: int) -> tuple:
+    """A cluster's lambda_sat: the sum over its R replicas of one's (docs/design.md section 12)."""
+    return (lam, src) if replicas == 1 else (lam * replicas, f"{src} x {replicas} replicas")
+
+
 def _measure_lambda(traces, profile, engine) -> float:
     from .engine.saturation import measure_lambda_sat
     return float(measure_lambda_sat(list(traces)[:LAMBDA_SAT_TRACES], profile, engine))
@@ -270,6 +276,7 @@ def prepare_workload(spec, profile) -> Workload:
                    f"{train_split} traces: " + (f"the manifest has no entry for {profile.name}" if shipped else
                                                  f"the manifest's entry for {profile.name} is the shipped profile's, "
                                                  f"and this one differs from it"))
+        lam, src = _cluster_lambda(lam, src, cfg.replicas)
         rl = ResidualLife.from_lengths(np.concatenate([t.output_tokens for t in train])).table
         share = admitted_share(train, profile)
         t_ref = suite.t_ref_ns if cfg.slo_rule is None else float(np.median(np.concatenate(
@@ -316,6 +323,7 @@ def prepare_workload(spec, profile) -> Workload:
     lam = _measure_lambda(lam_units, profile, cfg.engine)
     src = f"measured (measure_lambda_sat, FCFS backlogged) on the {'train part' if cfg.trace_split else 'trace'}'s " \
           f"first {len(lam_units)} windows"
+    lam, src = _cluster_lambda(lam, src, cfg.replicas)
     # everything fitted comes from the train part (docs/design.md section 10, "No leakage")
     train = parts["train"][0]
     rl = ResidualLife.from_lengths(train.output_tokens).table

@@ -21,34 +21,31 @@ from . import kernel as K
 from .profiles import Profile
 from .outcomes import request_metrics
 from .simulate import EnginePolicy, EngineRun, SimResult, resolve_copies, request_columns
-from .state import NEVER, EngineConfig, capped_outputs
+from .state import EngineConfig, capped_outputs, slo_deadlines
 
 
 @dataclasses.dataclass(frozen=True)
 class RouterSpec:
-    """A router's kernel id and its parameters' defaults and tuning ranges (name: (default, lo, hi))."""
+    """A router's kernel id and its parameters' defaults (name: default; ``Router`` holds them)."""
 
     rid: int
     params: dict
-    doc: str
 
 
 #: the routers of docs/design.md section 12, by name (``first``: everything to the first replica
 #: that can serve the prompt, for the exactness tests only; not listed)
 ROUTERS = {
-    "round-robin": RouterSpec(CK.R_ROUND_ROBIN, {}, "replicas in turn"),
-    "random": RouterSpec(CK.R_RANDOM, {}, "uniform, from the shared counter-based stream"),
-    "least-outstanding": RouterSpec(CK.R_LEAST_OUTSTANDING, {}, "fewest routed and not ended (Vidur's LOR)"),
-    "jsq": RouterSpec(CK.R_JSQ, {}, "fewest waiting (queued, and routed since the last boundary)"),
-    "least-kv": RouterSpec(CK.R_LEAST_KV, {}, "most free KV blocks"),
-    "po2": RouterSpec(CK.R_PO2, {}, "two random replicas, the one with fewer outstanding"),
-    "prefix-affinity": RouterSpec(CK.R_PREFIX_AFFINITY, {"alpha": (0.5, 0.0, 4.0), "beta": (8.0, 0.0, 64.0)},
-                                  "longest cached prefix unless outstanding > (1 + alpha) x least + beta"),
-    "least-predicted-ttft": RouterSpec(CK.R_LEAST_PREDICTED_TTFT, {},
-                                       "shortest predicted idle-prefill wait for the request"),
+    "round-robin": RouterSpec(CK.R_ROUND_ROBIN, {}),
+    "random": RouterSpec(CK.R_RANDOM, {}),
+    "least-outstanding": RouterSpec(CK.R_LEAST_OUTSTANDING, {}),
+    "jsq": RouterSpec(CK.R_JSQ, {}),
+    "least-kv": RouterSpec(CK.R_LEAST_KV, {}),
+    "po2": RouterSpec(CK.R_PO2, {}),
+    "prefix-affinity": RouterSpec(CK.R_PREFIX_AFFINITY, {"alpha": 0.5, "beta": 8.0}),
+    "least-predicted-ttft": RouterSpec(CK.R_LEAST_PREDICTED_TTFT, {}),
 }
 ROUTER_NAMES = tuple(ROUTERS)
-_TEST_ROUTERS = {"first": RouterSpec(CK.R_FIRST, {}, "everything to the first replica that can serve it")}
+_TEST_ROUTERS = {"first": RouterSpec(CK.R_FIRST, {})}
 #: the routers that read the replicas' state (the others read only their own counters and streams)
 _READS_STATE = (CK.R_JSQ, CK.R_LEAST_KV, CK.R_PREFIX_AFFINITY, CK.R_LEAST_PREDICTED_TTFT)
 
@@ -80,11 +77,8 @@ class Router:
     @property
     def label(self) -> str:
         """The name, with the parameters that differ from their defaults."""
-        extra = [f"{k}={getattr(self, k):g}" for k, (d, _, _) in self.spec.params.items() if getattr(self, k) != d]
+        extra = [f"{k}={getattr(self, k):g}" for k, d in self.spec.params.items() if getattr(self, k) != d]
         return self.name + (f"({','.join(extra)})" if extra else "")
-
-    def params(self) -> dict:
-        return {k: getattr(self, k) for k in self.spec.params}
 
 
 def resolve_router(router: Union[str, Router]) -> Router:
@@ -94,14 +88,14 @@ def resolve_router(router: Union[str, Router]) -> Router:
 def replica_profiles(profile, replicas: Optional[int]) -> list:
     """One profile (name or Profile) per replica: ``profile`` a list of them, or one for all
     ``replicas``. Raises ``ConfigError`` for R < 1 or a list of the wrong length."""
+    if replicas is not None and (isinstance(replicas, bool) or int(replicas) < 1):
+        raise ConfigError(f"replicas must be >= 1, got {replicas}")
     if isinstance(profile, (list, tuple)):
         if replicas is not None and len(profile) != replicas:
             raise ConfigError(f"replica profiles: got {len(profile)} for {replicas} replicas")
         profiles = list(profile)
     else:
         profiles = [profile] * (1 if replicas is None else replicas)
-    if replicas is not None and (isinstance(replicas, bool) or int(replicas) < 1):
-        raise ConfigError(f"replicas must be >= 1, got {replicas}")
     if not profiles:
         raise ConfigError("a cluster needs at least one replica")
     return profiles
@@ -141,7 +135,7 @@ class ClusterResult:
         k = np.maximum(self.row, 0)
         out = np.flatnonzero(self.route < 0)
         mml = max(p.max_model_len for p in self.profiles)
-        room_len = _capped(t.prompt_tokens[out], t.output_tokens[out], mml)
+        room_len = _capped(t.prompt_tokens[out], t.output_tokens[out], mml)[0]
 
         rec = request_columns(A, lambda a: np.asarray(a)[c, k].copy(), np.arange(len(t)))
         if len(out):   # rejected at the router: recorded as the engine records a prompt it cannot serve
@@ -177,9 +171,11 @@ class ClusterResult:
         }
 
 
-def _capped(prompt, output, max_model_len) -> np.ndarray:
-    """Rule 8's output lengths (``state.capped_outputs``, called as the engine calls it: 2-D)."""
-    return capped_outputs(np.array(prompt, np.int64)[None], np.array(output, np.int64)[None], max_model_len)[0][0]
+def _capped(prompt, output, max_model_len) -> tuple:
+    """Rule 8's (output lengths, length-capped) (``state.capped_outputs``, called as the engine calls
+    it: 2-D)."""
+    out, capped = capped_outputs(np.array(prompt, np.int64)[None], np.array(output, np.int64)[None], max_model_len)
+    return out[0], capped[0]
 
 
 def _key(trace: Trace) -> tuple:
@@ -191,11 +187,14 @@ def _key(trace: Trace) -> tuple:
 ROW_SLACK = 64
 
 
-def _run_cluster(trace, profiles, policy, config, R, router, stale, est, residual_life, guard, width, H, U, n_uniq,
-                 g_arrival, g_prompt, g_output, g_prio, g_coff, g_cval, g_room, key):
-    """One run of the compiled cluster loop with replicas of ``width`` rows, ``H`` chain ids and ``U``
-    hash ids each: (its result, the run, route, row, kernel args); result -3: a replica was full."""
-    N = len(trace)
+def _run_cluster(trace, profiles, policy, config, router, guard, residual_life, est, table, sizes, stale_ns, key):
+    """One run of the compiled cluster loop over the cluster's request table ``table`` (its columns
+    for ``run_cluster_kernel``, then the dense chain ids' count), each replica with ``sizes`` = (rows,
+    chain ids, unique hash ids): (its result, the run, route, row, kernel args); result -3: a replica
+    was full."""
+    N, R = len(trace), len(profiles)
+    width, H, U = sizes
+    g_arrival, g_prompt, g_out, g_capped, g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, n_uniq = table
     head = trace.subset(slice(0, max(1, width))) if N else trace
     run = EngineRun([head] * R, profiles, policy, config, residual_life=residual_life,
                     estimates=None if est is None else [est[:len(head)]] * R)
@@ -203,34 +202,29 @@ def _run_cluster(trace, profiles, policy, config, R, router, stale, est, residua
         run.set_guard(slice(None), guard[0], guard[1])
     run.cfg[:, K.C_STOP_IDLE] = 1   # (a replica's iteration at t waits for the other arrivals at t)
     A = run.arrays = run.arrays._replace(chain_val=np.zeros((R, max(1, H)), np.int64),
-                                         hash_head=np.full((R, max(1, U)), -1, np.int32))
-    g_t1 = np.full(N, NEVER // 4, np.int64) if not trace.has_slos else np.array(trace.ttft_slo_ns, np.int64)
-    g_t2 = np.full(N, NEVER // 4, np.int64) if not trace.has_slos else np.array(trace.tpot_slo_ns, np.int64)
-    g_est = np.full(N, np.nan) if est is None else np.array(est, np.float64)
+                                         hash_head=np.full((R, max(1, U + n_uniq)), -1, np.int32))
     # the replicas start with no rows: the router appends them
     A.n_req[:] = 0
     A.chain_off[:] = 0
-    A.now[:] = g_arrival[0] if N else 0
+    A.now[:] = trace.arrival_ns[0] if N else 0
     route = np.full(N, -1, np.int64)
     row = np.full(N, -1, np.int64)
-    view = np.zeros((R, CK.N_VIEW), np.int64)
-    # (staleness delays only what routers read of the replicas' state: the others keep their counters)
-    stale_ns = int(round(stale * 1e6)) if router.spec.rid in _READS_STATE else 0
     # the views read at t - S and not yet used: at most the arrivals within S of one another, plus one
     ring = 1 if stale_ns == 0 or N == 0 else int(
-        (np.arange(N) - np.searchsorted(g_arrival, g_arrival - stale_ns, side="left")).max()) + 2
-    snap = np.zeros((ring, R, CK.N_VIEW), np.int64)
-    snap_hits = np.zeros((ring, R), np.int64)
+        (np.arange(N) - np.searchsorted(trace.arrival_ns, trace.arrival_ns - stale_ns, side="left")).max()) + 2
     rpar = np.zeros(CK.N_RPAR)
     rpar[CK.RP_ALPHA], rpar[CK.RP_BETA], rpar[CK.RP_SEED] = router.alpha, router.beta, router.seed
     active = np.zeros(R, np.bool_)
     claim = np.zeros(1, np.int64)
     until = np.zeros(R, np.int64)
+    mmls = sorted({p.max_model_len for p in run.profiles})
+    mml_of = np.array([mmls.index(p.max_model_len) for p in run.profiles], np.int64)
     kargs = K.kernel_args(A, run.cfg, run.fcfg, run.theta, run.shed_margin, run.mrl, run.tier, run.score, active,
                           1 << 62, until, claim=claim)
     total = CK.run_cluster_kernel(
-        router.spec.rid, rpar, key[0], key[1], stale_ns, g_arrival, g_prompt, g_output, g_prio, g_t1, g_t2, g_est,
-        g_coff, g_cval, g_room, np.full(R, n_uniq, np.int64), route, row, view, snap, snap_hits,
+        router.spec.rid, rpar, key[0], key[1], stale_ns, g_arrival, g_prompt, g_out, g_capped, mml_of, g_prio, g_t1,
+        g_t2, g_est, g_coff, g_cval, g_room, np.full(R, n_uniq, np.int64), route, row,
+        np.zeros((R, CK.N_VIEW), np.int64), np.zeros((ring, R, CK.N_VIEW), np.int64), np.zeros((ring, R), np.int64),
         np.zeros(R, np.int64), np.zeros(1, np.int64),
         run.cfg, A.n_req, A.arrival, A.prompt, A.out_len, A.prio, A.capped, A.t1, A.t2, A.est, A.chain_off,
         A.chain_val, A.uniq_base, A.now, A.it, A.next_arr, A.n_ended, A.n_run, A.n_wait, A.n_swap, A.n_pend,
@@ -268,26 +262,33 @@ def simulate_cluster(trace: Trace, profile: Union[str, Profile, Sequence[Union[s
         from ..traces.blocks import at_block_size
         trace = at_block_size(trace, bs)
     N = len(trace)
-    # the cluster's request table: the trace's columns, its chains' dense ids, each request's room of
-    # unique block ids (writable copies: a read-only array would compile other variants)
+    # the cluster's request table: the trace's columns (writable copies: a read-only array would
+    # compile other variants), each replica context length's output lengths and caps (rule 8), the
+    # deadlines as the engine holds them, its chains' dense ids and each request's room of unique
+    # block ids
     g_arrival, g_prompt, g_output, g_prio = (np.array(a, np.int64) for a in (
         trace.arrival_ns, trace.prompt_tokens, trace.output_tokens, trace.priority))
+    mmls = sorted({p.max_model_len for p in resolved})
+    caps = [_capped(g_prompt, g_output, m) for m in mmls]
+    g_out = np.stack([o for o, _ in caps])
+    g_t1, g_t2 = (np.array(d, np.int64) for d in slo_deadlines(trace))
+    g_est = np.full(N, np.nan) if est_all is None else np.array(est_all, np.float64)
     n_uniq, inv = trace.prefix_ids()
     g_coff = np.array(trace.prefix_offsets, np.int64)
-    g_cval = np.array(inv, np.int64)
     chain_len = np.diff(g_coff)
-    out_max = _capped(g_prompt, g_output, max(p.max_model_len for p in resolved))
-    g_room = (g_prompt + out_max + bs - 1) // bs + 1 - chain_len
+    g_room = (g_prompt + g_out.max(axis=0) + bs - 1) // bs + 1 - chain_len
+    table = (g_arrival, g_prompt, g_out, np.stack([c for _, c in caps]), g_prio, g_t1, g_t2, g_est, g_coff,
+             np.array(inv, np.int64), g_room, n_uniq)
+    # (staleness delays only what routers read of the replicas' state: the others keep their counters)
+    stale_ns = int(round(stale * 1e6)) if router.spec.rid in _READS_STATE else 0
     # each replica's rows, chain ids and hash ids: twice its even share (and more, run again, when a
     # router sends a replica more than that)
     share = [(N, 0), (int(chain_len.sum()), int(chain_len.max(initial=0))), (int(g_room.sum()),
                                                                              int(g_room.max(initial=0)))]
     sizes = [min(tot, 2 * -(-tot // R) + top + ROW_SLACK) for tot, top in share]
     while True:
-        width, H, U = sizes
-        total, run, route, row, kargs = _run_cluster(
-            trace, profile_list, policy, config, R, router, stale, est_all, residual_life, guard, width, H, U + n_uniq,
-            n_uniq, g_arrival, g_prompt, g_output, g_prio, g_coff, g_cval, g_room, key)
+        total, run, route, row, kargs = _run_cluster(trace, profile_list, policy, config, router, guard,
+                                                     residual_life, est_all, table, sizes, stale_ns, key)
         if total != -3:
             break
         if sizes == [tot for tot, _ in share]:

@@ -190,16 +190,21 @@ def pending_frees(c, n_pend, pend_ids, table, slot_of, held, ref):
 
 
 @njit
-def replica_view(c, t, now, it, n_req, next_arr, n_run, n_wait, n_swap, n_pend, n_free, n_ended, epoch, status,
-                 prompt, gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, want_queued, out):
-    """``out[V_*]`` of replica c at t: its state at its last iteration boundary <= t (as scheduled, for
-    an iteration in flight), ``V_SINCE_*`` its rows not yet visible to it (routed since that
-    boundary), ``V_NEXT`` the first of them. ``V_OUT`` (outstanding) is completed by the caller."""
-    inflight = now[c] > t and it[c] > 0   # (a replica that never ran holds its first arrival's time)
-    if inflight:
+def in_flight(c, t, now, it):
+    """Replica c has an iteration in flight across t (a replica that never ran holds its first
+    arrival's time, not an iteration's end)."""
+    return now[c] > t and it[c] > 0
+
+
+@njit
+def replica_view(c, t, now, it, next_arr, n_run, n_wait, n_swap, n_pend, n_free, epoch, status, prompt, gen,
+                 computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, want_queued, out):
+    """The state part of ``out[V_*]`` of replica c at t: its state at its last iteration boundary <= t
+    (as scheduled, for an iteration in flight), and ``V_NEXT``, its first row not yet visible to it
+    (``router_counters`` fills the router's own counters)."""
+    if in_flight(c, t, now, it):
         out[V_RUN] = epoch[c, K.EP_V_RUN]
         out[V_FREE] = epoch[c, K.EP_V_FREE]
-        out[V_OUT] = epoch[c, K.EP_V_ENDED]     # (ended, seen at t)
         out[V_REM] = now[c] - t
     else:
         out[V_RUN] = n_run[c] - n_pend[c]       # (async: those that finished at this boundary have ended)
@@ -207,15 +212,9 @@ def replica_view(c, t, now, it, n_req, next_arr, n_run, n_wait, n_swap, n_pend, 
         if n_pend[c] > 0 and now[c] < t:
             # an idle async replica: its last schedule (at its last end, before t) freed them
             out[V_FREE] += pending_frees(c, n_pend, pend_ids, table, slot_of, held, ref)
-        out[V_OUT] = n_ended[c]
         out[V_REM] = 0
     out[V_WAIT] = n_wait[c] + n_swap[c]
     out[V_NEXT] = next_arr[c]
-    out[V_SINCE_N] = n_req[c] - next_arr[c]
-    tok = 0
-    for k in range(next_arr[c], n_req[c]):
-        tok += prompt[c, k]
-    out[V_SINCE_TOK] = tok
     q = 0
     if want_queued:
         for k in range(n_wait[c]):
@@ -227,6 +226,20 @@ def replica_view(c, t, now, it, n_req, next_arr, n_run, n_wait, n_swap, n_pend, 
             if status[c, r] != K.ENDED and (gen[c, r] == 0 or left > 1):
                 q += left
     out[V_QUEUED] = q
+
+
+@njit
+def router_counters(c, t, now, it, n_req, n_ended, epoch, prompt, out):
+    """The router's own counters for replica c at t, into ``out``: outstanding (routed less the ends
+    seen at boundaries <= t), and the requests and prompt tokens routed since the view was read (its
+    rows from ``out[V_NEXT]`` on)."""
+    ended = epoch[c, K.EP_V_ENDED] if in_flight(c, t, now, it) else n_ended[c]
+    out[V_OUT] = n_req[c] - ended
+    out[V_SINCE_N] = n_req[c] - out[V_NEXT]
+    tok = 0
+    for k in range(out[V_NEXT], n_req[c]):
+        tok += prompt[c, k]
+    out[V_SINCE_TOK] = tok
 
 
 @njit
@@ -251,16 +264,18 @@ def _advance(t, R, cfg_rows, n_req, now, it, n_ended, active, claim, until_ns, k
 
 
 @njit
-def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, g_output, g_prio, g_t1, g_t2, g_est,
-                       g_coff, g_cval, g_room, u_next, route, row, view, snap, snap_hits, pred, rstate,
+def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, g_out, g_capped, mml_of, g_prio, g_t1,
+                       g_t2, g_est, g_coff, g_cval, g_room, u_next, route, row, view, snap, snap_hits, pred, rstate,
                        cfg_rows, n_req, arrival, prompt, out_len, prio, capped, t1, t2, est, chain_off, chain_val,
                        uniq_base, now, it, next_arr, n_ended, n_run, n_wait, n_swap, n_pend, n_free, status, gen,
                        computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, hash_head, epoch, active,
                        claim, until_ns, *kargs):
     """Route every request of the cluster's table (``g_*``, in arrival order) and run the replicas to
-    the end. ``route[i]`` is the replica request i went to (-1: no replica can serve its prompt:
-    rejected at the router), ``row[i]`` its row there. ``kargs``: ``kernel.kernel_args`` of the
-    replicas' struct of arrays, the arrays named before it being the same objects. A replica's
+    the end; replica c's output lengths and length caps are row ``mml_of[c]`` of ``g_out``/``g_capped``
+    (one per distinct max_model_len, rule 8). ``route[i]`` is the replica request i went to (-1: no
+    replica can serve its prompt: rejected at the router), ``row[i]`` its row there. ``kargs``:
+    ``kernel.kernel_args`` of the replicas' struct of arrays, the arrays named before it being the
+    same objects. A replica's
     unique block ids are its own (``u_next[c]``, the next free one; request i takes ``g_room[i]``),
     so each replica's rows, chains and hash table are sized for its share of the trace. Returns the
     iterations run, ``_advance``'s error code, or -3 when a replica's rows, chain ids or hash ids
@@ -284,9 +299,9 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
                 return done
             total += done
             for c in range(R):
-                replica_view(c, ts, now, it, n_req, next_arr, n_run, n_wait, n_swap, n_pend, n_free, n_ended, epoch,
-                             status, prompt, gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref,
-                             want_q, snap[a_snap % ring, c])
+                replica_view(c, ts, now, it, next_arr, n_run, n_wait, n_swap, n_pend, n_free, epoch, status, prompt,
+                             gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, want_q,
+                             snap[a_snap % ring, c])
                 snap_hits[a_snap % ring, c] = 0
                 if want_hits and cfg_rows[c, K.C_PREFIX] != 0:
                     snap_hits[a_snap % ring, c] = request_hits(hash_head, c, g_coff, g_cval, g_prompt[a_snap], a_snap,
@@ -310,27 +325,17 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
             continue
         for c in range(R):
             v = view[c]
-            if stale_ns > 0:
-                # the replica's state read at t - S, the router's counters at t: the rows routed since
-                # the state was read are those from its first not-yet-visible row on
-                ended_now = epoch[c, K.EP_V_ENDED] if now[c] > t and it[c] > 0 else n_ended[c]
+            if stale_ns > 0:   # the replica's state as read at t - S
                 for j in range(N_VIEW):
                     v[j] = snap[a % ring, c, j]
                 v[V_HITS] = snap_hits[a % ring, c]
-                v[V_OUT] = n_req[c] - ended_now
-                v[V_SINCE_N] = n_req[c] - v[V_NEXT]
-                tok = 0
-                for k in range(v[V_NEXT], n_req[c]):
-                    tok += prompt[c, k]
-                v[V_SINCE_TOK] = tok
             else:
-                replica_view(c, t, now, it, n_req, next_arr, n_run, n_wait, n_swap, n_pend, n_free, n_ended, epoch,
-                             status, prompt, gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref,
-                             want_q, v)
-                v[V_OUT] = n_req[c] - v[V_OUT]
+                replica_view(c, t, now, it, next_arr, n_run, n_wait, n_swap, n_pend, n_free, epoch, status, prompt,
+                             gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, want_q, v)
                 v[V_HITS] = 0
                 if want_hits and cfg_rows[c, K.C_PREFIX] != 0:
                     v[V_HITS] = request_hits(hash_head, c, g_coff, g_cval, p, a, bs)
+            router_counters(c, t, now, it, n_req, n_ended, epoch, prompt, v)   # (at t, stale or not)
             if want_q:
                 cap = cfg_rows[c, K.C_BUDGET]
                 if 0 < cfg_rows[c, K.C_THRESHOLD] < cap:
@@ -349,11 +354,8 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
             return -3
         arrival[c, k] = t
         prompt[c, k] = p
-        room = cfg_rows[c, K.C_MAX_LEN] - p
-        if room < 1:
-            room = 1
-        out_len[c, k] = g_output[a] if g_output[a] < room else room
-        capped[c, k] = g_output[a] > room
+        out_len[c, k] = g_out[mml_of[c], a]
+        capped[c, k] = g_capped[mml_of[c], a]
         prio[c, k] = g_prio[a]
         t1[c, k] = g_t1[a]
         t2[c, k] = g_t2[a]
@@ -375,6 +377,5 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
     return total + done
 
 
-guard_stale_cache([_mul32, _fmix32, stream_u32, _pick, choose, request_hits, pending_frees, replica_view,
-                   _advance,
-                   run_cluster_kernel], tag="cluster")
+guard_stale_cache([_mul32, _fmix32, stream_u32, _pick, choose, request_hits, pending_frees, in_flight,
+                   replica_view, router_counters, _advance, run_cluster_kernel], tag="cluster")

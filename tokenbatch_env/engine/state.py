@@ -247,12 +247,31 @@ def capped_outputs(prompt, output, max_model_len):
     return np.minimum(output, room), output > room
 
 
+#: the T1 and T2 (ns) the engine gives a request without SLOs: deadlines that never bind
+NO_SLO_NS = NEVER // 4
+
+
+def slo_deadlines(trace: Trace) -> tuple:
+    """(T1, T2) per request of ``trace`` as the engine holds them (ns): its SLOs, or ``NO_SLO_NS``
+    for a trace without SLOs (in-engine scores and shedding need a T1)."""
+    if trace.has_slos:
+        return trace.ttft_slo_ns, trace.tpot_slo_ns
+    none = np.full(len(trace), NO_SLO_NS, np.int64)
+    return none, none
+
+
 def length_denied(prompt, output, max_model_len) -> tuple:
     """Rule 8 as masks over requests: (rejected at arrival, prompt >= max_model_len; length-capped,
     admitted but prompt + output > max_model_len), as ``capped_outputs`` and the kernel decide."""
     p, o = np.asarray(prompt, np.int64), np.asarray(output, np.int64)
     rejected = p >= max_model_len
     return rejected, ~rejected & (p + o > max_model_len)
+
+
+def admitted_uncapped(prompt, output, max_model_len) -> np.ndarray:
+    """The requests rule 8 neither rejects nor length-caps (the denominator of the goodput no policy
+    is denied by the context limit, docs/design.md section 10)."""
+    return ~np.logical_or(*length_denied(prompt, output, max_model_len))
 
 
 @njit
@@ -320,8 +339,8 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
             out_len[c:c + 1], capped[c:c + 1] = capped_outputs(prompt[c:c + 1], output[c:c + 1], int(mml[c]))
     prio = pad(lambda t: t.priority)
     # traces without SLOs: deadlines never bind (in-engine scores and shedding need T1)
-    t1 = pad(lambda t: t.ttft_slo_ns if t.has_slos else np.full(len(t), NEVER // 4), NEVER // 4)
-    t2 = pad(lambda t: t.tpot_slo_ns if t.has_slos else np.full(len(t), NEVER // 4), NEVER // 4)
+    t1 = pad(lambda t: slo_deadlines(t)[0], NO_SLO_NS)
+    t2 = pad(lambda t: slo_deadlines(t)[1], NO_SLO_NS)
     est = np.full((C, R), np.nan)
     if estimates is not None:
         if len(estimates) != C:

@@ -204,8 +204,8 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
     # admitted, uncapped scored requests (docs/design.md section 10): the denominator of the
     # goodput no policy is denied by the engine's length limit
     adm = wl.admission(profile.max_model_len)
-    from ..engine.state import length_denied
-    ok_len = [~np.logical_or(*length_denied(u.prompt_tokens[m], u.output_tokens[m], profile.max_model_len))
+    from ..engine.state import admitted_uncapped
+    ok_len = [admitted_uncapped(u.prompt_tokens[m], u.output_tokens[m], profile.max_model_len)
               for u, m in zip(wl.units, wl.scored)]
     n_ok = int(sum(int(k.sum()) for k in ok_len))
     limits = None

@@ -23,7 +23,8 @@ from .config import BenchConfig
 
 def bench_workload(cfg: BenchConfig, profile) -> Workload:
     """The workload of ``cfg`` for ``profile``: ``prepare_workload`` itself for a single engine; in
-    cluster mode the windows and the load scaled to R replicas (module docstring), said in its notes."""
+    cluster mode the windows scaled to R replicas (``prepare_workload`` scales the load: the spec's
+    ``replicas``; module docstring), said in its notes."""
     if not cfg.cluster:
         return prepare_workload(cfg, profile)
     R = cfg.replicas
@@ -38,11 +39,6 @@ def bench_workload(cfg: BenchConfig, profile) -> Workload:
             raise
         raise ConfigError(f"{e} (cluster of {R} replicas: windows of --windows {cfg.windows} x {R} = "
                           f"{spec.windows} scored requests)") from None
-    wl.lambda_sat *= R
-    wl.lambda_sat_source = f"{wl.lambda_sat_source} x {R} replicas"
-    if wl.native_rho is not None:   # (the trace's own timestamps: the same rate, R times the capacity)
-        wl.native_rho = float(wl.rate_scale) * wl.nominal_rps * wl.admitted_share / wl.lambda_sat
-    wl.__dict__.pop("_loads_fit", None)
     note = (f"cluster of {R} replicas behind {'each of ' if len(cfg.routers) > 1 else ''}{', '.join(cfg.routers)}"
             + (f" (metrics staleness {cfg.metrics_staleness_ms:g} ms)" if cfg.metrics_staleness_ms else "")
             + f": rho = admitted arrival rate / ({R} x lambda_sat)")
