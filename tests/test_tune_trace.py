@@ -198,3 +198,19 @@ def test_validation_keeps_the_best_warm_start_unless_clearly_beaten():
     assert c3["vs_best_warm_start"]["ci95"][0] > 0 and not c3["warm_start"]
     c4 = next(c for c in kept["validation"]["candidates"] if c["number"] == 4)
     assert c4["warm_start"] and not c4["named_member"] and "vs_best_warm_start" in c4
+
+
+def test_the_objective_scores_a_windows_requests_only(tuned):
+    """On a trace, the tuning objective of a config is the benchmark's goodput of the same row on the
+    same windows: the warm-up and cool-down requests around each window are simulated, not scored."""
+    from tokenbatch_env import evaluate as ev
+    cfg, _ = tuned
+    obj = T.TrainObjective(cfg, "test")
+    got = obj.goodput_per_unit("edf+shed", [{"shed_margin": 0.5}])[0]
+    rep = ev.run_benchmark(ev.BenchConfig(**cfg.workload_kwargs("test"), profile=cfg.profile, policies=("edf",),
+                                          shed=True, shed_margins=(("edf", 0.5),), loads=(), native_load=True,
+                                          bootstrap_b=200, upper_bound=False))
+    row = next(r for r in rep.data["loads"][0]["rows"] if r["label"] == "edf+shed")
+    assert row["goodput_per_unit"] == pytest.approx(got.tolist(), rel=1e-12)
+    unscored = [(~m).sum() for m in obj.scored]
+    assert min(unscored) > 0   # (else the test could not tell)

@@ -693,7 +693,7 @@ def test_weights_batch_equals_separate_runs_and_bucket_units():
     assert np.array_equal(G[0], obj._run("sjf+shed", [{"shed_margin": 0.0}], np.arange(3))[0])
     ic = [{"index": {}, "shed_margin": 0.5}]
     assert np.array_equal(obj.evaluate("index@rho1.2", ic), obj.evaluate(T.INDEX_ROW, ic))
-    units15, est15 = obj.units_of("index@rho1.5")
+    units15, est15, _ = obj.units_of("index@rho1.5")
     assert len(units15) == 3 and all(a.arrival_ns[-1] > b.arrival_ns[-1] for a, b in zip(obj.units, units15))
     assert all(np.array_equal(a, b) for a, b in zip(est15, obj.est))        # same length estimates (CRN)
     assert not np.array_equal(obj.evaluate("index@rho1.5", ic), obj.evaluate(T.INDEX_ROW, ic))

@@ -146,6 +146,22 @@ def cluster_kwargs(args) -> dict:
     return kw
 
 
+def routed_fields(path: str, cluster: dict) -> dict:
+    """``BenchConfig.routed`` from a cluster tuning's ``--params`` file (``params.load_routed``): the
+    rows behind the benchmarked routers; {} for a file without them. A file tuned for another
+    replica count gets a warning (its values are the nearest there are)."""
+    from .evaluate.config import DEFAULT_ROUTER
+    from .params import load_routed
+    rd = load_routed(path)
+    if rd is None:
+        return {}
+    routers = cluster.get("routers", (DEFAULT_ROUTER,))
+    if rd["replicas"] != cluster["replicas"]:
+        print(f"warning: --params {path}: tuned on {rd['replicas']} replicas, benchmarked on {cluster['replicas']}",
+              file=sys.stderr)
+    return {"routed": tuple((label, rr) for label, rr in rd["routed"] if label.split(" x ", 1)[0] in routers)}
+
+
 def config_from_args(args):
     from .engine.profiles import load_profile
     from .evaluate import BenchConfig
@@ -181,6 +197,8 @@ def config_from_args(args):
             # --budget-rule none leaves them out
             for k, v in guard_fields(args.params).items():
                 kw.setdefault(k, v)
+        if cluster.get("replicas", 1) > 1:   # a cluster tuning's rows, router by router
+            kw.update(routed_fields(args.params, cluster))
         dep = load_deployment(args.params)
         if dep is not None:
             kw["params_deployment"] = dep

@@ -17,6 +17,7 @@ sections 6 and 7).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -24,10 +25,10 @@ from typing import Optional
 
 from .errors import ConfigError, PolicyError
 
-__all__ = ["GUARD_KEY", "LEVERS_KEY", "PARAMS_INFO_KEYS", "ROBUST_FILE", "ROBUST_FORMAT", "SCHEDULE_KEY", "T_REF_MODES",
-           "check_row_levers", "deployment_of", "deployment_warnings", "levers_for", "load_deployment",
-           "load_guard_params", "load_levers", "load_params_file", "load_robust_defaults", "load_schedule",
-           "load_weights", "profile_sha256"]
+__all__ = ["CLUSTER_KEY", "GUARD_KEY", "LEVERS_KEY", "PARAMS_INFO_KEYS", "ROBUST_FILE", "ROBUST_FORMAT", "RoutedRow",
+           "SCHEDULE_KEY", "T_REF_MODES", "check_row_levers", "deployment_of", "deployment_warnings", "levers_for",
+           "load_deployment", "load_guard_params", "load_levers", "load_params_file", "load_robust_defaults",
+           "load_routed", "load_schedule", "load_weights", "profile_sha256"]
 
 #: how a parameters file's T_ref is set (docs/design.md section 10, "Units travel with parameters"):
 #: "fixed" = the T_ref of the deployment it was tuned on, in the file; "trace" = the median T1 of the
@@ -43,6 +44,23 @@ LEVERS_KEY = "levers"
 #: the params-file key of the ``<row>+tpot-guard`` rows' own policy parameters, tuned with u and B_min
 #: (docs/design.md section 11): the index's and the shed margins, in the top level's shape
 GUARD_KEY = "tpot-guard"
+#: the params-file key of a cluster's rows tuned router by router (``tokenbatch tune --replicas R``,
+#: docs/design.md section 12): {"replicas": R, "routers": [...], "rows": {"<router> x <row>": {"index":
+#: {...}, "shed_margin": x, "levers": {flag: value}, "router": {param: value}}}}
+CLUSTER_KEY = "cluster"
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedRow:
+    """One cluster row's own tuned values (docs/design.md section 12: a row is router x policy x
+    levers; ``tokenbatch tune --replicas R`` tunes each): the index's parameters (None: the
+    benchmark's), the shed margin (None: the benchmark's), vLLM's levers and the router's parameters
+    (``(("alpha", a), ("beta", b))``). ``evaluate.BenchConfig.routed`` maps ``"<router> x <row>"`` to it."""
+
+    index_params: object = None
+    shed_margin: Optional[float] = None
+    levers: tuple = ()
+    router_params: tuple = ()
 
 
 def load_params_file(path: str, what: str = "--params") -> tuple:
@@ -63,7 +81,7 @@ def load_params_file(path: str, what: str = "--params") -> tuple:
     if not isinstance(d, dict):
         raise ConfigError(f"{what} {path}: expected a JSON object")
     valid = ["index", "shed_margin", *[b for b in BASELINES if b != "index"], SCHEDULE_KEY, LEVERS_KEY, GUARD_KEY,
-             *PARAMS_INFO_KEYS]
+             CLUSTER_KEY, *PARAMS_INFO_KEYS]
     unknown = sorted(k for k in d if k not in valid and not k.startswith("_"))
     if d.get("format") == ROBUST_FORMAT:
         raise ConfigError(f"{what} {path}: a robust-defaults file, not a parameters file: give it as --defaults FILE")
@@ -142,6 +160,47 @@ def load_levers(path: str, what: str = "--params") -> tuple:
     """The rows' tuned levers in a ``--params`` file (``BenchConfig.levers``), () when it has none."""
     load_params_file(path, what)
     return check_row_levers(json.loads(Path(path).read_text()).get(LEVERS_KEY, {}))
+
+
+def load_routed(path: str, what: str = "--params") -> Optional[dict]:
+    """A ``--params`` file's cluster part (``CLUSTER_KEY``) -> {"replicas": R, "routers": (...),
+    "routed": (("<router> x <row>", RoutedRow), ...)} (``BenchConfig.routed``), or None when it has
+    none. Errors name the file and the row."""
+    from .engine.cluster import ROUTERS, Router
+    from .policies import IndexParams, check_shed_margin
+    load_params_file(path, what)
+    d = json.loads(Path(path).read_text()).get(CLUSTER_KEY)
+    if d is None:
+        return None
+    where = f"{what} {path}: {CLUSTER_KEY}"
+    if not isinstance(d, dict) or not isinstance(d.get("rows"), dict):
+        raise ConfigError(f"{where}: expected {{\"replicas\": R, \"routers\": [...], \"rows\": {{...}}}}")
+    R = d.get("replicas")
+    if isinstance(R, bool) or not isinstance(R, int) or R < 2:
+        raise ConfigError(f"{where}: replicas must be an integer >= 2, got {R!r}")
+    routed = []
+    for label, v in sorted(d["rows"].items()):
+        router, sep, plain = label.partition(" x ")
+        if not sep or router not in ROUTERS:
+            raise ConfigError(f"{where}: row {label!r} is not '<router> x <row>' with a known router")
+        extra = sorted(set(v) - {"index", "shed_margin", "levers", "router"}) if isinstance(v, dict) else None
+        if extra is None or extra:
+            raise ConfigError(f"{where}: row {label!r} must be an object with keys among index, shed_margin, "
+                              "levers, router" + (f" (unknown: {', '.join(extra)})" if extra else ""))
+        try:
+            ip = IndexParams.from_dict(v["index"]) if "index" in v else None
+            m = v.get("shed_margin")
+            m = None if m is None else check_shed_margin(math.inf if m == "inf" else m)
+            rp = v.get("router", {})
+            if not isinstance(rp, dict) or set(rp) - set(ROUTERS[router].params):
+                raise ConfigError(f"router: {rp!r}; {router}'s parameters: "
+                                  f"{', '.join(ROUTERS[router].params) or 'none'}")
+            Router(router, **rp)
+            lv = check_row_levers({plain: v.get("levers", {})}) if v.get("levers") else ()
+        except (ConfigError, PolicyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: row {label!r}: {e}") from None
+        routed.append((label, RoutedRow(ip, m, lv[0][1] if lv else (), tuple(sorted(rp.items())))))
+    return {"replicas": R, "routers": tuple(d.get("routers", ())), "routed": tuple(routed)}
 
 
 def load_schedule(path: str, what: str = "--params"):

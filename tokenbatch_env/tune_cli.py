@@ -26,6 +26,13 @@ evaluated once on the held-out TEST split.
     {cmd} --workers 2 --storage runs/study.journal
     {cmd} --storage postgresql://user@db:5432/optuna --study-name big
     {cmd} --no-comparators      # skip weights+shed and index-scheduled
+    {cmd} --replicas 4 --routers round-robin,least-outstanding,prefix-affinity
+                                # every row behind each router of a 4-replica cluster
+
+Clusters (--replicas R > 1, docs/design.md section 12): each row is tuned behind each router as
+'<router> x <row>', a study each with the same trial budget; prefix-affinity's alpha and beta join its
+rows' search space. best_params.json's "cluster" part holds every routed row's values (`tokenbatch
+bench --params FILE --replicas R` reads it); its top level is the first router's rows'.
 
 Comparators (docs/design.md section 8, on by default): weights+shed (8 linear weights in [-1, 1] + shed
 margin, --trials trials) and index-scheduled (one index study per --eval-loads bucket,
@@ -112,6 +119,9 @@ def run(args, prog: str = "tokenbatch") -> int:
             + (f" --slo-rule {cfg.slo_rule}" if cfg.slo_rule else "")))
         if cfg.trace is None and cfg.slo_rule:
             where += f" --slo-rule {cfg.slo_rule}"
+        if cfg.cluster:
+            where += (f" --replicas {cfg.replicas} --routers {','.join(cfg.routers)}"
+                      + (f" --metrics-staleness-ms {cfg.metrics_staleness_ms:g}" if cfg.metrics_staleness_ms else ""))
         print(f"evaluate again: tokenbatch bench{where}{extra} --params {res['paths'][0]} --shed"
               + ("  (the test report's rows but index-scheduled)" if cfg.comparators else ""))
     return 0

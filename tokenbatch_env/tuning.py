@@ -103,6 +103,10 @@ FLAGS_ROWS = tuple(p + FLAGS_SUFFIX for p in ("fcfs", "priority"))
 #: the smallest token budget and max_num_seqs a lever may choose, and the smallest threshold
 LEVER_MIN_BUDGET, LEVER_MIN_SEQS, LEVER_MIN_THRESHOLD = 64, 8, 16
 QUARTERS = 4
+#: a cluster row's label: ``"<router> x <row>"`` (the benchmark's, ``evaluate.rows.routed_label``)
+ROUTED = " x "
+#: the routers tuned when ``--replicas R > 1`` names none: the reference and every router with parameters
+DEFAULT_ROUTERS = ("round-robin", "prefix-affinity")
 OVER_CAP, STALE = "over_cap", "stale"
 
 
@@ -208,6 +212,17 @@ class TuneConfig:
         "none", "none (default) or tpot-guard: also tune a <row>+tpot-guard twin of the index's and each baseline's "
         "+shed row, with the rule's u and B_min in its search space and the same trial budget (docs/design.md "
         "section 11)", metavar="RULE")
+    replicas: int = option(
+        1, "tune and judge every row on a cluster of R engine replicas behind each of --routers (docs/design.md "
+        "section 12): rows '<router> x <row>', a study each with the same trial budget; a router's parameters "
+        "(prefix-affinity's alpha, beta) join its rows' search space; no comparators, no agents (default 1: "
+        "one engine)", min=1, metavar="R")
+    routers: tuple[str, ...] = option(
+        (), "with --replicas R > 1: the routers, comma-separated (default round-robin and every router with "
+        "parameters: round-robin,prefix-affinity)", allow_empty=True, metavar="A,B,...")
+    metrics_staleness_ms: float = option(
+        0.0, "with --replicas R > 1: the routers read the replicas' state this many ms ago (default 0)",
+        what="a number of ms", metavar="MS")
 
     def __post_init__(self):
         from .policies import BASELINES
@@ -278,6 +293,7 @@ class TuneConfig:
             from .agents.load import agent_labels
             agent_labels(ag)   # (distinct agents, distinct labels)
         set_("agents", ag)
+        self._check_cluster(set_)
         if self.budget_rule not in BUDGET_RULES:
             raise ConfigError(f"budget_rule: unknown {self.budget_rule!r}; valid: {', '.join(BUDGET_RULES)}")
         if self.sampler not in SAMPLERS:
@@ -309,13 +325,40 @@ class TuneConfig:
             raise ConfigError(f"--workers {self.workers} needs a journal file or an RDB URL as --storage "
                               "(SQLite is for one process); e.g. --storage runs/study.journal")
 
+    def _check_cluster(self, set_) -> None:
+        """replicas >= 1; with R > 1 the routers (default ``DEFAULT_ROUTERS``) are known and distinct
+        and the comparators are off (controllers do not run in a cluster benchmark); routers and
+        staleness only with R > 1."""
+        from .config_cli import check_names
+        from .engine.cluster import ROUTER_NAMES
+        set_("replicas", _int_field(self.replicas, "replicas", 1))
+        routers = (self.routers,) if isinstance(self.routers, str) else tuple(self.routers)
+        st = self.metrics_staleness_ms
+        if isinstance(st, bool) or not isinstance(st, (int, float)) or not math.isfinite(st) or st < 0:
+            raise ConfigError(f"metrics_staleness_ms: must be a finite number of ms >= 0, got {st!r}")
+        set_("metrics_staleness_ms", float(st))
+        if self.replicas == 1:
+            if routers or self.metrics_staleness_ms:
+                raise ConfigError("routers and metrics_staleness_ms: a cluster's settings, with --replicas R > 1")
+            return
+        set_("routers", check_names(routers or DEFAULT_ROUTERS, ROUTER_NAMES, "routers", "router"))
+        if self.agents:
+            raise ConfigError("agents: judged on a single engine, not with --replicas R > 1")
+        set_("comparators", False)   # (index-scheduled is a controller: not in a cluster benchmark yet)
+
     # derived -------------------------------------------------------------------------------
+    @property
+    def cluster(self) -> bool:
+        """Every row on ``replicas`` > 1 engine replicas behind each of ``routers``."""
+        return self.replicas > 1
+
     @property
     def name(self) -> str:
         if self.study_name:
             return self.study_name
         what = self.suite if self.trace is None else "trace-" + Path(self.trace).stem
-        return f"{what}-{self.profile}-rho" + "-".join(x if x == NATIVE else f"{x:g}" for x in self.loads)
+        return (f"{what}-{self.profile}-rho" + "-".join(x if x == NATIVE else f"{x:g}" for x in self.loads)
+                + (f"-R{self.replicas}" if self.cluster else ""))
 
     @property
     def rows(self) -> tuple:
@@ -329,6 +372,8 @@ class TuneConfig:
             rows += (WEIGHTS_ROW, *self.bucket_rows)
         if self.budget_rule == "tpot-guard":   # (last: the other rows keep their samplers' seeds)
             rows += tuple(r + GUARD_SUFFIX for r in shed)
+        if self.cluster:   # each row behind each router (docs/design.md section 12), router by router
+            rows = tuple(f"{router}{ROUTED}{r}" for router in self.routers for r in rows)
         return rows
 
     @property
@@ -371,6 +416,11 @@ class TuneConfig:
         d = dataclasses.asdict(self)
         if self.budget_rule == "none":   # (absent, as before the rule existed: the same evidence ids)
             del d["budget_rule"]
+        if not self.cluster:             # (absent for one engine, as before clusters: the same evidence ids)
+            for k in ("replicas", "routers", "metrics_staleness_ms"):
+                del d[k]
+        else:
+            d["routers"] = list(self.routers)
         d["loads"], d["eval_loads"], d["baselines"] = list(self.loads), list(self.eval_loads), list(self.baselines)
         return d
 
@@ -398,7 +448,16 @@ class TuneConfig:
         space = self.lever_space(row) if row is not None else None
         if space is not None:
             d["levers"] = space
+        if self.cluster:
+            d["cluster"] = {"replicas": self.replicas, "metrics_staleness_ms": self.metrics_staleness_ms}
         return d
+
+    def bench_cluster(self) -> dict:
+        """The ``BenchConfig`` cluster fields (none for one engine: its evidence ids unchanged)."""
+        if not self.cluster:
+            return {}
+        return {"replicas": self.replicas, "routers": self.routers, "metrics_staleness_ms": self.metrics_staleness_ms,
+                "upper_bound": False}
 
     def lever_space(self, row: str) -> Optional[dict]:
         """The row's lever ranges (docs/design.md section 11), None for a row without levers (the
@@ -457,10 +516,39 @@ def suggest_weights(trial) -> dict:
     return {"weights": w, "shed_margin": trial.suggest_float("shed_margin", *SHED_RANGE)}
 
 
+def split_routed(row: str) -> tuple:
+    """(router, the row without it) of a cluster row ``"<router> x <row>"``; (None, row) otherwise."""
+    router, sep, plain = row.partition(ROUTED)
+    return (router, plain) if sep else (None, row)
+
+
+def suggest_router(trial, router: str) -> dict:
+    """A router's parameters in their ranges (``engine.cluster.RouterSpec.ranges``; internal names
+    ``router_<name>``, ``router_log1p_<name>`` for a log1p scale); {} for a router without any."""
+    from .engine.cluster import ROUTERS
+    out = {}
+    for name, (lo, hi, scale) in ROUTERS[router].ranges.items():
+        if scale == "log1p":
+            x = trial.suggest_float(f"router_log1p_{name}", math.log1p(lo), math.log1p(hi))
+            out[name] = float(f"{min(hi, max(lo, math.expm1(x))):.12g}")   # (8, not 8.000000000000002)
+        else:
+            out[name] = trial.suggest_float(f"router_{name}", lo, hi)
+    return out
+
+
+def router_warm_start(router: str) -> dict:
+    """The optuna params of a router's default parameters (every warm start runs them)."""
+    from .engine.cluster import ROUTERS
+    spec = ROUTERS[router]
+    return {(f"router_log1p_{k}" if scale == "log1p" else f"router_{k}"):
+            (math.log1p(spec.params[k]) if scale == "log1p" else spec.params[k])
+            for k, (_, _, scale) in spec.ranges.items()}
+
+
 def row_kind(row: str) -> str:
     """'index' (index+shed, its +tpot-guard twin and the index-scheduled bucket studies), 'weights',
-    'flags' (FCFS or priority with tuned vLLM flags only) or 'margin'."""
-    row = row.removesuffix(GUARD_SUFFIX)
+    'flags' (FCFS or priority with tuned vLLM flags only) or 'margin'; a cluster row's: its row's."""
+    row = split_routed(row)[1].removesuffix(GUARD_SUFFIX)
     if row == INDEX_ROW or row.startswith(BUCKET_PREFIX):
         return "index"
     if row in FLAGS_ROWS:
@@ -496,6 +584,11 @@ def suggest_config(row: str, trial, space: Optional[dict] = None) -> dict:
         c = {} if kind == "flags" else suggest_margin(trial)
     if space is not None:
         c["engine"] = suggest_levers(trial, space)
+    router = split_routed(row)[0]
+    if router is not None:
+        rp = suggest_router(trial, router)
+        if rp:
+            c["router"] = rp
     return c
 
 
@@ -506,6 +599,14 @@ def reference_levers(space: dict) -> dict:
 
 
 def warm_starts(row: str, space: Optional[dict] = None) -> list:
+    """Trials enqueued first in a new study (part of its budget): ``row_warm_starts``; a cluster
+    row's at its router's default parameters."""
+    router, plain = split_routed(row)
+    base = row_warm_starts(plain, space)
+    return base if router is None else [{**ws, **router_warm_start(router)} for ws in base]
+
+
+def row_warm_starts(row: str, space: Optional[dict] = None) -> list:
     """Trials enqueued first in a new study (part of its budget). With a lever ``space``: each
     policy warm start at the profile's flags, then the first one with a quarter of the budget (where
     TPOT binds, the iteration's size decides most); a flags row: the profile's flags, a quarter of
@@ -517,7 +618,7 @@ def warm_starts(row: str, space: Optional[dict] = None) -> list:
         return base
     ref = reference_levers(space)
     if row.endswith(GUARD_SUFFIX):
-        return warm_starts(row.removesuffix(GUARD_SUFFIX), space) + [{**base[0], **ref, "budget_bmin": 1.0}]
+        return row_warm_starts(row.removesuffix(GUARD_SUFFIX), space) + [{**base[0], **ref, "budget_bmin": 1.0}]
     if "max_num_batched_tokens" not in space:
         return [{**ws, **ref} for ws in base]
     lo_b, hi_b = space["max_num_batched_tokens"][:2]
@@ -776,23 +877,25 @@ class TrainObjective:
 
     def __init__(self, cfg: TuneConfig, split: Optional[str] = None):
         from .engine.profiles import load_profile
-        from .evaluate import BenchConfig, prepare_workload
+        from .evaluate import BenchConfig
+        from .evaluate.cluster import bench_workload
 
         self.cfg = cfg
         split = split or cfg.train_split
         bc = BenchConfig(**cfg.workload_kwargs(split), profile=cfg.profile,
                          loads=tuple(x for x in cfg.loads if x != NATIVE), native_load=NATIVE in cfg.loads,
-                         max_traces=cfg.max_train_traces, upper_bound=False)
+                         max_traces=cfg.max_train_traces, **{"upper_bound": False, **cfg.bench_cluster()})
         self.bench_config = bc
         self.profile = bc.engine.resolve(load_profile(cfg.profile))
-        self.wl = prepare_workload(bc, self.profile)
+        self.wl = bench_workload(bc, self.profile)   # (in cluster mode: the load and windows of R replicas)
         #: the tuning loads as rho values (``native``: the trace's own rate, ``Workload.native_rho``)
         self.loads = tuple(self.wl.native_rho if x == NATIVE else x for x in cfg.loads)
         est = self.wl.estimates()
-        self.units, self.est = [], []
+        self.units, self.est, self.scored = [], [], []
         for rho in self.loads:
             self.units += self.wl.at(rho)
             self.est += est
+            self.scored += self.wl.scored   # (a trace window's warm-up and cool-down are not scored)
         self._by_load = {}
         self.threads = cfg.engine_threads()
         self.evidence_inputs = {
@@ -805,6 +908,8 @@ class TrainObjective:
                                                               "profile": self.profile.to_dict()},
             "predictor": self.wl.predictor.to_dict(), "t_ref_ms": self.wl.t_ref_ms,
             "residual_life_sha256": hashlib.sha256(np.ascontiguousarray(self.wl.residual_life).tobytes()).hexdigest(),
+            **({"cluster": {"replicas": cfg.replicas, "metrics_staleness_ms": cfg.metrics_staleness_ms}}
+               if cfg.cluster else {}),
         }
         from . import __version__
         self.evidence_inputs["package_version"] = __version__
@@ -825,13 +930,13 @@ class TrainObjective:
                                      "residual_life_sha256": e["residual_life_sha256"]})
 
     def units_of(self, row: str) -> tuple:
-        """(units, estimates) of a row's objective: the tuning units, or for a bucket study the
-        train traces at its bucket's load (built once)."""
+        """(units, estimates, scored masks) of a row's objective: the tuning units, or for a bucket
+        study the train traces at its bucket's load (built once)."""
         if not row.startswith(BUCKET_PREFIX):
-            return self.units, self.est
+            return self.units, self.est, self.scored
         rho = self.cfg.bucket_rows[row]
         if rho not in self._by_load:
-            self._by_load[rho] = (self.wl.at(rho), self.wl.estimates())
+            self._by_load[rho] = (self.wl.at(rho), self.wl.estimates(), self.wl.scored)
         return self._by_load[rho]
 
     def evidence_id(self, row: str, config: dict) -> str:
@@ -851,9 +956,12 @@ class TrainObjective:
         return np.concatenate(res, axis=1)
 
     def _run_part(self, row: str, configs: list, idx) -> np.ndarray:
-        units, est = self.units_of(row)
+        units, est, scored = self.units_of(row)
         traces = [units[i] for i in idx]
         est = [est[i] for i in idx]
+        scored = [scored[i] for i in idx]
+        if self.cfg.cluster:
+            return self._run_cluster(row, configs, traces, est, scored)
         wl, prof, eng = self.wl, self.profile, self.bench_config.engine
         kind = row_kind(row)
         row = row.removesuffix(GUARD_SUFFIX)   # (a +tpot-guard row: the rule is in its levers)
@@ -868,7 +976,7 @@ class TrainObjective:
             margins = [None] * len(configs) if kind == "flags" else [_margin_value(c["shed_margin"]) for c in configs]
             return evaluate_param_vectors(traces, prof, policy, None, shed_margins=margins, estimates=est,
                                           residual_life=wl.residual_life, t_ref_ms=wl.t_ref_ms, config=eng,
-                                          configs=engines)
+                                          configs=engines, scored=scored)
         from .policies import IndexParams, LinearWeights
         if kind == "index":
             policy, thetas = "index", [IndexParams.from_dict(c["index"]).theta_vector(wl.t_ref_ms) for c in configs]
@@ -877,7 +985,41 @@ class TrainObjective:
         return evaluate_param_vectors(traces, prof, policy, np.stack(thetas),
                                       shed_margins=[_margin_value(c["shed_margin"]) for c in configs],
                                       estimates=est, residual_life=wl.residual_life, t_ref_ms=wl.t_ref_ms,
-                                      config=eng, configs=engines)
+                                      config=eng, configs=engines, scored=scored)
+
+    def _run_cluster(self, row: str, configs: list, traces: list, est: list, scored: list) -> np.ndarray:
+        """Goodput [k, units] of a cluster row's configs: each (config, unit) one cluster replay
+        (``engine.cluster.simulate_cluster``) of ``replicas`` replicas behind the row's router with
+        the config's parameters, every replica at the config's levers (a +tpot-guard row: its u and
+        B_min), as the benchmark runs the row (``evaluate.rows.run_cluster_row``)."""
+        from .engine.cluster import Router, simulate_cluster
+        from .engine.levers import with_levers
+        from .policies import IndexParams, engine_policy
+        router, plain = split_routed(row)
+        kind, guard_row = row_kind(row), plain.endswith(GUARD_SUFFIX)
+        plain = plain.removesuffix(GUARD_SUFFIX)
+        wl, cfg = self.wl, self.cfg
+        out = np.empty((len(configs), len(traces)))
+        for j, c in enumerate(configs):
+            if kind == "index":
+                pol = engine_policy("index", params=IndexParams.from_dict(c["index"]),
+                                    shed_margin=_margin_value(c["shed_margin"]), t_ref_ms=wl.t_ref_ms)
+            elif kind == "flags":
+                pol = engine_policy(plain[:-len(FLAGS_SUFFIX)], t_ref_ms=wl.t_ref_ms)
+            else:
+                pol = engine_policy(plain.removesuffix("+shed"), shed_margin=_margin_value(c["shed_margin"]),
+                                    t_ref_ms=wl.t_ref_ms)
+            lv = c.get("engine") or {}
+            eng = with_levers(self.bench_config.engine, lv)
+            guard = (lv.get("budget_u", 0.0), lv.get("budget_bmin", 0.0)) if guard_row else None
+            rt = Router(router, **c.get("router", {}))
+            for i, t in enumerate(traces):
+                met = simulate_cluster(t, self.profile, pol, eng, replicas=cfg.replicas, router=rt,
+                                       staleness_ms=cfg.metrics_staleness_ms, estimates=est[i],
+                                       residual_life=wl.residual_life, guard=guard).records()["met"]
+                met = met[np.asarray(scored[i], bool)]
+                out[j, i] = met.mean() if met.size else float("nan")
+        return out
 
     def goodput_per_unit(self, row: str, configs: list, idx=None) -> np.ndarray:
         """Goodput [k, units] of the configs on every unit of the row's objective (or on the units
@@ -1217,6 +1359,8 @@ def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_
     ``params.load_weights``, and ``"index-scheduled": IndexSchedule.to_dict()``, read by
     ``params.load_schedule``). ``deployment``: the ``meta`` of the deployment tuned on
     (``params.deployment_of``; T_ref fixed)."""
+    if cfg.cluster:
+        return _cluster_params_document(cfg, summaries, objective_eid, t_ref_ms, deployment)
     from .params import SCHEDULE_KEY
     from .policies import IndexParams, IndexSchedule, LinearWeights
     idx = summaries[INDEX_ROW]["best"]
@@ -1293,6 +1437,38 @@ def params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_
         profile = str(Path(profile).resolve())
     doc["meta"] = {**deployment, "profile": profile} if deployment else {"t_ref_ms": float(t_ref_ms),
                                                                           "profile": profile}
+    return doc
+
+
+def _cluster_params_document(cfg: TuneConfig, summaries: dict, objective_eid: str, t_ref_ms: float,
+                             deployment: Optional[dict]) -> dict:
+    """``params_document`` of a cluster tuning (``cfg.replicas`` > 1): the top level is the first
+    router's rows' (a file every reader loads), and ``"cluster"`` (``params.CLUSTER_KEY``) holds every
+    routed row's own best: index parameters, shed margin, levers and router parameters."""
+    from .params import CLUSTER_KEY
+    first = cfg.routers[0] + ROUTED
+    one = dataclasses.replace(cfg, replicas=1, routers=(), metrics_staleness_ms=0.0)
+    doc = params_document(one, {r[len(first):]: s for r, s in summaries.items() if r.startswith(first)},
+                          objective_eid, t_ref_ms, deployment)
+    rows, notes = {}, {}
+    for row, s in summaries.items():
+        best = s["best"]
+        if best is None:
+            notes[row] = "no completed trial: the row runs with the top level's parameters"
+            continue
+        c = best["config"]
+        rows[row] = {**({"index": dict(c["index"])} if "index" in c else {}),
+                     **({"shed_margin": c["shed_margin"]} if "shed_margin" in c else {}),
+                     **({"levers": dict(c["engine"])} if c.get("engine") else {}),
+                     **({"router": dict(c["router"])} if c.get("router") else {})}
+    doc[CLUSTER_KEY] = {"replicas": cfg.replicas, "routers": list(cfg.routers),
+                        "metrics_staleness_ms": cfg.metrics_staleness_ms, "rows": rows}
+    tuned = doc["tuned"]
+    tuned.update(study=cfg.name, train_goodput={r: (s["best"] or {}).get("train_goodput") for r, s in summaries.items()},
+                 best_trial={r: (s["best"] or {}).get("number") for r, s in summaries.items()},
+                 top_level=f"the rows behind {cfg.routers[0]}")
+    if notes:
+        tuned["notes"] = {**tuned.get("notes", {}), **notes}
     return doc
 
 
@@ -1459,6 +1635,9 @@ def run_tuning(cfg: TuneConfig) -> dict:
         from .agents.load import agent_labels, agent_spec
         extra["controllers"] = tuple(agent_spec(a, label=lab, option="agents:")
                                      for a, lab in zip(cfg.agents, agent_labels(cfg.agents)))
+    if cfg.cluster:   # every routed row with its own tuned values (docs/design.md section 12)
+        from .params import load_routed
+        extra.update(cfg.bench_cluster(), routed=load_routed(str(params_path))["routed"])
     bench = run_benchmark(BenchConfig(
         **cfg.workload_kwargs(cfg.test_split), profile=cfg.profile, policies=pols, shed=True,
         loads=tuple(x for x in cfg.eval_loads if x != NATIVE), native_load=NATIVE in cfg.eval_loads,

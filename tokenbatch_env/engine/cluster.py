@@ -26,10 +26,12 @@ from .state import EngineConfig, capped_outputs, slo_deadlines
 
 @dataclasses.dataclass(frozen=True)
 class RouterSpec:
-    """A router's kernel id and its parameters' defaults (name: default; ``Router`` holds them)."""
+    """A router's kernel id, its parameters' defaults (name: default; ``Router`` holds them) and the
+    ranges tuning searches them in (name: (lo, hi, scale), scale ``linear`` or ``log1p``)."""
 
     rid: int
     params: dict
+    ranges: dict = dataclasses.field(default_factory=dict)
 
 
 #: the routers of docs/design.md section 12, by name (``first``: everything to the first replica
@@ -41,7 +43,10 @@ ROUTERS = {
     "jsq": RouterSpec(CK.R_JSQ, {}),
     "least-kv": RouterSpec(CK.R_LEAST_KV, {}),
     "po2": RouterSpec(CK.R_PO2, {}),
-    "prefix-affinity": RouterSpec(CK.R_PREFIX_AFFINITY, {"alpha": 0.5, "beta": 8.0}),
+    # alpha: the busiest share above the least-loaded replica's outstanding count the longest hit may
+    # take; beta: the requests it may add on top (docs/design.md section 12)
+    "prefix-affinity": RouterSpec(CK.R_PREFIX_AFFINITY, {"alpha": 0.5, "beta": 8.0},
+                                  {"alpha": (0.0, 4.0, "linear"), "beta": (0.0, 256.0, "log1p")}),
     "least-predicted-ttft": RouterSpec(CK.R_LEAST_PREDICTED_TTFT, {}),
 }
 ROUTER_NAMES = tuple(ROUTERS)
@@ -79,6 +84,10 @@ class Router:
         """The name, with the parameters that differ from their defaults."""
         extra = [f"{k}={getattr(self, k):g}" for k, d in self.spec.params.items() if getattr(self, k) != d]
         return self.name + (f"({','.join(extra)})" if extra else "")
+
+
+#: the routers with parameters (tuning searches them: ``RouterSpec.ranges``)
+TUNED_ROUTERS = tuple(n for n, s in ROUTERS.items() if s.ranges)
 
 
 def resolve_router(router: Union[str, Router]) -> Router:

@@ -121,7 +121,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                         f"workload's own would be {wl.t_ref_ms:.1f} ms")
         wl.t_ref_ms = cfg.t_ref_ms
     rows = build_rows(cfg)
-    for label, lv in cfg.levers:   # (the upper bound holds for budgets up to B_max)
+    for label, lv in [*cfg.levers, *((lab, rr.levers) for lab, rr in cfg.routed)]:   # (the bound holds up to B_max)
         lv = dict(lv)
         B = lv.get("max_num_batched_tokens", profile.max_num_batched_tokens)
         if B > profile.budget_max:

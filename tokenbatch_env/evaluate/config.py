@@ -12,6 +12,7 @@ import numpy as np
 
 from ..engine.levers import GUARD_SUFFIX
 from ..errors import ConfigError, PolicyError
+from ..params import RoutedRow
 
 DEFAULT_LOADS = (0.6, 0.8, 1.0, 1.2, 1.5, 2.0)
 DEFAULT_POLICIES = ("fcfs", "sjf", "edf", "llf", "index")
@@ -129,6 +130,7 @@ class BenchConfig:
     replicas: int = 1                           # > 1: every row on a cluster of R replicas (docs/design.md s. 12)
     routers: tuple = (DEFAULT_ROUTER,)          # cluster mode: each row once per router (engine.cluster.ROUTER_NAMES)
     metrics_staleness_ms: float = 0.0           # cluster mode: the routers read the replicas' state this long ago
+    routed: tuple = ()                          # cluster mode: (("<router> x <row>", RoutedRow), ...) tuned per row
 
     def __post_init__(self):
         from ..engine.state import EngineConfig
@@ -248,10 +250,11 @@ class BenchConfig:
             raise ConfigError(f"metrics_staleness_ms: must be a finite number of ms >= 0, got {st!r}")
         set_("metrics_staleness_ms", float(st))
         if R == 1:   # the single engine, exactly as without these fields
-            if routers != (DEFAULT_ROUTER,) or self.metrics_staleness_ms != 0.0:
-                raise ConfigError("routers and metrics_staleness_ms: a cluster's settings, with replicas R > 1 "
-                                  "(--replicas R)")
+            if routers != (DEFAULT_ROUTER,) or self.metrics_staleness_ms != 0.0 or self.routed:
+                raise ConfigError("routers, metrics_staleness_ms and routed rows: a cluster's settings, with "
+                                  "replicas R > 1 (--replicas R)")
             return
+        self._check_routed(set_)
         if self.schedule is not None or self.controllers:
             raise ConfigError("controller rows (--schedule, agents) are not supported in cluster mode "
                               "(replicas > 1) yet")
@@ -260,6 +263,42 @@ class BenchConfig:
         if self.upper_bound:
             raise ConfigError("upper_bound: the upper bound is a single engine's; not supported in cluster mode "
                               "(replicas > 1) yet (give upper_bound=False)")
+
+    def _check_routed(self, set_) -> None:
+        """``routed``: labels ``"<router> x <row>"`` of this benchmark's routers, each a ``RoutedRow``
+        whose router parameters are its router's and whose levers are valid."""
+        from ..engine.cluster import ROUTERS, Router
+        from ..params import check_row_levers
+        from ..policies import IndexParams, check_shed_margin
+        out = {}
+        for item in self.routed:
+            try:
+                label, rr = item
+            except (TypeError, ValueError):
+                raise ConfigError(f"routed: expected (label, RoutedRow) pairs, got {item!r}") from None
+            router, sep, plain = str(label).partition(" x ")
+            if not sep or router not in self.routers:
+                raise ConfigError(f"routed: {label!r} is not '<router> x <row>' with a router of this benchmark "
+                                  f"({', '.join(self.routers)})")
+            if not isinstance(rr, RoutedRow):
+                raise ConfigError(f"routed[{label!r}]: expected a RoutedRow, got {type(rr).__name__}")
+            if rr.index_params is not None and not isinstance(rr.index_params, IndexParams):
+                raise ConfigError(f"routed[{label!r}]: index_params must be an IndexParams")
+            if rr.shed_margin is not None:
+                check_shed_margin(rr.shed_margin)
+            params = dict(rr.router_params)
+            unknown = sorted(set(params) - set(ROUTERS[router].params))
+            if unknown:
+                raise ConfigError(f"routed[{label!r}]: router {router} has no parameter(s) {unknown}"
+                                  + (f"; valid: {', '.join(ROUTERS[router].params)}" if ROUTERS[router].params else ""))
+            Router(router, **params)   # (validates the values)
+            try:
+                levers = check_row_levers(((plain, dict(rr.levers)),)) if rr.levers else ()
+            except ConfigError as e:
+                raise ConfigError(f"routed[{label!r}]: {e}") from None
+            levers = levers[0][1] if levers else ()
+            out[label] = dataclasses.replace(rr, levers=levers, router_params=tuple(sorted(params.items())))
+        set_("routed", tuple(sorted(out.items())))
 
     @property
     def cluster(self) -> bool:

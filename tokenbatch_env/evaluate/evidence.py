@@ -33,6 +33,8 @@ def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
              "estimates": "oracle" if r.reference else "predictor"}
         if r.router is not None:   # (cluster mode only)
             d["router"] = r.router
+            if r.router_params:
+                d["router_params"] = dict(r.router_params)
         if r.levers:
             d["levers"] = dict(r.levers)
         if r.guard:

@@ -26,6 +26,7 @@ class Row:
     guard: bool = False              # runs with the tpot-guard budget rule (``BenchConfig.tpot_guard``)
     index_params: object = None      # a +tpot-guard index row's own IndexParams (None: the config's)
     router: Optional[str] = None     # cluster mode: the router in front of its replicas (None: one engine)
+    router_params: tuple = ()        # cluster mode: its router's tuned parameters (BenchConfig.routed)
 
 
 def routed_label(cfg: BenchConfig, router: Optional[str], label: str) -> str:
@@ -89,10 +90,32 @@ def build_rows(cfg: BenchConfig) -> list:
     for spec in control_specs(cfg):
         rows.append(Row(spec.label, CONTROLLED, None))
     if cfg.cluster:   # every row behind each router (docs/design.md section 12), router by router
-        rows = [dataclasses.replace(r, router=router, label=routed_label(cfg, router, r.label),
-                                    twin=None if r.twin is None else routed_label(cfg, router, r.twin))
-                for router in cfg.routers for r in rows]
+        rows = [routed_row(cfg, router, r) for router in cfg.routers for r in rows]
     return rows
+
+
+def routed_row(cfg: BenchConfig, router: str, r: Row) -> Row:
+    """``r`` behind ``router``, with its own tuned values when ``cfg.routed`` has them: margin, index
+    parameters, levers and the router's parameters (a ``(profile flags)`` twin: the same values at the
+    profile's flags; the no-shed ``index`` row: index+shed's parameters, as on a single engine)."""
+    out = dataclasses.replace(r, router=router, label=routed_label(cfg, router, r.label),
+                              twin=None if r.twin is None else routed_label(cfg, router, r.twin))
+    routed = dict(cfg.routed)
+    twin = r.label.endswith(PROFILE_FLAGS_SUFFIX)
+    rr = routed.get(f"{router} x {r.label.removesuffix(PROFILE_FLAGS_SUFFIX)}")
+    if rr is None and r.label == "index":
+        rr = routed.get(f"{router} x index{SHED_SUFFIX}")
+        rr = None if rr is None else dataclasses.replace(rr, shed_margin=None, levers=())
+        twin = True   # (its levers stay the benchmark's)
+    if rr is None:
+        return out
+    if rr.shed_margin is not None and r.shed_margin is not None:
+        out = dataclasses.replace(out, shed_margin=float(rr.shed_margin))
+    if rr.index_params is not None and r.policy == "index":
+        out = dataclasses.replace(out, index_params=rr.index_params)
+    if not twin:
+        out = dataclasses.replace(out, levers=rr.levers)
+    return dataclasses.replace(out, router_params=rr.router_params)
 
 
 #: ``Row.policy`` of a controller row (``index-scheduled``, trained agents)
@@ -154,7 +177,9 @@ def run_cluster_row(row: Row, wl, traces: list, est: list, profile, cfg: BenchCo
     from ..engine.cluster import simulate_cluster
     engine = row_engine(row, cfg)
     guard = row_guard(row, cfg) if row.guard else None
-    return ClusterRuns([simulate_cluster(t, profile, pol, engine, replicas=cfg.replicas, router=row.router,
+    from ..engine.cluster import Router
+    router = Router(row.router, **dict(row.router_params))
+    return ClusterRuns([simulate_cluster(t, profile, pol, engine, replicas=cfg.replicas, router=router,
                                          staleness_ms=cfg.metrics_staleness_ms, estimates=est[i],
                                          residual_life=wl.residual_life, guard=guard)
                         for i, t in enumerate(traces)])
