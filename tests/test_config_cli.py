@@ -209,7 +209,8 @@ SCRIPT_FLAGS = {
         "-h --help --suite --train-split --test-split --profile --loads --eval-loads --trials --n-trials --k "
         "--max-train-traces --max-test-traces --timeout --sampler --pruner --seed --baselines --storage "
         "--study-name --workers --threads --out --bootstrap-b --no-warm-start --no-comparators --agent --quiet "
-        "--trace --format --windows --warmup --cooldown --rate-scale --val-top --slo-rule --no-levers --budget-rule --replicas --routers --metrics-staleness-ms"),
+        "--trace --format --windows --warmup --cooldown --rate-scale --val-top --slo-rule --no-levers --budget-rule "
+        "--replicas --routers --metrics-staleness-ms"),
     "agents/train_ppo.py": (
         "tokenbatch_env.agents.train",
         "-h --help --suite --split --val-split --profile --rho --action-mode --policy --base-params --window "

@@ -1464,7 +1464,8 @@ def _cluster_params_document(cfg: TuneConfig, summaries: dict, objective_eid: st
     doc[CLUSTER_KEY] = {"replicas": cfg.replicas, "routers": list(cfg.routers),
                         "metrics_staleness_ms": cfg.metrics_staleness_ms, "rows": rows}
     tuned = doc["tuned"]
-    tuned.update(study=cfg.name, train_goodput={r: (s["best"] or {}).get("train_goodput") for r, s in summaries.items()},
+    tuned.update(study=cfg.name,
+                 train_goodput={r: (s["best"] or {}).get("train_goodput") for r, s in summaries.items()},
                  best_trial={r: (s["best"] or {}).get("number") for r, s in summaries.items()},
                  top_level=f"the rows behind {cfg.routers[0]}")
     if notes:
