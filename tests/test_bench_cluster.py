@@ -234,6 +234,25 @@ def test_trace_windows_hold_w_x_r_requests(tmp_path):
     assert rep.data["evidence_inputs"]["workload"]["windows"] == [list(w) for w in wl.windows]
 
 
+def test_too_few_windows_in_a_cluster_names_the_users_w(tmp_path):
+    """A split with too few windows of W x R requests: the error speaks in the user's --windows W (and
+    warm-up, cool-down), and the W it suggests works."""
+    from tokenbatch_env.engine.profiles import load_profile
+    from tokenbatch_env.evaluate.cluster import bench_workload
+    from tokenbatch_env.traces.io import save_npz
+    from tokenbatch_env.traces.suites import load_suite
+    path = tmp_path / "t.npz"
+    save_npz(load_suite("seed-200").traces("train")[0], path)
+    kw = dict(trace_file=str(path), warmup=5, cooldown=5, trace_split="test", loads=(1.0,), policies=("fcfs",),
+              bootstrap_b=200, progress=False, replicas=4, upper_bound=False)
+    prof = load_profile("stress-512")
+    with pytest.raises(ConfigError, match=r"with --windows 30 x 4 replicas \(warm-up 5, cool-down 5\); every split "
+                                          r"needs at least 5: use --windows (\d+) or less") as e:
+        bench_workload(ev.BenchConfig(windows=30, **kw), prof)
+    w = int(str(e.value).rsplit("--windows ", 1)[1].split()[0])
+    assert w >= 1 and len(bench_workload(ev.BenchConfig(windows=w, **kw), prof).windows) >= 5
+
+
 # ------------------------------------------------------------------ (e) the command line
 @pytest.fixture()
 def _bench_registered(monkeypatch):

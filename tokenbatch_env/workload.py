@@ -309,8 +309,10 @@ def prepare_workload(spec, profile) -> Workload:
     if cfg.max_traces is not None:
         wins = wins[:cfg.max_traces]
     if not wins:
+        R = cfg.replicas   # (a cluster's window: W x R requests)
         raise ConfigError(f"trace {cfg.trace_file!r}: no window of {cfg.windows} scored requests fits "
-                          f"(warmup {cfg.warmup}, cooldown {cfg.cooldown}, {len(trace)} requests)")
+                          f"(warmup {cfg.warmup}, cooldown {cfg.cooldown}, {len(trace)} requests"
+                          + (f"; --windows {cfg.windows // R} x {R} replicas" if R > 1 else "") + ")")
     short = [w for w in wins if w.scored_stop - w.scored_start < cfg.windows]
     if short:   # (cut_windows tiles the whole scored region: the last window may hold fewer requests)
         notes.append(f"{len(short)} of {len(wins)} windows hold fewer than {cfg.windows} scored requests "
@@ -371,9 +373,11 @@ def trace_parts(trace, spec) -> dict:
     counts = {name: len(out[name][1]) for name, _, _ in TRACE_SPLITS}
     if min(counts.values()) < MIN_SPLIT_WINDOWS:
         smallest = min(len(out[name][0]) for name, _, _ in TRACE_SPLITS)
-        w_max = (smallest - spec.warmup - spec.cooldown) // MIN_SPLIT_WINDOWS
-        raise ConfigError(f"trace {trace.name!r}: windows per split {counts} with --windows {spec.windows} "
-                          f"(warm-up {spec.warmup}, cool-down {spec.cooldown}); every split needs at least "
+        R = spec.replicas   # (a cluster's windows are W x R requests: the hint in the user's W)
+        w_max = (smallest - spec.warmup - spec.cooldown) // MIN_SPLIT_WINDOWS // R
+        raise ConfigError(f"trace {trace.name!r}: windows per split {counts} with --windows {spec.windows // R} "
+                          + (f"x {R} replicas " if R > 1 else "")
+                          + f"(warm-up {spec.warmup // R}, cool-down {spec.cooldown // R}); every split needs at least "
                           f"{MIN_SPLIT_WINDOWS}: " + (f"use --windows {w_max} or less" if w_max >= 1 else
                                                       "the trace is too short for these warm-up and cool-down"))
     return out

@@ -16,7 +16,6 @@ import dataclasses
 
 import numpy as np
 
-from ..errors import ConfigError
 from ..workload import Workload, WorkloadSpec, prepare_workload
 from .config import BenchConfig
 
@@ -32,13 +31,7 @@ def bench_workload(cfg: BenchConfig, profile) -> Workload:
     if spec.trace_file is not None:   # W x R scored requests per window, warm-up and cool-down x R
         spec = dataclasses.replace(spec, windows=spec.windows * R, warmup=spec.warmup * R,
                                    cooldown=spec.cooldown * R)
-    try:
-        wl = prepare_workload(spec, profile)
-    except ConfigError as e:
-        if spec.trace_file is None:
-            raise
-        raise ConfigError(f"{e} (cluster of {R} replicas: windows of --windows {cfg.windows} x {R} = "
-                          f"{spec.windows} scored requests)") from None
+    wl = prepare_workload(spec, profile)   # (its errors name --windows W, not W x R)
     note = (f"cluster of {R} replicas behind {'each of ' if len(cfg.routers) > 1 else ''}{', '.join(cfg.routers)}"
             + (f" (metrics staleness {cfg.metrics_staleness_ms:g} ms)" if cfg.metrics_staleness_ms else "")
             + f": rho = admitted arrival rate / ({R} x lambda_sat)")
