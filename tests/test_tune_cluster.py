@@ -205,6 +205,12 @@ def test_bench_with_the_parameters_reproduces_the_test_report(tuned, tmp_path, c
     ({"prefix-affinity x sjf+shed": {"shed_margin": 7}}, "shed_margin must be in [0"),
     ({"prefix-affinity x sjf+shed": {"what": 1}}, "unknown: what"),
     ({"prefix-affinity x sjf+shed": {"levers": {"max_num_seqs": -3}}}, "max_num_seqs"),
+    ({"prefix-affinity x bogus": {"shed_margin": 0.1}}, "'bogus' is not a tuned row"),
+    ({"prefix-affinity x sjf": {"shed_margin": 0.1}}, "'sjf' is not a tuned row"),
+    ({"prefix-affinity x sjf+shed": {"index": {}}}, "keys among shed_margin, levers, router (unknown: index)"),
+    ({"round-robin x fcfs (tuned vLLM flags)": {"shed_margin": 0.1}}, "keys among levers, router"),
+    ({"prefix-affinity x sjf+shed": {"router": {"alpha": True}}}, "router.alpha: must be a number, got True"),
+    ({"prefix-affinity x index+shed": {"index": 5}}, "index: must be an object of IndexParams fields"),
 ])
 def test_a_bad_cluster_part_is_one_line_naming_file_and_row(tmp_path, capsys, rows, msg):
     p = tmp_path / "p.json"
@@ -228,3 +234,73 @@ def test_bench_config_checks_routed_rows():
     with pytest.raises(ConfigError, match="a cluster's settings"):
         ev.BenchConfig(routed=(("round-robin x sjf+shed", RoutedRow()),))
     assert set(ROUTER_NAMES) >= set(TUNED_ROUTERS) == {"prefix-affinity"}
+
+
+@pytest.mark.parametrize("part, msg", [
+    ({"replicas": 2, "routers": 5, "rows": {}}, "routers must be a list of router names"),
+    ({"replicas": 2, "routers": ["nope"], "rows": {}}, "routers must be a list of router names"),
+    ({"replicas": 2, "metrics_staleness_ms": "x", "rows": {}}, "metrics_staleness_ms must be a number of ms >= 0"),
+    ({"replicas": 1, "rows": {}}, "replicas must be an integer >= 2"),
+])
+def test_a_bad_cluster_header_is_one_line(tmp_path, part, msg):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"cluster": part}))
+    with pytest.raises(ConfigError, match=msg):
+        load_routed(str(p))
+
+
+def test_each_row_behind_a_router_runs_the_values_tuned_behind_it():
+    """The rows a cluster tuning did not tune themselves take the values of the row they derive from,
+    behind the same router: a +tpot-guard copy its row's (margin, levers, router); the no-shed rows
+    the router's (and the index's) parameters of their +shed row, fcfs and priority of their
+    tuned-flags row; the twins their row's at the profile's flags. Another router's rows are not
+    touched."""
+    from tokenbatch_env.evaluate.rows import build_rows
+    ip = IndexParams(kappa=0.25)
+    a = (("alpha", 3.0), ("beta", 2.0))
+    lv = (("max_num_batched_tokens", 256),)
+    routed = (("prefix-affinity x index+shed", RoutedRow(ip, 0.2, lv, a)),
+              ("prefix-affinity x sjf+shed", RoutedRow(None, 0.9, lv, (("alpha", 1.0), ("beta", 0.0)))),
+              ("prefix-affinity x fcfs (tuned vLLM flags)", RoutedRow(None, None, lv, (("alpha", 0.0), ("beta", 5.0)))))
+    cfg = ev.BenchConfig(policies=("fcfs", "sjf", "index"), shed=True, replicas=2, upper_bound=False,
+                         routers=("round-robin", "prefix-affinity"), tpot_guard=(0.0, 0.0), routed=routed,
+                         levers=(("sjf+shed", {"max_num_seqs": 8}), ("fcfs (tuned vLLM flags)", {"max_num_seqs": 8})))
+    rows = {r.label: r for r in build_rows(cfg)}
+    pa = lambda x: rows[f"prefix-affinity x {x}"]  # noqa: E731
+    assert pa("sjf+shed").shed_margin == 0.9 and pa("sjf+shed").levers == lv
+    assert pa("sjf+shed+tpot-guard").shed_margin == 0.9 and pa("sjf+shed+tpot-guard").levers == lv
+    assert pa("sjf+shed+tpot-guard").router_params == (("alpha", 1.0), ("beta", 0.0))
+    twin = pa("sjf+shed (profile flags)")
+    assert twin.shed_margin == 0.9 and twin.levers == () and twin.router_params == (("alpha", 1.0), ("beta", 0.0))
+    for x in ("index", "index+tpot-guard", "index+shed", "index+shed+tpot-guard"):
+        assert pa(x).index_params == ip and pa(x).router_params == a, x
+    assert pa("sjf").router_params == (("alpha", 1.0), ("beta", 0.0)) and pa("sjf").levers == ()
+    assert pa("fcfs").router_params == (("alpha", 0.0), ("beta", 5.0)) and pa("fcfs").levers == ()
+    assert pa("fcfs (tuned vLLM flags)").levers == lv
+    assert pa("edf+shed").router_params == () and pa("edf+shed").shed_margin == 0.0   # (not tuned: defaults)
+    for label, r in rows.items():
+        if label.startswith("round-robin x "):
+            assert r.router_params == () and r.index_params is None, label
+
+
+def test_bench_says_what_does_not_match_the_tuning(tuned, tmp_path, capsys):
+    cfg, out, _ = tuned
+    p = str(out / "best_params.json")
+    base = ["bench", "--suite", cfg.suite, "--split", "test", "--loads", "1.2", "--policies", "sjf", "--max-traces",
+            "1", "--bootstrap-b", "200", "--params", p, "--quiet"]
+    assert cli.main([*base, "--replicas", "2", "--routers", "round-robin,jsq", "--metrics-staleness-ms", "5",
+                     "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "rows tuned behind prefix-affinity not benchmarked (add --routers round-robin,prefix-affinity)" in err
+    assert "no rows tuned behind jsq" in err and "tuned with metrics staleness 0 ms, benchmarked with 5 ms" in err
+    assert cli.main([*base, "--out", str(tmp_path / "b")]) == 0
+    assert "tuned on a cluster of 2 replicas; one engine runs its top level (the rows behind round-robin)" \
+        in capsys.readouterr().err
+
+
+def test_a_trace_tunings_objective_says_it_scores_windows():
+    """The objective of a trace tuning (and so a resumed study's check and its evidence ids) names the
+    scoring of each window's requests only: a study scored with the warm-up and cool-down is not resumed."""
+    d = T.TuneConfig(trace=__file__, out="/tmp/x")   # (any existing file: only the config is read)
+    assert d.objective_dict()["scored"] == "window"
+    assert "scored" not in T.TuneConfig().objective_dict()

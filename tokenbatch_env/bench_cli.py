@@ -148,17 +148,37 @@ def cluster_kwargs(args) -> dict:
 
 def routed_fields(path: str, cluster: dict) -> dict:
     """``BenchConfig.routed`` from a cluster tuning's ``--params`` file (``params.load_routed``): the
-    rows behind the benchmarked routers; {} for a file without them. A file tuned for another
-    replica count gets a warning (its values are the nearest there are)."""
+    rows behind the benchmarked routers; {} for a file without them. What does not match the tuning
+    (the replica count, the staleness, routers tuned but not benchmarked or benchmarked but not tuned,
+    one engine) is a warning on stderr: the values run are said, never silently swapped."""
     from .evaluate.config import DEFAULT_ROUTER
     from .params import load_routed
     rd = load_routed(path)
     if rd is None:
         return {}
+    R = cluster.get("replicas", 1)
+    tuned = rd["routers"] or tuple(dict.fromkeys(label.split(" x ", 1)[0] for label, _ in rd["routed"]))
+
+    def warn(msg):
+        print(f"warning: --params {path}: {msg}", file=sys.stderr)
+
+    if R == 1:
+        warn(f"tuned on a cluster of {rd['replicas']} replicas; one engine runs its top level (the rows "
+             f"behind {tuned[0] if tuned else 'its first router'})")
+        return {}
     routers = cluster.get("routers", (DEFAULT_ROUTER,))
-    if rd["replicas"] != cluster["replicas"]:
-        print(f"warning: --params {path}: tuned on {rd['replicas']} replicas, benchmarked on {cluster['replicas']}",
-              file=sys.stderr)
+    if rd["replicas"] != R:
+        warn(f"tuned on {rd['replicas']} replicas, benchmarked on {R}")
+    if rd["metrics_staleness_ms"] != cluster.get("metrics_staleness_ms", 0.0):
+        warn(f"tuned with metrics staleness {rd['metrics_staleness_ms']:g} ms, benchmarked with "
+             f"{cluster.get('metrics_staleness_ms', 0.0):g} ms")
+    skipped = [r for r in tuned if r not in routers]
+    if skipped:
+        warn(f"rows tuned behind {', '.join(skipped)} not benchmarked (add --routers {','.join(tuned)})")
+    untuned = [r for r in routers if r not in tuned]
+    if untuned and tuned:
+        warn(f"no rows tuned behind {', '.join(untuned)}: they run the file's top level (the rows behind "
+             f"{tuned[0]}) at the router's default parameters")
     return {"routed": tuple((label, rr) for label, rr in rd["routed"] if label.split(" x ", 1)[0] in routers)}
 
 
@@ -197,8 +217,7 @@ def config_from_args(args):
             # --budget-rule none leaves them out
             for k, v in guard_fields(args.params).items():
                 kw.setdefault(k, v)
-        if cluster.get("replicas", 1) > 1:   # a cluster tuning's rows, router by router
-            kw.update(routed_fields(args.params, cluster))
+        kw.update(routed_fields(args.params, cluster))   # (a cluster tuning's rows, router by router)
         dep = load_deployment(args.params)
         if dep is not None:
             kw["params_deployment"] = dep

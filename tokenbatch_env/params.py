@@ -28,7 +28,7 @@ from .errors import ConfigError, PolicyError
 __all__ = ["CLUSTER_KEY", "GUARD_KEY", "LEVERS_KEY", "PARAMS_INFO_KEYS", "ROBUST_FILE", "ROBUST_FORMAT", "RoutedRow",
            "SCHEDULE_KEY", "T_REF_MODES", "check_row_levers", "deployment_of", "deployment_warnings", "levers_for",
            "load_deployment", "load_guard_params", "load_levers", "load_params_file", "load_robust_defaults",
-           "load_routed", "load_schedule", "load_weights", "profile_sha256"]
+           "load_routed", "load_schedule", "load_weights", "profile_sha256", "routed_row_kind"]
 
 #: how a parameters file's T_ref is set (docs/design.md section 10, "Units travel with parameters"):
 #: "fixed" = the T_ref of the deployment it was tuned on, in the file; "trace" = the median T1 of the
@@ -162,11 +162,33 @@ def load_levers(path: str, what: str = "--params") -> tuple:
     return check_row_levers(json.loads(Path(path).read_text()).get(LEVERS_KEY, {}))
 
 
+def routed_row_kind(plain: str) -> Optional[str]:
+    """What a cluster tuning tunes of the row ``plain`` (a label without its router): ``"index"``
+    (index+shed), ``"margin"`` (a baseline's +shed row), ``"flags"`` (FCFS or priority with tuned
+    vLLM flags), each optionally with ``+tpot-guard`` (not a flags row); None for another label."""
+    from .engine.levers import FLAGS_SUFFIX, GUARD_SUFFIX
+    from .policies import policy_names
+    base = plain.removesuffix(GUARD_SUFFIX)
+    if base == "index+shed":
+        return "index"
+    if base in {f"{b}+shed" for b in policy_names(tuned="margin")}:
+        return "margin"
+    if plain in (f"fcfs{FLAGS_SUFFIX}", f"priority{FLAGS_SUFFIX}"):
+        return "flags"
+    return None
+
+
+#: the keys of a cluster part's row, by ``routed_row_kind``
+_ROUTED_KEYS = {"index": ("index", "shed_margin", "levers", "router"), "margin": ("shed_margin", "levers", "router"),
+                "flags": ("levers", "router")}
+
+
 def load_routed(path: str, what: str = "--params") -> Optional[dict]:
     """A ``--params`` file's cluster part (``CLUSTER_KEY``) -> {"replicas": R, "routers": (...),
-    "routed": (("<router> x <row>", RoutedRow), ...)} (``BenchConfig.routed``), or None when it has
-    none. Errors name the file and the row."""
-    from .engine.cluster import ROUTERS, Router
+    "metrics_staleness_ms": S, "routed": (("<router> x <row>", RoutedRow), ...)}
+    (``BenchConfig.routed``), or None when it has none. Each row is a tuned row behind a known router
+    with only the keys its kind has (``routed_row_kind``). Errors name the file and the row."""
+    from .engine.cluster import ROUTER_NAMES, ROUTERS, Router
     from .policies import IndexParams, check_shed_margin
     load_params_file(path, what)
     d = json.loads(Path(path).read_text()).get(CLUSTER_KEY)
@@ -178,16 +200,30 @@ def load_routed(path: str, what: str = "--params") -> Optional[dict]:
     R = d.get("replicas")
     if isinstance(R, bool) or not isinstance(R, int) or R < 2:
         raise ConfigError(f"{where}: replicas must be an integer >= 2, got {R!r}")
+    routers = d.get("routers", [])
+    if not isinstance(routers, list) or any(r not in ROUTER_NAMES for r in routers):
+        raise ConfigError(f"{where}: routers must be a list of router names ({', '.join(ROUTER_NAMES)}), "
+                          f"got {routers!r}")
+    st = d.get("metrics_staleness_ms", 0.0)
+    if isinstance(st, bool) or not isinstance(st, (int, float)) or not math.isfinite(st) or st < 0:
+        raise ConfigError(f"{where}: metrics_staleness_ms must be a number of ms >= 0, got {st!r}")
     routed = []
     for label, v in sorted(d["rows"].items()):
         router, sep, plain = label.partition(" x ")
         if not sep or router not in ROUTERS:
             raise ConfigError(f"{where}: row {label!r} is not '<router> x <row>' with a known router")
-        extra = sorted(set(v) - {"index", "shed_margin", "levers", "router"}) if isinstance(v, dict) else None
+        kind = routed_row_kind(plain)
+        if kind is None:
+            raise ConfigError(f"{where}: row {label!r}: {plain!r} is not a tuned row (index+shed, <baseline>+shed, "
+                              "fcfs or priority (tuned vLLM flags), the +shed rows also with +tpot-guard)")
+        keys = _ROUTED_KEYS[kind]
+        extra = sorted(set(v) - set(keys)) if isinstance(v, dict) else None
         if extra is None or extra:
-            raise ConfigError(f"{where}: row {label!r} must be an object with keys among index, shed_margin, "
-                              "levers, router" + (f" (unknown: {', '.join(extra)})" if extra else ""))
+            raise ConfigError(f"{where}: row {label!r} must be an object with keys among {', '.join(keys)}"
+                              + (f" (unknown: {', '.join(extra)})" if extra else ""))
         try:
+            if "index" in v and not isinstance(v["index"], dict):
+                raise ConfigError("index: must be an object of IndexParams fields")
             ip = IndexParams.from_dict(v["index"]) if "index" in v else None
             m = v.get("shed_margin")
             m = None if m is None else check_shed_margin(math.inf if m == "inf" else m)
@@ -195,12 +231,16 @@ def load_routed(path: str, what: str = "--params") -> Optional[dict]:
             if not isinstance(rp, dict) or set(rp) - set(ROUTERS[router].params):
                 raise ConfigError(f"router: {rp!r}; {router}'s parameters: "
                                   f"{', '.join(ROUTERS[router].params) or 'none'}")
+            for k, x in rp.items():
+                if isinstance(x, bool) or not isinstance(x, (int, float)):
+                    raise ConfigError(f"router.{k}: must be a number, got {x!r}")
             Router(router, **rp)
             lv = check_row_levers({plain: v.get("levers", {})}) if v.get("levers") else ()
         except (ConfigError, PolicyError, TypeError, ValueError) as e:
             raise ConfigError(f"{where}: row {label!r}: {e}") from None
-        routed.append((label, RoutedRow(ip, m, lv[0][1] if lv else (), tuple(sorted(rp.items())))))
-    return {"replicas": R, "routers": tuple(d.get("routers", ())), "routed": tuple(routed)}
+        routed.append((label, RoutedRow(ip, m, lv[0][1] if lv else (),
+                                        tuple(sorted((k, float(x)) for k, x in rp.items())))))
+    return {"replicas": R, "routers": tuple(routers), "metrics_staleness_ms": float(st), "routed": tuple(routed)}
 
 
 def load_schedule(path: str, what: str = "--params"):

@@ -440,7 +440,8 @@ class TuneConfig:
              "loads": list(loads), "max_train_traces": self.max_train_traces}
         if self.trace is not None:
             d.update(trace=str(Path(self.trace).resolve()), windows=self.windows, warmup=self.warmup,
-                     cooldown=self.cooldown, rate_scale=self.rate_scale)
+                     cooldown=self.cooldown, rate_scale=self.rate_scale,
+                     scored="window")   # (each window's requests only, not its warm-up and cool-down)
         if self.slo_rule is not None:
             from .traces.slo_rules import load_slo_rule
             rule = load_slo_rule(self.slo_rule)
@@ -902,7 +903,7 @@ class TrainObjective:
             "purpose": "tuning objective: mean goodput over (trace, load) units",
             "workload": {"name": self.wl.name, "split": split, "trace_digests": self.wl.digests,
                          **({} if cfg.trace is None else {"windows": [list(w) for w in self.wl.windows],
-                                                          "rate_scale": cfg.rate_scale})},
+                                                          "rate_scale": cfg.rate_scale, "scored": "window"})},
             "loads": list(self.loads), "lambda_sat_rps": self.wl.lambda_sat,
             "engine_config": bc.engine.to_dict(), "profile": {"name": self.profile.name,
                                                               "profile": self.profile.to_dict()},

@@ -95,27 +95,44 @@ def build_rows(cfg: BenchConfig) -> list:
 
 
 def routed_row(cfg: BenchConfig, router: str, r: Row) -> Row:
-    """``r`` behind ``router``, with its own tuned values when ``cfg.routed`` has them: margin, index
-    parameters, levers and the router's parameters (a ``(profile flags)`` twin: the same values at the
-    profile's flags; the no-shed ``index`` row: index+shed's parameters, as on a single engine)."""
+    """``r`` behind ``router``, with the values tuned behind it when ``cfg.routed`` has them
+    (docs/design.md section 12, "Tuning"; ``routed_source`` says which row's values apply)."""
     out = dataclasses.replace(r, router=router, label=routed_label(cfg, router, r.label),
                               twin=None if r.twin is None else routed_label(cfg, router, r.twin))
-    routed = dict(cfg.routed)
-    twin = r.label.endswith(PROFILE_FLAGS_SUFFIX)
-    rr = routed.get(f"{router} x {r.label.removesuffix(PROFILE_FLAGS_SUFFIX)}")
-    if rr is None and r.label == "index":
-        rr = routed.get(f"{router} x index{SHED_SUFFIX}")
-        rr = None if rr is None else dataclasses.replace(rr, shed_margin=None, levers=())
-        twin = True   # (its levers stay the benchmark's)
+    rr, whole = routed_source(cfg, router, r)
     if rr is None:
         return out
-    if rr.shed_margin is not None and r.shed_margin is not None:
-        out = dataclasses.replace(out, shed_margin=float(rr.shed_margin))
+    if whole:
+        if rr.shed_margin is not None and r.shed_margin is not None:
+            out = dataclasses.replace(out, shed_margin=float(rr.shed_margin))
+        if not r.label.endswith(PROFILE_FLAGS_SUFFIX):   # (a twin: the same values at the profile's flags)
+            out = dataclasses.replace(out, levers=rr.levers)
     if rr.index_params is not None and r.policy == "index":
         out = dataclasses.replace(out, index_params=rr.index_params)
-    if not twin:
-        out = dataclasses.replace(out, levers=rr.levers)
     return dataclasses.replace(out, router_params=rr.router_params)
+
+
+def routed_source(cfg: BenchConfig, router: str, r: Row) -> tuple:
+    """(RoutedRow or None, whole) of ``r`` behind ``router``: a tuned row's own values (its ``(profile
+    flags)`` twin's too), whole; the ``+tpot-guard`` copy of a row tuned without the rule, that row's,
+    whole (as on one engine); a row without shedding (``<p>``, ``<p>+tpot-guard``), the router's and
+    the index's parameters only, of ``<p>+shed`` (with the rule's first), or for fcfs and priority of
+    their tuned-flags row (so that the levers' gain against them is the levers' alone)."""
+    routed = dict(cfg.routed)
+    if not routed:
+        return None, False
+    key = f"{router} x ".__add__
+    base = r.label.removesuffix(PROFILE_FLAGS_SUFFIX)
+    for label in (base, base.removesuffix(GUARD_SUFFIX)):
+        if key(label) in routed and (label == base or label.endswith(SHED_SUFFIX) or FLAGS_SUFFIX in label):
+            return routed[key(label)], True
+    if r.shed_margin is None and r.policy != CONTROLLED:
+        guard = base.endswith(GUARD_SUFFIX)
+        for label in ([f"{r.policy}{SHED_SUFFIX}{GUARD_SUFFIX}"] if guard else []) + [
+                f"{r.policy}{SHED_SUFFIX}", f"{r.policy}{FLAGS_SUFFIX}"]:
+            if key(label) in routed:
+                return routed[key(label)], False
+    return None, False
 
 
 #: ``Row.policy`` of a controller row (``index-scheduled``, trained agents)
