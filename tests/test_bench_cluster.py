@@ -184,6 +184,15 @@ def test_two_routers_label_their_rows_and_the_first_fcfs_is_the_reference():
     text = rep.summary_text()
     line = next(x for x in text.splitlines() if x.startswith("round-robin x index+shed "))
     assert f"{rows['round-robin x index+shed']['vs']['round-robin x fcfs']['diff']:+.3f}" in line
+    # the router's gain, printed: each row behind round-robin against the same row behind jsq (paired)
+    md = rep.to_markdown()
+    assert "## Routers at rho 1.2" in md and "routers at rho 1.2" in text
+    for b in base:
+        gain = rows[f"round-robin x {b}"]["vs"][f"jsq x {b}"]
+        want = f"| round-robin x {b} | jsq x {b} | {gain['diff']:+.3f} [{gain['ci95'][0]:+.3f}, {gain['ci95'][1]:+.3f}]"
+        assert want in md, want
+    section = md.split("## Routers at rho 1.2")[1].split("\n## ")[0]
+    assert not any(x.startswith("| jsq x ") for x in section.splitlines())
 
 
 # ------------------------------------------------------------------ (d) the cluster block in the reports

@@ -214,6 +214,28 @@ def cluster_rows(entry: dict) -> list:
 CLUSTER_HEADER = ["row", "replica utilisation", "imbalance (max / mean busy)", "prefix hit rate"]
 
 
+def router_gain_rows(entry: dict, data: dict) -> list:
+    """The router's gain at one load (cluster mode, several routers): each row behind another router
+    against the same row behind the first, paired."""
+    c = data.get("cluster")
+    if c is None or len(c["routers"]) < 2:
+        return []
+    first = c["routers"][0]
+    out = []
+    for d in entry["rows"]:
+        r = d.get("router")
+        if r is None or r == first:
+            continue
+        ref = f"{first} x {d['label'][len(r) + 3:]}"
+        gain = d["vs"].get(ref)
+        if gain is not None:
+            out.append([d["label"], ref, _diff(gain), _f(gain["win_rate"], 2)])
+    return out
+
+
+ROUTER_HEADER = ["row", "against", "router gain [95% CI]", "win rate"]
+
+
 def _engine_lines(data) -> list:
     """The engine settings that differ from the defaults (the evidence's ``engine_config``)."""
     from .engine.state import EngineConfig
@@ -307,6 +329,10 @@ def console_summary(data: dict) -> str:
     if cl:
         lines += ["", f"replicas at rho {rho:g} (utilisation: mean over units; prefix hit rate: pooled):"]
         lines += _text_table(CLUSTER_HEADER, cl)
+    rg = router_gain_rows(e, data)
+    if rg:
+        lines += ["", f"routers at rho {rho:g} (each row against the same row behind the first router, paired):"]
+        lines += _text_table(ROUTER_HEADER, rg)
     lev = lever_lines(e)
     if lev:
         lines += ["", f"tuned levers at rho {rho:g} (each row against itself at the untuned flags: the profile's, "
@@ -359,6 +385,11 @@ def report_markdown(data: dict) -> str:
               "Utilisation (busy / span) per replica and imbalance: means over units; prefix hit rate: hit / "
               "queried tokens, pooled.", ""]
         L += _table(CLUSTER_HEADER, cl)
+    rg = router_gain_rows(e, data)
+    if rg:
+        L += ["", f"## Routers at rho {rho:g}", "", "Each row behind another router against the same row behind "
+              "the first (paired).", ""]
+        L += _table(ROUTER_HEADER, rg)
     lev = lever_lines(e)
     if lev:
         L += ["", f"## Tuned levers at rho {rho:g}", "",
@@ -426,7 +457,10 @@ def report_markdown(data: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------ plots
-def plot_goodput(curves: dict, path) -> None:
+def plot_goodput(curves: dict, path, replicas: int = 1) -> None:
+    """Goodput vs load per row with its CI band (and the upper bound); ``replicas`` > 1: a cluster's
+    load, against R x lambda_sat."""
+    xlabel = "load rho (x lambda_sat)" if replicas == 1 else f"load rho (x {replicas} x lambda_sat: the cluster's)"
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
@@ -441,7 +475,7 @@ def plot_goodput(curves: dict, path) -> None:
         ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
     if curves.get("upper_bound"):
         ax.plot(x, curves["upper_bound"], "k--", lw=1, label="upper bound")
-    ax.set_xlabel("load rho (x lambda_sat)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("goodput (met / arrived)")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
@@ -523,7 +557,7 @@ def write_report(report, out_dir) -> list:
             curves = dict(report.curves)
             if data["loads"] and "upper_bound" in data["loads"][0]:
                 curves["upper_bound"] = [e["upper_bound"]["mean"] for e in data["loads"]]
-            plot_goodput(curves, tmp / PNG_GOODPUT)
+            plot_goodput(curves, tmp / PNG_GOODPUT, (data.get("cluster") or {}).get("replicas", 1))
             plot_ttft_cdf(curves, data["primary_load"], tmp / PNG_TTFT)
             (tmp / MD_NAME).write_text(report_markdown(data), encoding="utf-8")
             (tmp / META_NAME).write_text(json.dumps(report.meta, indent=1, default=str) + "\n", encoding="utf-8")
