@@ -55,6 +55,7 @@ def _eid(cfg):
 @pytest.mark.parametrize("kw, msg", [
     (dict(replicas=0), "replicas: must be an integer >= 1, got 0"),
     (dict(replicas=True), "replicas: must be an integer >= 1"),
+    (dict(replicas=4097), "replicas: must be in [1, 4096], got 4097"),
     (dict(replicas=2, routers=()), "routers: need at least one; valid: round-robin"),
     (dict(replicas=2, routers=("nope",)), "routers: unknown router 'nope'; valid: round-robin"),
     (dict(replicas=2, routers=("jsq", "jsq")), "routers: duplicates in ['jsq', 'jsq']"),
@@ -184,6 +185,9 @@ def test_two_routers_label_their_rows_and_the_first_fcfs_is_the_reference():
     text = rep.summary_text()
     line = next(x for x in text.splitlines() if x.startswith("round-robin x index+shed "))
     assert f"{rows['round-robin x index+shed']['vs']['round-robin x fcfs']['diff']:+.3f}" in line
+    # ... and the gap line says which fcfs is the reference
+    assert e["fcfs_row"] == "jsq x fcfs"
+    assert "(FCFS here, and in rel. goodput: jsq x fcfs; vs fcfs: the fcfs row behind the same router)" in text
     # the router's gain, printed: each row behind round-robin against the same row behind jsq (paired)
     md = rep.to_markdown()
     assert "## Routers at rho 1.2" in md and "routers at rho 1.2" in text
@@ -271,6 +275,7 @@ def _bench_registered(monkeypatch):
 @pytest.mark.parametrize("argv, needle", [
     (["--replicas", "0"], "--replicas: must be >= 1, got 0"),
     (["--replicas", "two"], "--replicas: must be an integer, got 'two'"),
+    (["--replicas", "100000"], "--replicas: must be in [1, 4096], got 100000"),
     (["--replicas", "2", "--routers", "jsq,nope"], "--routers: unknown router 'nope'; valid: round-robin,"),
     (["--replicas", "2", "--routers", "jsq,jsq"], "--routers: duplicates in ['jsq', 'jsq']"),
     (["--replicas", "2", "--routers", ","], "--routers: need at least one"),

@@ -42,12 +42,16 @@ def test_cluster_rows_are_each_row_behind_each_router():
 
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(replicas=0), "replicas: must be an integer >= 1, got 0"),
-    (dict(routers=("jsq",)), "routers and metrics_staleness_ms: a cluster's settings, with --replicas R > 1"),
+    (dict(replicas=0), "--replicas: must be an integer >= 1, got 0"),
+    (dict(replicas=4097), "--replicas: must be in [1, 4096], got 4097"),
+    (dict(routers=("jsq",)), "--routers and --metrics-staleness-ms: a cluster's settings, with --replicas R > 1"),
+    (dict(routers=()), "a cluster's settings"),
+    (dict(replicas=2, routers=()), "--routers: need at least one; valid: round-robin"),
+    (dict(replicas=2, agents=("no/such/agent",)), "--agent: agents are judged on a single engine"),
     (dict(metrics_staleness_ms=5.0), "a cluster's settings"),
     (dict(replicas=2, routers=("nope",)), "routers: unknown router 'nope'; valid: round-robin"),
     (dict(replicas=2, routers=("jsq", "jsq")), "routers: duplicates"),
-    (dict(replicas=2, metrics_staleness_ms=-1.0), "metrics_staleness_ms: must be a finite number of ms >= 0"),
+    (dict(replicas=2, metrics_staleness_ms=-1.0), "--metrics-staleness-ms: must be a finite number of ms >= 0"),
 ])
 def test_bad_cluster_options_are_one_line(kw, msg):
     with pytest.raises(ConfigError, match=msg.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
@@ -56,7 +60,10 @@ def test_bad_cluster_options_are_one_line(kw, msg):
 
 def test_the_cli_refuses_bad_cluster_options_in_one_line(capsys, tmp_path):
     for argv, msg in [(["--replicas", "0"], "--replicas"), (["--routers", "jsq"], "with --replicas R > 1"),
-                      (["--replicas", "2", "--routers", "nope"], "unknown router 'nope'")]:
+                      (["--replicas", "2", "--routers", "nope"], "unknown router 'nope'"),
+                      (["--replicas", "2", "--routers", ""], "--routers: need at least one value"),
+                      (["--replicas", "100000"], "--replicas: must be in [1, 4096], got 100000"),
+                      (["--replicas", "2", "--agent", str(tmp_path / "none")], "--agent: agents are judged")]:
         assert T_main(argv + ["--out", str(tmp_path / "o")]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and msg in err, err
@@ -214,7 +221,8 @@ def test_bench_with_the_parameters_reproduces_the_test_report(tuned, tmp_path, c
 ])
 def test_a_bad_cluster_part_is_one_line_naming_file_and_row(tmp_path, capsys, rows, msg):
     p = tmp_path / "p.json"
-    p.write_text(json.dumps({"shed_margin": 0.0, "cluster": {"replicas": 2, "rows": rows}}))
+    p.write_text(json.dumps({"shed_margin": 0.0, "cluster": {"replicas": 2, "routers": ["round-robin", "prefix-affinity"],
+                                                             "rows": rows}}))
     with pytest.raises(ConfigError) as e:
         load_routed(str(p))
     assert str(p) in str(e.value) and msg in str(e.value), str(e.value)
@@ -236,17 +244,29 @@ def test_bench_config_checks_routed_rows():
     assert set(ROUTER_NAMES) >= set(TUNED_ROUTERS) == {"prefix-affinity"}
 
 
+ROW = {"round-robin x sjf+shed": {"shed_margin": 0.1}}
+
+
 @pytest.mark.parametrize("part, msg", [
-    ({"replicas": 2, "routers": 5, "rows": {}}, "routers must be a list of router names"),
-    ({"replicas": 2, "routers": ["nope"], "rows": {}}, "routers must be a list of router names"),
-    ({"replicas": 2, "metrics_staleness_ms": "x", "rows": {}}, "metrics_staleness_ms must be a number of ms >= 0"),
-    ({"replicas": 1, "rows": {}}, "replicas must be an integer >= 2"),
+    ({"replicas": 2, "routers": 5, "rows": ROW}, "routers must be a non-empty list of distinct router names"),
+    ({"replicas": 2, "routers": ["nope"], "rows": ROW}, "routers must be a non-empty list"),
+    ({"replicas": 2, "rows": ROW}, "routers must be a non-empty list"),
+    ({"replicas": 2, "routers": [], "rows": ROW}, "routers must be a non-empty list"),
+    ({"replicas": 2, "routers": ["round-robin", "round-robin"], "rows": ROW}, "routers must be a non-empty list"),
+    ({"replicas": 2, "routers": ["round-robin"], "metrics_staleness_ms": "x", "rows": ROW},
+     "metrics_staleness_ms must be a number of ms >= 0"),
+    ({"replicas": 1, "routers": ["round-robin"], "rows": ROW}, "replicas must be an integer >= 2"),
+    (None, "with at least one row, got null"),
+    ({"replicas": 2, "routers": ["round-robin"], "rows": {}}, "with at least one row"),
+    ({"replicas": 2, "routers": ["round-robin"], "rows": {"prefix-affinity x sjf+shed": {}}},
+     "row 'prefix-affinity x sjf+shed' is behind prefix-affinity, not one of routers ['round-robin']"),
 ])
 def test_a_bad_cluster_header_is_one_line(tmp_path, part, msg):
     p = tmp_path / "p.json"
     p.write_text(json.dumps({"cluster": part}))
-    with pytest.raises(ConfigError, match=msg):
+    with pytest.raises(ConfigError) as e:
         load_routed(str(p))
+    assert msg in str(e.value), str(e.value)
 
 
 def test_each_row_behind_a_router_runs_the_values_tuned_behind_it():
@@ -304,3 +324,15 @@ def test_a_trace_tunings_objective_says_it_scores_windows():
     d = T.TuneConfig(trace=__file__, out="/tmp/x")   # (any existing file: only the config is read)
     assert d.objective_dict()["scored"] == "window"
     assert "scored" not in T.TuneConfig().objective_dict()
+
+
+def test_bench_warns_when_a_single_engines_file_runs_routers_with_parameters(tmp_path, capsys):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"shed_margin": 0.1}))
+    base = ["bench", "--loads", "1.2", "--policies", "sjf", "--max-traces", "1", "--bootstrap-b", "200",
+            "--params", str(p), "--quiet", "--replicas", "2"]
+    assert cli.main([*base, "--routers", "round-robin,prefix-affinity", "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "tuned on one engine: prefix-affinity run at their default parameters" in err, err
+    assert cli.main([*base, "--routers", "round-robin,jsq", "--out", str(tmp_path / "b")]) == 0
+    assert "warning" not in capsys.readouterr().err   # (no router with parameters: nothing to say)

@@ -65,8 +65,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster (docs/design.md section 12)")
     g.add_argument("--replicas", default=None, metavar="R",
                    help="run every row on R engine replicas behind a router (default 1: the single engine); rho "
-                        "is then the admitted arrival rate / (R x lambda_sat), a trace file's windows hold W x R "
-                        "scored requests; no upper bound, --capacity or controllers yet")
+                        "is then the admitted arrival rate / (R x lambda_sat): a suite's traces keep their requests, arriving "
+                        "R times as fast; a trace file's windows, warm-up and cool-down hold R times the requests; "
+                        "no upper bound, --capacity or controllers yet")
     g.add_argument("--routers", default=None, metavar="R1,R2,...",
                    help="with --replicas: comma-separated routers, each row once per router, labelled "
                         "'<router> x <row>' when several (default round-robin; tokenbatch simulate --help lists "
@@ -131,6 +132,9 @@ def cluster_kwargs(args) -> dict:
     kw = {}
     R = _int(args.replicas, "replicas", 1)
     if R is not None:
+        from .engine.flags import MAX_REPLICAS
+        if R > MAX_REPLICAS:
+            raise ConfigError(f"--replicas: must be in [1, {MAX_REPLICAS}], got {R}")
         kw["replicas"] = R
     if args.routers is not None or args.metrics_staleness_ms is not None:
         if R is None or R == 1:
@@ -154,17 +158,22 @@ def routed_fields(path: str, cluster: dict) -> dict:
     from .evaluate.config import DEFAULT_ROUTER
     from .params import load_routed
     rd = load_routed(path)
-    if rd is None:
-        return {}
     R = cluster.get("replicas", 1)
-    tuned = rd["routers"] or tuple(dict.fromkeys(label.split(" x ", 1)[0] for label, _ in rd["routed"]))
 
     def warn(msg):
         print(f"warning: --params {path}: {msg}", file=sys.stderr)
 
+    if rd is None:
+        from .engine.cluster import TUNED_ROUTERS
+        with_params = [r for r in cluster.get("routers", ()) if r in TUNED_ROUTERS]
+        if R > 1 and with_params:
+            warn(f"tuned on one engine: {', '.join(with_params)} run at their default parameters, every "
+                 f"router behind the file's rows (tokenbatch tune --replicas {R} tunes them together)")
+        return {}
+    tuned = rd["routers"]
     if R == 1:
         warn(f"tuned on a cluster of {rd['replicas']} replicas; one engine runs its top level (the rows "
-             f"behind {tuned[0] if tuned else 'its first router'})")
+             f"behind {tuned[0]})")
         return {}
     routers = cluster.get("routers", (DEFAULT_ROUTER,))
     if rd["replicas"] != R:
@@ -176,7 +185,7 @@ def routed_fields(path: str, cluster: dict) -> dict:
     if skipped:
         warn(f"rows tuned behind {', '.join(skipped)} not benchmarked (add --routers {','.join(tuned)})")
     untuned = [r for r in routers if r not in tuned]
-    if untuned and tuned:
+    if untuned:
         warn(f"no rows tuned behind {', '.join(untuned)}: they run the file's top level (the rows behind "
              f"{tuned[0]}) at the router's default parameters")
     return {"routed": tuple((label, rr) for label, rr in rd["routed"] if label.split(" x ", 1)[0] in routers)}

@@ -191,19 +191,22 @@ def load_routed(path: str, what: str = "--params") -> Optional[dict]:
     from .engine.cluster import ROUTER_NAMES, ROUTERS, Router
     from .policies import IndexParams, check_shed_margin
     load_params_file(path, what)
-    d = json.loads(Path(path).read_text()).get(CLUSTER_KEY)
-    if d is None:
+    doc = json.loads(Path(path).read_text())
+    if CLUSTER_KEY not in doc:
         return None
+    d = doc[CLUSTER_KEY]
     where = f"{what} {path}: {CLUSTER_KEY}"
-    if not isinstance(d, dict) or not isinstance(d.get("rows"), dict):
-        raise ConfigError(f"{where}: expected {{\"replicas\": R, \"routers\": [...], \"rows\": {{...}}}}")
+    if not isinstance(d, dict) or not isinstance(d.get("rows"), dict) or not d["rows"]:
+        raise ConfigError(f"{where}: expected {{\"replicas\": R, \"routers\": [...], \"rows\": {{...}}}} "
+                          f"with at least one row, got {json.dumps(d)[:80]}")
     R = d.get("replicas")
     if isinstance(R, bool) or not isinstance(R, int) or R < 2:
         raise ConfigError(f"{where}: replicas must be an integer >= 2, got {R!r}")
-    routers = d.get("routers", [])
-    if not isinstance(routers, list) or any(r not in ROUTER_NAMES for r in routers):
-        raise ConfigError(f"{where}: routers must be a list of router names ({', '.join(ROUTER_NAMES)}), "
-                          f"got {routers!r}")
+    routers = d.get("routers")
+    if not isinstance(routers, list) or not routers or any(r not in ROUTER_NAMES for r in routers) \
+            or len(set(routers)) != len(routers):
+        raise ConfigError(f"{where}: routers must be a non-empty list of distinct router names "
+                          f"({', '.join(ROUTER_NAMES)}), got {routers!r}")
     st = d.get("metrics_staleness_ms", 0.0)
     if isinstance(st, bool) or not isinstance(st, (int, float)) or not math.isfinite(st) or st < 0:
         raise ConfigError(f"{where}: metrics_staleness_ms must be a number of ms >= 0, got {st!r}")
@@ -212,6 +215,8 @@ def load_routed(path: str, what: str = "--params") -> Optional[dict]:
         router, sep, plain = label.partition(" x ")
         if not sep or router not in ROUTERS:
             raise ConfigError(f"{where}: row {label!r} is not '<router> x <row>' with a known router")
+        if router not in routers:   # (the routers list is what the bench's warnings and the top level read)
+            raise ConfigError(f"{where}: row {label!r} is behind {router}, not one of routers {routers}")
         kind = routed_row_kind(plain)
         if kind is None:
             raise ConfigError(f"{where}: row {label!r}: {plain!r} is not a tuned row (index+shed, <baseline>+shed, "

@@ -77,8 +77,9 @@ class PlanConfig:
             if p not in POLICIES or p == "srpt-oracle":
                 raise ConfigError(f"unknown policy {p!r} for a plan; valid: "
                                   f"{', '.join(sorted(k for k in POLICIES if k != 'srpt-oracle'))}")
-        if int(self.max_replicas) < 1:
-            raise ConfigError(f"--max-replicas must be >= 1, got {self.max_replicas}")
+        from .engine.flags import MAX_REPLICAS
+        if not 1 <= int(self.max_replicas) <= MAX_REPLICAS:
+            raise ConfigError(f"--max-replicas must be in [1, {MAX_REPLICAS}], got {self.max_replicas}")
         if not (np.isfinite(self.gpu_price_usd) and self.gpu_price_usd >= 0):
             raise ConfigError(f"--gpu-price must be a number >= 0, got {self.gpu_price_usd}")
         if int(self.workers) < 1:

@@ -170,6 +170,9 @@ def gap_line(entry: dict) -> str:
     b = entry["best_achieved"]
     s = (f"gap closed = (row - FCFS) / (best achieved - FCFS): best achieved {b['label']} "
          f"{b['goodput']['mean']:.3f}  FCFS {entry['fcfs_goodput']:.3f}")
+    if "fcfs_row" in entry:   # (a cluster: one reference for every router; "vs fcfs" is the row's own router's)
+        s += (f"  (FCFS here, and in rel. goodput: {entry['fcfs_row']}; vs fcfs: the fcfs row behind the "
+              "same router)")
     if "best_achieved_reference" in entry:
         r = entry["best_achieved_reference"]
         s += f"  (reference {r['label']} {r['goodput']['mean']:.3f})"

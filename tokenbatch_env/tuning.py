@@ -215,11 +215,12 @@ class TuneConfig:
     replicas: int = option(
         1, "tune and judge every row on a cluster of R engine replicas behind each of --routers (docs/design.md "
         "section 12): rows '<router> x <row>', a study each with the same trial budget; a router's parameters "
-        "(prefix-affinity's alpha, beta) join its rows' search space; no comparators, no agents (default 1: "
-        "one engine)", min=1, metavar="R")
-    routers: tuple[str, ...] = option(
-        (), "with --replicas R > 1: the routers, comma-separated (default round-robin and every router with "
-        "parameters: round-robin,prefix-affinity)", allow_empty=True, metavar="A,B,...")
+        "(prefix-affinity's alpha, beta) join its rows' search space; rho is per replica (a suite's traces "
+        "arrive R times as fast; --windows, --warmup and --cooldown count per replica); no comparators, no "
+        "agents (default 1: one engine)", min=1, metavar="R")
+    routers: Optional[tuple[str, ...]] = option(
+        None, "with --replicas R > 1: the routers, comma-separated (default round-robin and every router with "
+        "parameters: round-robin,prefix-affinity)", metavar="A,B,...")
     metrics_staleness_ms: float = option(
         0.0, "with --replicas R > 1: the routers read the replicas' state this many ms ago (default 0)",
         what="a number of ms", metavar="MS")
@@ -283,6 +284,8 @@ class TuneConfig:
                 raise ConfigError(f"timeout: must be a positive number of seconds, got {t!r}")
             set_("timeout", float(t))
         ag = tuple(str(a) for a in self.agents)
+        if ag and self.replicas != 1:   # (before the agents' files are read: the flags conflict whatever they hold)
+            raise ConfigError("--agent: agents are judged on a single engine, not with --replicas R > 1")
         if ag:
             from .agents.load import agent_files
         for a in ag:
@@ -326,24 +329,28 @@ class TuneConfig:
                               "(SQLite is for one process); e.g. --storage runs/study.journal")
 
     def _check_cluster(self, set_) -> None:
-        """replicas >= 1; with R > 1 the routers (default ``DEFAULT_ROUTERS``) are known and distinct
-        and the comparators are off (controllers do not run in a cluster benchmark); routers and
-        staleness only with R > 1."""
+        """1 <= replicas <= ``MAX_REPLICAS``; with R > 1 the routers (default ``DEFAULT_ROUTERS``) are
+        known and distinct and the comparators are off (controllers do not run in a cluster benchmark);
+        routers and staleness only with R > 1. Errors name the flags."""
         from .config_cli import check_names
         from .engine.cluster import ROUTER_NAMES
-        set_("replicas", _int_field(self.replicas, "replicas", 1))
-        routers = (self.routers,) if isinstance(self.routers, str) else tuple(self.routers)
+        from .engine.flags import MAX_REPLICAS
+        R = _int_field(self.replicas, "--replicas", 1)
+        if R > MAX_REPLICAS:
+            raise ConfigError(f"--replicas: must be in [1, {MAX_REPLICAS}], got {R}")
+        set_("replicas", R)
+        routers = None if self.routers is None else \
+            (self.routers,) if isinstance(self.routers, str) else tuple(self.routers)
         st = self.metrics_staleness_ms
         if isinstance(st, bool) or not isinstance(st, (int, float)) or not math.isfinite(st) or st < 0:
-            raise ConfigError(f"metrics_staleness_ms: must be a finite number of ms >= 0, got {st!r}")
+            raise ConfigError(f"--metrics-staleness-ms: must be a finite number of ms >= 0, got {st!r}")
         set_("metrics_staleness_ms", float(st))
-        if self.replicas == 1:
-            if routers or self.metrics_staleness_ms:
-                raise ConfigError("routers and metrics_staleness_ms: a cluster's settings, with --replicas R > 1")
+        if R == 1:
+            if routers is not None or self.metrics_staleness_ms:
+                raise ConfigError("--routers and --metrics-staleness-ms: a cluster's settings, with --replicas R > 1")
             return
-        set_("routers", check_names(routers or DEFAULT_ROUTERS, ROUTER_NAMES, "routers", "router"))
-        if self.agents:
-            raise ConfigError("agents: judged on a single engine, not with --replicas R > 1")
+        set_("routers", check_names(DEFAULT_ROUTERS if routers is None else routers, ROUTER_NAMES,
+                                    "--routers", "router"))
         set_("comparators", False)   # (index-scheduled is a controller: not in a cluster benchmark yet)
 
     # derived -------------------------------------------------------------------------------
@@ -1448,7 +1455,7 @@ def _cluster_params_document(cfg: TuneConfig, summaries: dict, objective_eid: st
     routed row's own best: index parameters, shed margin, levers and router parameters."""
     from .params import CLUSTER_KEY
     first = cfg.routers[0] + ROUTED
-    one = dataclasses.replace(cfg, replicas=1, routers=(), metrics_staleness_ms=0.0)
+    one = dataclasses.replace(cfg, replicas=1, routers=None, metrics_staleness_ms=0.0)
     doc = params_document(one, {r[len(first):]: s for r, s in summaries.items() if r.startswith(first)},
                           objective_eid, t_ref_ms, deployment)
     rows, notes = {}, {}

@@ -8,6 +8,10 @@ import dataclasses
 
 from ..errors import ConfigError
 
+#: the most replicas a cluster run holds (each is a whole engine's state); simulate, bench, tune and
+#: plan refuse more with one line
+MAX_REPLICAS = 4096
+
 #: vLLM's engine flags (docs/design.md section 10): (flag, ``EngineConfig`` field, least value)
 ENGINE_FLAGS = (("--num-blocks", "num_blocks", 2), ("--block-size", "block_size", 1),
                 ("--max-num-seqs", "max_num_seqs", 1), ("--max-num-batched-tokens", "max_num_batched_tokens", 1),

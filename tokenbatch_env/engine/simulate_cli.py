@@ -14,7 +14,7 @@ import numpy as np
 
 from .._io import atomic_path
 from ..config_cli import LazyChoices
-from .flags import add_budget_flags, add_engine_flags, budget_overrides, engine_overrides, resolve_with_flags
+from .flags import MAX_REPLICAS, add_budget_flags, add_engine_flags, budget_overrides, engine_overrides, resolve_with_flags
 from ..errors import ConfigError, TraceError
 
 
@@ -69,8 +69,6 @@ def _routers() -> tuple:
     return ROUTER_NAMES
 
 
-#: the most replicas ``simulate`` replays (each is a whole engine's state)
-MAX_REPLICAS = 4096
 
 
 def _cluster_args(args):

@@ -287,7 +287,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
             for d in res_rows:
                 d["gap_closed"] = (d["goodput"]["mean"] - g_fcfs) / (best["goodput"]["mean"] - g_fcfs)
         ent = {"rho": rho, "rate_rps": wl.rate(rho), "rows": res_rows,
-               "fcfs_goodput": g_fcfs,
+               "fcfs_goodput": g_fcfs, **({"fcfs_row": ref} if cfg.cluster else {}),
                "best_achieved": {"label": best["label"], "goodput": _copy_ci(best["goodput"])}}
         if best_all is not best:
             ent["best_achieved_reference"] = {"label": best_all["label"], "goodput": _copy_ci(best_all["goodput"])}

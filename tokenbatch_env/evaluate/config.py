@@ -237,6 +237,9 @@ class BenchConfig:
         R = self.replicas
         if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or R < 1:
             raise ConfigError(f"replicas: must be an integer >= 1, got {R!r}")
+        from ..engine.flags import MAX_REPLICAS
+        if R > MAX_REPLICAS:
+            raise ConfigError(f"replicas: must be in [1, {MAX_REPLICAS}], got {R}")
         set_("replicas", int(R))
         routers = (self.routers,) if isinstance(self.routers, str) else tuple(self.routers)
         if routers != (DEFAULT_ROUTER,):   # (the routers' names without importing the cluster's engine)
