@@ -221,8 +221,8 @@ def test_bench_with_the_parameters_reproduces_the_test_report(tuned, tmp_path, c
 ])
 def test_a_bad_cluster_part_is_one_line_naming_file_and_row(tmp_path, capsys, rows, msg):
     p = tmp_path / "p.json"
-    p.write_text(json.dumps({"shed_margin": 0.0, "cluster": {"replicas": 2, "routers": ["round-robin", "prefix-affinity"],
-                                                             "rows": rows}}))
+    part = {"replicas": 2, "routers": ["round-robin", "prefix-affinity"], "rows": rows}
+    p.write_text(json.dumps({"shed_margin": 0.0, "cluster": part}))
     with pytest.raises(ConfigError) as e:
         load_routed(str(p))
     assert str(p) in str(e.value) and msg in str(e.value), str(e.value)

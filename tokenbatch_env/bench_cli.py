@@ -65,9 +65,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster (docs/design.md section 12)")
     g.add_argument("--replicas", default=None, metavar="R",
                    help="run every row on R engine replicas behind a router (default 1: the single engine); rho "
-                        "is then the admitted arrival rate / (R x lambda_sat): a suite's traces keep their requests, arriving "
-                        "R times as fast; a trace file's windows, warm-up and cool-down hold R times the requests; "
-                        "no upper bound, --capacity or controllers yet")
+                        "is then the admitted arrival rate / (R x lambda_sat): a suite's traces keep their "
+                        "requests, arriving R times as fast; a trace file's windows, warm-up and cool-down hold R "
+                        "times the requests; no upper bound, --capacity or controllers yet")
     g.add_argument("--routers", default=None, metavar="R1,R2,...",
                    help="with --replicas: comma-separated routers, each row once per router, labelled "
                         "'<router> x <row>' when several (default round-robin; tokenbatch simulate --help lists "

@@ -14,7 +14,8 @@ import numpy as np
 
 from .._io import atomic_path
 from ..config_cli import LazyChoices
-from .flags import MAX_REPLICAS, add_budget_flags, add_engine_flags, budget_overrides, engine_overrides, resolve_with_flags
+from .flags import (MAX_REPLICAS, add_budget_flags, add_engine_flags, budget_overrides, engine_overrides,
+                    resolve_with_flags)
 from ..errors import ConfigError, TraceError
 
 
