@@ -83,6 +83,7 @@ class EngineArrays(NamedTuple):
     t1: np.ndarray               # TTFT SLO (ns); used by in-engine scores and shedding
     t2: np.ndarray               # TPOT SLO (ns); used by the tpot-guard budget rule
     est: np.ndarray              # output-length estimate at arrival (float; NaN: use residual life)
+    with_kv: np.ndarray          # bool: arrives with its prompt's KV and its first token (rule 13)
     chain_off: np.ndarray        # [C, R+1] CSR offsets into chain_val
     chain_val: np.ndarray        # [C, H] dense shared-block ids (per copy)
     uniq_base: np.ndarray        # [C, R] dense id of the request's first unique block
@@ -997,7 +998,7 @@ def _prefetch_copy(c, hi, n, ref, bhash, hnext, fq_prev, fq_next, arrival, promp
 @njit
 def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, tier, score, active, claim, mine,
                       max_steps, until_ns,
-                      n_req, arrival, prompt, out_len, prio, capped, t1, t2, est, chain_off, chain_val,
+                      n_req, arrival, prompt, out_len, prio, capped, t1, t2, est, with_kv, chain_off, chain_val,
                       uniq_base, now, it, next_arr, n_ended, key_hi, key_lo, n_run,
                       n_wait, n_free, n_slot_free, n_pend, n_iter_rec, status, end_state, computed,
                       gen, qkey, slot_of, held, n_cached, first_sched, first_token, first_token_it,
@@ -1210,6 +1211,23 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                 next_arr[c] += 1
                 if prompt[c, r] >= cfg[C_MAX_LEN]:
                     _end(status, end_state, finish, n_ended, c, r, E_REJECTED, arrival[c, r])
+                    continue
+                if with_kv[c, r]:
+                    # Rule 13: it arrives with its prompt's KV (computed elsewhere) and its first token
+                    # (emitted there: first_token is its arrival here). It joins the remote queue
+                    # (the swapped queue, FIFO, served before the waiting queue) holding no block here.
+                    computed[c, r] = prompt[c, r]
+                    gen[c, r] = 1
+                    first_token[c, r] = arrival[c, r]
+                    if out_len[c, r] <= 1:   # (nothing left to generate)
+                        _end(status, end_state, finish, n_ended, c, r,
+                             E_LENGTH_CAPPED if capped[c, r] else E_COMPLETED, arrival[c, r])
+                        continue
+                    qkey[c, r] = key_hi[c]
+                    key_hi[c] += 1
+                    status[c, r] = SWAPPED
+                    swap_ids[c, n_swap[c]] = r
+                    n_swap[c] += 1
                     continue
                 if cfg[C_ADMISSION] != 0:
                     # beyond vLLM: refuse a request whose TTFT would be missed even if the engine
@@ -1665,7 +1683,10 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
             # wait_ids[:lim]; with skip_hol (beyond vLLM) a request that does not fit moves past lim.
             # Beyond vLLM, swap (V0): the swapped queue is served before the waiting queue, in FIFO
             # order; a swap-in needs blocks for the whole current sequence plus the watermark.
-            if preempted == 0 and swap_on != 0:
+            # Rule 13 (docs/design.md section 13): a request that arrived with its KV is admitted the
+            # same way (the gate for ceil((N + 1)/bs) blocks + watermark), claiming ceil(N/bs) blocks
+            # at once, without a swap's cost (never preempted: it holds no host blocks).
+            if preempted == 0:
                 while n_swap[c] > 0 and budget > 0 and n_run[c] < cfg[C_MAX_SEQS]:
                     r = swap_ids[c, 0]
                     num_tokens = prompt[c, r] + gen[c, r]
@@ -1674,9 +1695,12 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                     for q in range(n_swap[c] - 1):
                         swap_ids[c, q] = swap_ids[c, q + 1]
                     n_swap[c] -= 1
-                    h = held[c, r]
-                    host_free[c] += h
-                    acc[2] += h
+                    if with_kv[c, r] and n_preempt[c, r] == 0:
+                        h = _bdiv(prompt[c, r] + bs - 1, bs, bsh)
+                    else:
+                        h = held[c, r]
+                        host_free[c] += h
+                        acc[2] += h
                     held[c, r] = 0
                     n_slot_free[c] -= 1   # (a free one: fewer than max_num_seqs run)
                     slot_of[c, r] = slot_free[c, n_slot_free[c]]
@@ -1823,6 +1847,11 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                     for q in range(n_swap[c] - 1):
                         swap_ids[c, q] = swap_ids[c, q + 1]
                     n_swap[c] -= 1
+                    if with_kv[c, r] and n_preempt[c, r] == 0:
+                        # (rule 13: its KV can never be admitted here; recomputing needs as many blocks)
+                        _end(status, end_state, finish, n_ended, c, r, E_REJECTED, t_now)
+                        total += 1
+                        continue
                     host_free[c] += held[c, r]
                     held[c, r] = 0   # (its slot was freed as it was swapped out)
                     recomputed[c, r] += computed[c, r]
@@ -1961,7 +1990,8 @@ def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_s
 KERNEL_CALL_ARGS = ("cfg_rows", "fcfg_rows", "theta", "shed_margin", "mrl", "nan_score", "tier", "score", "active",
                     "claim", "mine", "max_steps", "until_ns")
 KERNEL_STATE_ARGS = (
-    "n_req", "arrival", "prompt", "out_len", "prio", "capped", "t1", "t2", "est", "chain_off", "chain_val", "uniq_base",
+    "n_req", "arrival", "prompt", "out_len", "prio", "capped", "t1", "t2", "est", "with_kv", "chain_off", "chain_val",
+    "uniq_base",
     "now", "it", "next_arr", "n_ended", "key_hi", "key_lo", "n_run", "n_wait", "n_free", "n_slot_free", "n_pend",
     "n_iter_rec", "status", "end_state", "computed", "gen", "qkey", "slot_of", "held", "n_cached", "first_sched",
     "first_token", "first_token_it", "finish", "finish_it", "n_preempt", "recomputed", "resumed", "run_ids",

@@ -197,7 +197,7 @@ class EngineRun(_Copies):
                  residual_life: Optional[np.ndarray] = None,
                  iteration_sink: Optional[Callable[[int, dict], None]] = None,
                  record_sink: Optional[Callable[[int, dict], None]] = None, record_chunk: int = 65_536,
-                 threads: int = 1):
+                 threads: int = 1, with_kv: Optional[Sequence[np.ndarray]] = None):
         """``iteration_sink(copy, columns)`` receives per-iteration records in chunks of at most
         ``config.record_iterations`` rows; ``record_sink(copy, columns)`` receives each copy's final
         request records in request order, at most ``record_chunk`` rows a call (the columns of
@@ -213,7 +213,11 @@ class EngineRun(_Copies):
         ``profile`` and ``config``: the batch's, or one per copy (docs/design.md section 11: each copy
         its own budget, threshold, max_num_seqs, KV pool, async setting or GPU; one block size per
         batch). ``profiles[c]`` and ``configs[c]`` are copy c's (resolved); ``profile`` and
-        ``config`` the batch's when all copies share one."""
+        ``config`` the batch's when all copies share one.
+
+        ``with_kv[c]`` (one bool array per trace): requests that arrive with their prompt's KV cache and
+        first token, computed elsewhere (engine rule 13, docs/design.md section 13: a decode replica's
+        view of a prefill/decode handoff)."""
         if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or int(threads) < 1:
             raise ConfigError(f"threads: must be an integer >= 1, got {threads!r}")
         self.threads = int(threads)
@@ -225,7 +229,7 @@ class EngineRun(_Copies):
         self.configs, self.profiles = resolve_copies(profile, config, C)
         self.policy = _resolve_policy(policy)
         compile_notice()   # (one line, once, if numba is about to compile the kernel: a run would look hung)
-        self.arrays = A = build_arrays(self.traces, self.profiles, self.configs, estimates)
+        self.arrays = A = build_arrays(self.traces, self.profiles, self.configs, estimates, with_kv=with_kv)
         if iteration_sink is not None and self.configs[0].record_iterations < 1:
             raise ConfigError("an iteration sink needs record_iterations >= 1 (the buffer size)")
         self.iteration_sink = iteration_sink
@@ -480,16 +484,18 @@ def simulate(traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile]
              chunk_steps: int = 20_000,
              iteration_sink: Optional[Callable[[int, dict], None]] = None,
              record_sink: Optional[Callable[[int, dict], None]] = None,
-             record_chunk: int = 65_536) -> SimResult:
+             record_chunk: int = 65_536, with_kv: Optional[Sequence[np.ndarray]] = None) -> SimResult:
     """Replay each trace on its own engine copy, all copies stepped together, until every request
     has ended or the iteration cap is hit (unfinished requests are then ``unfinished``).
 
     ``estimates`` (one float array per trace) and ``residual_life`` (a mean-residual-life table,
     see ``tokenbatch_env.predictors``) feed the in-engine scores; requests without an estimate use
     the table (default: 1 token left). ``iteration_sink``/``record_sink`` stream records to the
-    caller in bounded chunks (see ``EngineRun``)."""
+    caller in bounded chunks (see ``EngineRun``); ``with_kv``: requests that arrive with their KV
+    (engine rule 13, see ``EngineRun``)."""
     run = EngineRun(traces, profile, policy, config, estimates=estimates, residual_life=residual_life,
-                    iteration_sink=iteration_sink, record_sink=record_sink, record_chunk=record_chunk)
+                    iteration_sink=iteration_sink, record_sink=record_sink, record_chunk=record_chunk,
+                    with_kv=with_kv)
     bar = None
     if progress:
         from tqdm.auto import tqdm

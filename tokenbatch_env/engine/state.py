@@ -290,7 +290,8 @@ def unique_block_bases(prompt, out_len, prefix_lengths, n_uniq, bs):
 
 def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profile]],
                  config: Union[EngineConfig, Sequence[EngineConfig]],
-                 estimates: Optional[Sequence[np.ndarray]] = None, *, block_table: bool = True) -> K.EngineArrays:
+                 estimates: Optional[Sequence[np.ndarray]] = None, *, block_table: bool = True,
+                 with_kv: Optional[Sequence[np.ndarray]] = None) -> K.EngineArrays:
     """Lay N traces out as the struct of arrays, one copy each, padded to the longest.
 
     ``profile`` and ``config`` (resolved: ``EngineConfig.resolve``) are the batch's, or one per copy
@@ -298,6 +299,8 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
     slots, KV blocks, table width); one block size per batch (``check_batch``).
     ``estimates[c]`` are copy c's output-length estimates (a predictor's, never the truth unless
     labelled oracle); NaN or absent means "use the family's mean residual life".
+    ``with_kv[c]`` (bool per request of trace c; default none): requests that arrive with their
+    prompt's KV and first token (engine rule 13, docs/design.md section 13).
     ``block_table=False`` leaves ``table`` empty ([C, 0, 0]): for callers that write these copies
     into rows of an existing batch, whose table rows need no reset (the kernel reads a request's
     table entries only below its held blocks, all written when claimed)."""
@@ -351,6 +354,17 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
                 raise ConfigError(f"estimates for trace {c} have shape {e.shape}, expected ({len(t)},)")
             est[c, :len(t)] = e
 
+    kv = np.zeros((C, R), np.bool_)
+    if with_kv is not None:
+        if len(with_kv) != C:
+            raise ConfigError(f"got {len(with_kv)} with_kv arrays for {C} traces")
+        for c, (t, w) in enumerate(zip(traces, with_kv)):
+            w = np.asarray(w)
+            if w.shape != (len(t),) or w.dtype != np.bool_:
+                raise ConfigError(f"with_kv for trace {c}: expected a bool array of shape ({len(t)},), got "
+                                  f"{w.dtype} {w.shape}")
+            kv[c, :len(t)] = w
+
     # prefix chains -> dense per-copy ids; blocks past a chain get unique ids
     H = max(1, max(len(t.prefix_hashes) for t in traces))
     chain_off = np.zeros((C, R + 1), i64)
@@ -384,7 +398,7 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
     rec = max(configs[0].record_iterations, 1)
     return K.EngineArrays(
         n_req=n_req, arrival=arrival, prompt=prompt, out_len=out_len, prio=prio, capped=capped, t1=t1, t2=t2, est=est,
-        chain_off=chain_off, chain_val=chain_val, uniq_base=uniq_base,
+        with_kv=kv, chain_off=chain_off, chain_val=chain_val, uniq_base=uniq_base,
         now=np.where(n_req > 0, arrival[:, 0], 0).astype(i64), it=z(C), next_arr=z(C), n_ended=z(C),
         key_hi=z(C, fill=1), key_lo=z(C, fill=-1), n_run=z(C), n_wait=z(C),
         n_free=nb_c.copy(), n_slot_free=slots_c.copy(), n_pend=z(C),

@@ -168,6 +168,7 @@ def lay_out_rows(A, F, rows, src, n_req, arrival, prompt, out_len, prio, capped,
         A.t1[r] = t1[s]
         A.t2[r] = t2[s]
         A.est[r] = est[s]
+        A.with_kv[r] = F.with_kv[0]   # (windows arrive without KV)
         A.chain_off[r] = chain_off[s]
         own = chain_off[s, chain_off.shape[1] - 1]
         A.chain_val[r, :own] = chain_val[s, :own]

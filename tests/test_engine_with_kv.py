@@ -1,0 +1,137 @@
+"""Engine rule 13 (docs/design.md section 13): a request that arrives with its prompt's KV cache and
+its first token (a decode replica's side of a prefill/decode handoff)."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from tokenbatch_env.engine import kernel as K
+from tokenbatch_env.engine.simulate import EngineRun, simulate
+from tokenbatch_env.engine.state import EngineConfig
+from tokenbatch_env.errors import ConfigError
+
+from engine_helpers import tiny_trace
+from test_engine_properties import _pool_consistent, _policy, configs, policies, traces
+
+
+def _sim(trace, with_kv, **cfg):
+    cfg.setdefault("record_iterations", 10_000)
+    return simulate(trace, "linear", "fcfs", EngineConfig(**cfg), with_kv=[np.asarray(with_kv, bool)])
+
+
+@pytest.mark.parametrize("prompt, output", [(100, 20), (16, 2), (300, 40), (17, 33)])
+def test_a_request_with_its_kv_runs_the_decode_of_the_same_request_without(prompt, output):
+    """Alone on the engine, a request that arrives with its KV runs exactly the iterations the same
+    request runs after its first token: one decode token each, at the same contexts and costs."""
+    tr = tiny_trace([0.0], [prompt], [output])
+    plain = _sim(tr, [False], async_scheduling=False, jumps=False)
+    kv = _sim(tr, [True], async_scheduling=False, jumps=False)
+    p, k = plain.records(0), kv.records(0)
+    assert k["end_state"][0] == K.E_COMPLETED and k["first_token_ns"][0] == 0 and k["first_token_iteration"][0] == -1
+    assert k["finish_ns"][0] == p["finish_ns"][0] - p["first_token_ns"][0]
+    assert k["finish_iteration"][0] == output - 2   # (iterations 0 .. O - 2: tokens 2 .. O)
+    ip, ik = plain.iterations(0), kv.iterations(0)
+    assert ik["prefill_tokens"].sum() == 0 and ik["decodes"].sum() == output - 1
+    assert np.array_equal(ik["end_ns"] - ik["start_ns"], (ip["end_ns"] - ip["start_ns"])[1:])
+    assert np.array_equal(ik["blocks_used"], ip["blocks_used"][1:])
+
+
+def test_it_is_admitted_before_waiting_requests_through_the_gate():
+    """The remote queue is served before the waiting queue (FIFO), through rule 6's gate for
+    ceil((N + 1)/bs) blocks plus the watermark; it claims ceil(N/bs) blocks at once."""
+    # three requests at t=0: a plain one (A), then two with KV (B, C) that arrive later
+    tr = tiny_trace([0.0, 0.0, 0.0], [64, 64, 64], [4, 4, 4])
+    r = _sim(tr, [False, True, True], max_num_seqs=2, async_scheduling=False, jumps=False).records(0)
+    # max_num_seqs = 2: the two with KV take the slots (their decode tokens), the plain one waits
+    assert (r["first_scheduled_ns"][1:] == 0).all() and r["first_scheduled_ns"][0] > 0
+    # the gate: a pool of ceil((N + 1)/bs) blocks + watermark admits it (4 blocks claimed at once, a
+    # fifth for its token 65); one block fewer never does, though its 4 blocks of KV would fit
+    from tokenbatch_env.engine.profiles import load_profile
+    tr = tiny_trace([0.0], [64], [3])
+    for extra, fits in [(5, True), (4, False)]:
+        wm = load_profile("linear").watermark_blocks
+        cfg = EngineConfig(num_blocks=1 + extra + wm, block_size=16, async_scheduling=False, jumps=False)
+        run = EngineRun([tr], "linear", "fcfs", cfg, with_kv=[np.array([True])])
+        run.advance(until_ns=run.arrays.now + 1)
+        A = run.arrays
+        if fits:
+            assert A.status[0, 0] == K.RUNNING and A.held[0, 0] == 5 and A.gen[0, 0] == 2
+        else:
+            assert A.end_state[0, 0] == K.E_REJECTED and A.recomputed[0, 0] == 0
+
+
+def test_a_request_with_its_kv_and_one_token_ends_on_arrival():
+    tr = tiny_trace([0.0, 5.0], [40, 40], [1, 5])
+    r = _sim(tr, [True, True]).records(0)
+    assert r["end_state"][0] == K.E_COMPLETED and r["finish_ns"][0] == 0 and r["first_token_ns"][0] == 0
+    assert r["end_state"][1] == K.E_COMPLETED and r["first_token_ns"][1] == 5_000_000
+
+
+def test_kv_that_can_never_fit_is_rejected_not_recomputed():
+    tr = tiny_trace([0.0], [200], [5])
+    r = _sim(tr, [True], num_blocks=10, block_size=16).records(0)   # 13 blocks needed, 9 usable
+    assert r["end_state"][0] == K.E_REJECTED and r["recomputed_tokens"][0] == 0
+
+
+def test_a_preempted_request_with_kv_recomputes_and_the_work_is_counted():
+    """A preemption on the decode side recomputes there (docs/design.md section 13, 5.)."""
+    n = 6
+    tr = tiny_trace([0.0] * n, [60] * n, [40] * n)
+    r = _sim(tr, [True] * n, num_blocks=24, block_size=16, async_scheduling=False, prefix_caching=False)
+    rec, it = r.records(0), r.iterations(0)
+    assert (rec["end_state"] == K.E_COMPLETED).all()
+    assert rec["preemptions"].sum() > 0 and rec["recomputed_tokens"].sum() > 0
+    assert it["prefill_tokens"].sum() + it["decodes"].sum() == n * 39 + rec["recomputed_tokens"].sum()
+
+
+@pytest.mark.parametrize("with_kv, msg", [
+    ([np.array([True])], "with_kv for trace 0: expected a bool array of shape (2,)"),
+    ([np.array([1, 0])], "with_kv for trace 0: expected a bool array"),
+    ([np.array([True, False])] * 2, "got 2 with_kv arrays for 1 traces"),
+])
+def test_bad_with_kv_is_one_line(with_kv, msg):
+    tr = tiny_trace([0.0, 1.0], [10, 10], [3, 3])
+    with pytest.raises(ConfigError) as e:
+        simulate(tr, "linear", "fcfs", with_kv=with_kv)
+    assert msg in str(e.value)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), policies, configs, st.data())
+def test_invariants_with_requests_arriving_with_kv(trace, policy, cfg, data):
+    """Every request ends once; the pool and slots stay consistent after every iteration; every
+    token is computed once (a request with its KV: its O - 1 decode tokens), plus what preemption
+    threw away."""
+    n = len(trace)
+    kv = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), bool)
+    run = EngineRun([trace], "linear", _policy(policy),
+                    EngineConfig(max_iterations=200_000, record_iterations=100_000, **cfg),
+                    estimates=[trace.output_tokens * 1.3], with_kv=[kv])
+    while not run.done.all():
+        run.advance(until_ns=run.arrays.now + 1)
+        _pool_consistent(run)
+        assert (run.arrays.held[0] >= 0).all() and run.arrays.n_free[0] >= 0
+    res = run.result()
+    rec, it = res.records(0), res.iterations(0)
+    assert (rec["end_state"] != K.E_NONE).all() and (rec["end_state"] != K.E_UNFINISHED).all()
+    done = (rec["end_state"] == K.E_COMPLETED) | (rec["end_state"] == K.E_LENGTH_CAPPED)
+    assert (rec["first_token_ns"][kv] == rec["arrival_ns"][kv]).all()
+    assert (rec["finish_ns"][done] >= rec["first_token_ns"][done]).all()
+    work = int(it["prefill_tokens"].sum() + it["decodes"].sum())
+    need = int((rec["prompt_tokens"][done & ~kv] + rec["output_tokens"][done & ~kv] - 1).sum()
+               + (rec["output_tokens"][done & kv] - 1).sum())
+    if cfg["prefix_caching"]:
+        assert work <= need + rec["recomputed_tokens"].sum() + (
+            int(rec["prompt_tokens"].sum()) if cfg["timeout_running"] else 0)
+    elif cfg["timeout_running"] and cfg["max_wait_ms"] is not None:
+        assert need + rec["recomputed_tokens"].sum() <= work
+    else:
+        assert work == need + rec["recomputed_tokens"].sum()
+
+
+def test_without_with_kv_nothing_changes():
+    tr = tiny_trace([0.0, 1.0, 2.0], [50, 70, 20], [10, 3, 8])
+    a = _sim(tr, [False, False, False]).records(0)
+    b = simulate(tr, "linear", "fcfs", EngineConfig(record_iterations=10_000)).records(0)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
