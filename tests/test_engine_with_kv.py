@@ -27,7 +27,8 @@ def test_a_request_with_its_kv_runs_the_decode_of_the_same_request_without(promp
     plain = _sim(tr, [False], async_scheduling=False, jumps=False)
     kv = _sim(tr, [True], async_scheduling=False, jumps=False)
     p, k = plain.records(0), kv.records(0)
-    assert k["end_state"][0] == K.E_COMPLETED and k["first_token_ns"][0] == 0 and k["first_token_iteration"][0] == -1
+    assert k["end_state"][0] == K.E_COMPLETED and k["first_token_ns"][0] == 0 and k["first_token_iteration"][0] == 0
+    assert kv.arrays.kv_first[0, 0] == kv.iterations(0)["end_ns"][0]   # (the end of its first iteration here)
     assert k["finish_ns"][0] == p["finish_ns"][0] - p["first_token_ns"][0]
     assert k["finish_iteration"][0] == output - 2   # (iterations 0 .. O - 2: tokens 2 .. O)
     ip, ik = plain.iterations(0), kv.iterations(0)
@@ -135,3 +136,97 @@ def test_without_with_kv_nothing_changes():
     b = simulate(tr, "linear", "fcfs", EngineConfig(record_iterations=10_000)).records(0)
     for k in a:
         assert np.array_equal(a[k], b[k]), k
+
+
+# ------------------------------------------------------------------ the KV transfer (section 13, 3.)
+def test_a_free_link_is_no_link():
+    tr = tiny_trace([0.0, 0.0, 3.0, 4.0], [100, 40, 70, 20], [10, 6, 9, 4])
+    kv = [np.array([True, False, True, True])]
+    a = simulate(tr, "linear", "fcfs", EngineConfig(), with_kv=kv).records(0)
+    b = simulate(tr, "linear", "fcfs", EngineConfig(), with_kv=kv, kv_link="none").records(0)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("link", ["nvlink", "rdma"])
+def test_a_lone_transfer_delays_the_decode_by_its_duration(link):
+    from tokenbatch_env.engine.kv_link import KV_LINKS
+    from tokenbatch_env.engine.profiles import load_profile
+    tr = tiny_trace([0.0], [1000], [12])
+    cfg = EngineConfig(async_scheduling=False, jumps=False, record_iterations=1000)
+    free = simulate(tr, "linear", "fcfs", cfg, with_kv=[np.array([True])]).records(0)
+    run = EngineRun([tr], "linear", "fcfs", cfg, with_kv=[np.array([True])], kv_link=link)
+    run.advance(until_ns=np.full(1, 1 << 60))
+    rec = run.result().records(0)
+    dur = KV_LINKS[link].transfer_ns(1000, load_profile("linear").kv_bytes_per_token)
+    assert dur > 0 and run.arrays.kv_ready[0, 0] == dur
+    assert rec["finish_ns"][0] == free["finish_ns"][0] + dur
+    assert rec["first_scheduled_ns"][0] == dur and rec["first_token_ns"][0] == 0
+
+
+def test_transfers_are_fifo_per_link():
+    from tokenbatch_env.engine.kv_link import KV_LINKS
+    from tokenbatch_env.engine.profiles import load_profile
+    kvb = load_profile("linear").kv_bytes_per_token
+    d = lambda n: KV_LINKS["rdma"].transfer_ns(n, kvb)  # noqa: E731
+    tr = tiny_trace([0.0, 0.0, 0.0], [300, 500, 200], [5, 5, 5])
+    run = EngineRun([tr], "linear", "fcfs", EngineConfig(), with_kv=[np.array([True, True, True])],
+                    kv_src=[np.array([0, 0, 1])], kv_link="rdma")
+    run.advance(until_ns=np.full(1, 1 << 60))
+    ready = run.arrays.kv_ready[0, :3].tolist()
+    # requests 0 and 1 share link 0 (1 starts when 0 ends); 2 has link 1 to itself
+    assert ready == [d(300), d(300) + d(500), d(200)]
+    assert run.arrays.link_free[0].tolist() == [d(300) + d(500), d(200)]
+
+
+def test_a_transfer_takes_a_seat():
+    """An admitted request in transfer holds its blocks and counts against max_num_seqs (a departure
+    from vLLM, whose receiving requests do not: docs/design.md section 13)."""
+    tr = tiny_trace([0.0, 0.0], [300, 300], [5, 5])
+    run = EngineRun([tr], "linear", "fcfs", EngineConfig(max_num_seqs=1), with_kv=[np.array([True, True])],
+                    kv_link="rdma")
+    run.advance(until_ns=np.full(1, 1 << 60))
+    rec = run.result().records(0)
+    assert run.arrays.kv_ready[0, 1] > rec["finish_ns"][0]   # (admitted after the first ended)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), policies, configs, st.data())
+def test_invariants_with_kv_transfers(trace, policy, cfg, data):
+    """With transfers over random links: every request ends once; the pool and slots stay consistent
+    after every iteration; running plus transferring requests never exceed max_num_seqs; tokens are
+    conserved; a link's transfers never overlap."""
+    from tokenbatch_env.engine.kv_link import KVLink
+    n = len(trace)
+    kv = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), bool)
+    src = np.array(data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)), np.int64)
+    link = KVLink("t", data.draw(st.sampled_from([0.05, 0.5, 5.0])), data.draw(st.sampled_from([0.0, 300.0])))
+    run = EngineRun([trace], "linear", _policy(policy),
+                    EngineConfig(max_iterations=200_000, record_iterations=100_000, **cfg),
+                    estimates=[trace.output_tokens * 1.3], with_kv=[kv], kv_src=[src], kv_link=link)
+    while not run.done.all():
+        run.advance(until_ns=run.arrays.now + 1)
+        _pool_consistent(run)
+        A = run.arrays
+        assert A.n_run[0] - A.n_pend[0] + A.n_xfer[0] <= cfg["max_num_seqs"]
+    res = run.result()
+    rec, it = res.records(0), res.iterations(0)
+    assert (rec["end_state"] != K.E_NONE).all() and (rec["end_state"] != K.E_UNFINISHED).all()
+    done = (rec["end_state"] == K.E_COMPLETED) | (rec["end_state"] == K.E_LENGTH_CAPPED)
+    work = int(it["prefill_tokens"].sum() + it["decodes"].sum())
+    need = int((rec["prompt_tokens"][done & ~kv] + rec["output_tokens"][done & ~kv] - 1).sum()
+               + (rec["output_tokens"][done & kv] - 1).sum())
+    if not cfg["prefix_caching"] and not (cfg["timeout_running"] and cfg["max_wait_ms"] is not None):
+        assert work == need + rec["recomputed_tokens"].sum()
+    ready = run.arrays.kv_ready[0, :n]
+    moved = kv & (ready >= 0)
+    assert (ready[moved] >= rec["arrival_ns"][moved]).all()
+    kvb = res.profiles[0].kv_bytes_per_token
+    for lk in range(3):
+        ids = np.flatnonzero(moved & (src == lk))
+        ids = ids[np.argsort(ready[ids], kind="stable")]
+        starts = ready[ids] - np.array([link.transfer_ns(int(trace.prompt_tokens[i]), kvb) for i in ids], np.int64)
+        assert (starts[1:] >= ready[ids][:-1]).all()
+    # a transferred request runs no earlier than its transfer's end
+    ran = moved & (rec["first_scheduled_ns"] >= 0)
+    assert (rec["first_scheduled_ns"][ran] >= ready[ran]).all()

@@ -144,7 +144,7 @@ class ClusterResult:
         k = np.maximum(self.row, 0)
         out = np.flatnonzero(self.route < 0)
         mml = max(p.max_model_len for p in self.profiles)
-        room_len = _capped(t.prompt_tokens[out], t.output_tokens[out], mml)[0]
+        room_len = capped_lengths(t.prompt_tokens[out], t.output_tokens[out], mml)[0]
 
         rec = request_columns(A, lambda a: np.asarray(a)[c, k].copy(), np.arange(len(t)))
         if len(out):   # rejected at the router: recorded as the engine records a prompt it cannot serve
@@ -180,14 +180,37 @@ class ClusterResult:
         }
 
 
-def _capped(prompt, output, max_model_len) -> tuple:
+def capped_lengths(prompt, output, max_model_len) -> tuple:
     """Rule 8's (output lengths, length-capped) (``state.capped_outputs``, called as the engine calls
     it: 2-D)."""
     out, capped = capped_outputs(np.array(prompt, np.int64)[None], np.array(output, np.int64)[None], max_model_len)
     return out[0], capped[0]
 
 
-def _key(trace: Trace) -> tuple:
+def request_table(trace: Trace, resolved: Sequence[Profile], est_all: Optional[np.ndarray]) -> tuple:
+    """A cluster's request table (``trace`` at the replicas' block size): the trace's columns
+    (writable copies: a read-only array would compile other variants), each replica context length's
+    output lengths and caps (rule 8, one row per distinct ``max_model_len``, sorted), the deadlines
+    as the engine holds them, the estimates, its chains' offsets and dense ids, each request's room of
+    unique block ids and the number of chain ids: ``(g_arrival, g_prompt, g_out, g_capped, g_prio,
+    g_t1, g_t2, g_est, g_coff, g_cval, g_room, n_uniq)``."""
+    bs = resolved[0].block_size
+    N = len(trace)
+    g_arrival, g_prompt, g_output, g_prio = (np.array(a, np.int64) for a in (
+        trace.arrival_ns, trace.prompt_tokens, trace.output_tokens, trace.priority))
+    mmls = sorted({p.max_model_len for p in resolved})
+    caps = [capped_lengths(g_prompt, g_output, m) for m in mmls]
+    g_out = np.stack([o for o, _ in caps])
+    g_t1, g_t2 = (np.array(d, np.int64) for d in slo_deadlines(trace))
+    g_est = np.full(N, np.nan) if est_all is None else np.array(est_all, np.float64)
+    n_uniq, inv = trace.prefix_ids()
+    g_coff = np.array(trace.prefix_offsets, np.int64)
+    g_room = (g_prompt + g_out.max(axis=0) + bs - 1) // bs + 1 - np.diff(g_coff)
+    return (g_arrival, g_prompt, g_out, np.stack([c for _, c in caps]), g_prio, g_t1, g_t2, g_est, g_coff,
+            np.array(inv, np.int64), g_room, n_uniq)
+
+
+def stream_key(trace: Trace) -> tuple:
     d = trace.digest
     return int(d[:8], 16), int(d[8:16], 16)
 
@@ -238,7 +261,7 @@ def _run_cluster(trace, profiles, policy, config, router, guard, residual_life, 
         run.cfg, A.n_req, A.arrival, A.prompt, A.out_len, A.prio, A.capped, A.t1, A.t2, A.est, A.chain_off,
         A.chain_val, A.uniq_base, A.now, A.it, A.next_arr, A.n_ended, A.n_run, A.n_wait, A.n_swap, A.n_pend,
         A.n_free, A.status, A.gen, A.computed, A.run_ids, A.wait_ids, A.pend_ids, A.table, A.slot_of, A.held, A.ref,
-        A.hash_head, A.epoch, active, claim, until, *kargs)
+        A.hold_kv, A.hash_head, A.epoch, active, claim, until, *kargs)
     return total, run, route, row, kargs
 
 
@@ -266,28 +289,13 @@ def simulate_cluster(trace: Trace, profile: Union[str, Profile, Sequence[Union[s
         raise ConfigError(f"estimates have shape {est_all.shape}, expected ({len(trace)},)")
     _, resolved = resolve_copies(profile_list, config, R)
     bs = resolved[0].block_size
-    key = _key(trace)   # (the trace as given: the stream is shared at any block size)
+    key = stream_key(trace)   # (the trace as given: the stream is shared at any block size)
     if trace.block_size != bs:
         from ..traces.blocks import at_block_size
         trace = at_block_size(trace, bs)
     N = len(trace)
-    # the cluster's request table: the trace's columns (writable copies: a read-only array would
-    # compile other variants), each replica context length's output lengths and caps (rule 8), the
-    # deadlines as the engine holds them, its chains' dense ids and each request's room of unique
-    # block ids
-    g_arrival, g_prompt, g_output, g_prio = (np.array(a, np.int64) for a in (
-        trace.arrival_ns, trace.prompt_tokens, trace.output_tokens, trace.priority))
-    mmls = sorted({p.max_model_len for p in resolved})
-    caps = [_capped(g_prompt, g_output, m) for m in mmls]
-    g_out = np.stack([o for o, _ in caps])
-    g_t1, g_t2 = (np.array(d, np.int64) for d in slo_deadlines(trace))
-    g_est = np.full(N, np.nan) if est_all is None else np.array(est_all, np.float64)
-    n_uniq, inv = trace.prefix_ids()
-    g_coff = np.array(trace.prefix_offsets, np.int64)
-    chain_len = np.diff(g_coff)
-    g_room = (g_prompt + g_out.max(axis=0) + bs - 1) // bs + 1 - chain_len
-    table = (g_arrival, g_prompt, g_out, np.stack([c for _, c in caps]), g_prio, g_t1, g_t2, g_est, g_coff,
-             np.array(inv, np.int64), g_room, n_uniq)
+    table = request_table(trace, resolved, est_all)
+    chain_len, g_room = np.diff(table[8]), table[10]
     # (staleness delays only what routers read of the replicas' state: the others keep their counters)
     stale_ns = int(round(stale * 1e6)) if router.spec.rid in _READS_STATE else 0
     # each replica's rows, chain ids and hash ids: twice its even share (and more, run again, when a

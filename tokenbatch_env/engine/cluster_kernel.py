@@ -168,13 +168,16 @@ def request_hits(hash_head, c, g_coff, g_cval, prompt_i, i, bs):
 
 
 @njit
-def pending_frees(c, n_pend, pend_ids, table, slot_of, held, ref):
+def pending_frees(c, n_pend, pend_ids, table, slot_of, held, ref, hold_kv):
     """The blocks replica c frees when it retires its pending requests (async: those that finished
-    at its last iteration's end free their blocks at the next schedule): each block whose every
-    reference is one of theirs. ``ref`` is restored."""
+    at its last iteration's end free their blocks at the next schedule, but those of a prefill
+    replica that hold their KV, ``hold_kv``): each block whose every reference is one of theirs.
+    ``ref`` is restored."""
     freed = 0
     for k in range(n_pend[c]):
         r = pend_ids[c, k]
+        if hold_kv[c, r]:
+            continue
         s = slot_of[c, r]
         for j in range(held[c, r]):
             b = table[c, s, j]
@@ -183,6 +186,8 @@ def pending_frees(c, n_pend, pend_ids, table, slot_of, held, ref):
                 freed += 1
     for k in range(n_pend[c]):
         r = pend_ids[c, k]
+        if hold_kv[c, r]:
+            continue
         s = slot_of[c, r]
         for j in range(held[c, r]):
             ref[c, table[c, s, j]] += 1
@@ -198,7 +203,7 @@ def in_flight(c, t, now, it):
 
 @njit
 def replica_view(c, t, now, it, next_arr, n_run, n_wait, n_swap, n_pend, n_free, epoch, status, prompt, gen,
-                 computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, want_queued, out):
+                 computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, hold_kv, want_queued, out):
     """The state part of ``out[V_*]`` of replica c at t: its state at its last iteration boundary <= t
     (as scheduled, for an iteration in flight), and ``V_NEXT``, its first row not yet visible to it
     (``router_counters`` fills the router's own counters)."""
@@ -211,7 +216,7 @@ def replica_view(c, t, now, it, next_arr, n_run, n_wait, n_swap, n_pend, n_free,
         out[V_FREE] = n_free[c]
         if n_pend[c] > 0 and now[c] < t:
             # an idle async replica: its last schedule (at its last end, before t) freed them
-            out[V_FREE] += pending_frees(c, n_pend, pend_ids, table, slot_of, held, ref)
+            out[V_FREE] += pending_frees(c, n_pend, pend_ids, table, slot_of, held, ref, hold_kv)
         out[V_REM] = 0
     out[V_WAIT] = n_wait[c] + n_swap[c]
     out[V_NEXT] = next_arr[c]
@@ -268,8 +273,8 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
                        g_t2, g_est, g_coff, g_cval, g_room, u_next, route, row, view, snap, snap_hits, pred, rstate,
                        cfg_rows, n_req, arrival, prompt, out_len, prio, capped, t1, t2, est, chain_off, chain_val,
                        uniq_base, now, it, next_arr, n_ended, n_run, n_wait, n_swap, n_pend, n_free, status, gen,
-                       computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, hash_head, epoch, active,
-                       claim, until_ns, *kargs):
+                       computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, hold_kv, hash_head, epoch,
+                       active, claim, until_ns, *kargs):
     """Route every request of the cluster's table (``g_*``, in arrival order) and run the replicas to
     the end; replica c's output lengths and length caps are row ``mml_of[c]`` of ``g_out``/``g_capped``
     (one per distinct max_model_len, rule 8). ``route[i]`` is the replica request i went to (-1: no
@@ -300,8 +305,8 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
             total += done
             for c in range(R):
                 replica_view(c, ts, now, it, next_arr, n_run, n_wait, n_swap, n_pend, n_free, epoch, status, prompt,
-                             gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, want_q,
-                             snap[a_snap % ring, c])
+                             gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, hold_kv,
+                             want_q, snap[a_snap % ring, c])
                 snap_hits[a_snap % ring, c] = 0
                 if want_hits and cfg_rows[c, K.C_PREFIX] != 0:
                     snap_hits[a_snap % ring, c] = request_hits(hash_head, c, g_coff, g_cval, g_prompt[a_snap], a_snap,
@@ -331,7 +336,8 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
                 v[V_HITS] = snap_hits[a % ring, c]
             else:
                 replica_view(c, t, now, it, next_arr, n_run, n_wait, n_swap, n_pend, n_free, epoch, status, prompt,
-                             gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, want_q, v)
+                             gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, hold_kv, want_q,
+                             v)
                 v[V_HITS] = 0
                 if want_hits and cfg_rows[c, K.C_PREFIX] != 0:
                     v[V_HITS] = request_hits(hash_head, c, g_coff, g_cval, p, a, bs)

@@ -26,7 +26,7 @@ from .scoring import (P_EXTERNAL, P_GITTINS, P_INDEX, clip_z, gittins_score, ind
 
 # ---------------------------------------------------------------------------------- constants
 # request status
-FUTURE, WAITING, RUNNING, ENDED, SWAPPED = 0, 1, 2, 3, 4
+FUTURE, WAITING, RUNNING, ENDED, SWAPPED, TRANSFERRING = 0, 1, 2, 3, 4, 5
 # end states (docs/design.md section 3, "Outcomes")
 E_NONE, E_COMPLETED, E_SHED, E_TIMED_OUT, E_LENGTH_CAPPED, E_REJECTED, E_UNFINISHED = 0, 1, 2, 3, 4, 5, 6
 END_STATE_NAMES = ("none", "completed", "shed", "timed_out", "length_capped", "rejected", "unfinished")
@@ -38,7 +38,10 @@ MODE_FCFS, MODE_PRIORITY, MODE_SCORE = 0, 1, 2
  C_MAX_WAIT, C_TIMEOUT_RUNNING, C_SKIP_HOL, C_MAX_ITERS,
  C_PS0, C_PS_PREFILL, C_PS_C2, C_PS_ATTN, C_PS_DECODE, C_PS_KV, C_RESUME_FIRST, C_PID, C_WAIT_PREEMPT, C_ADMISSION,
  C_SWAP, C_HOST_BLOCKS, C_SWAP_PS_PER_BLOCK, C_REC_STREAM, C_DECIDE, C_THRESHOLD, C_BUDGET_RULE, C_STOP_IDLE,
- N_CFG) = range(33)
+ C_XFER_PS_PER_TOKEN, C_XFER_LAT_NS, N_CFG) = range(35)
+# ``cfg[C_XFER_PS_PER_TOKEN]``, ``cfg[C_XFER_LAT_NS]``: the KV transfer of a request that arrives with
+# its KV (rule 13) over its link (``kv_src``): N tokens take N x ps_per_token (rounded up to ns) +
+# latency after the link is free (docs/design.md section 13); both 0: no transfer
 # ``cfg[C_STOP_IDLE]``: an idle copy whose clock jumps to its next arrival at or past ``until_ns`` stops
 # there (a cluster's replica, docs/design.md section 12: its iteration at t waits for the other
 # arrivals at t); otherwise that arrival's iteration runs (``EngineRun.advance``: the first iteration
@@ -60,8 +63,14 @@ NO_TPOT_SLO_NS = 10**15
 # scheduled (before its completions: the view of an iteration in flight), and the copy's totals of
 # busy time (ns), admitted tokens and their prefix-cache hits (vLLM's queries and hits)
 (EP_T0, EP_DT, EP_S0, EP_S1, EP_OPEN, EP_SHED, EP_STOP, EP_V_RUN, EP_V_FREE, EP_V_ENDED, EP_BUSY, EP_QUERY_TOK,
- EP_HIT_TOK, N_EP) = range(14)
+ EP_HIT_TOK, EP_BLOCKED, N_EP) = range(15)
+# ``epoch[c, EP_BLOCKED]``: a cluster's replica (``C_STOP_IDLE``) with nothing running and KV transfers in
+# flight or blocks held for them found nothing to schedule at this instant (section 13): its loop, which
+# knows the rows not yet routed to it and the releases, runs it next at the first transfer's end, a
+# release or its next arrival (-1 or stale: not blocked)
 STOP_NONE, STOP_DECIDE, STOP_ENDED, STOP_CAP = 0, 1, 2, 3
+#: the kernel's result when a copy's hold store (``hold_blk``) is full: the caller sizes it again
+HOLD_FULL = -4
 _FOREVER = np.iinfo(np.int64).max // 2  # a time no run reaches
 
 # per-iteration record columns (docs/design.md section 3, "per-iteration records")
@@ -84,6 +93,8 @@ class EngineArrays(NamedTuple):
     t2: np.ndarray               # TPOT SLO (ns); used by the tpot-guard budget rule
     est: np.ndarray              # output-length estimate at arrival (float; NaN: use residual life)
     with_kv: np.ndarray          # bool: arrives with its prompt's KV and its first token (rule 13)
+    kv_src: np.ndarray           # the link its KV comes over (an index into link_free)
+    hold_kv: np.ndarray          # bool: ended, its blocks stay held until released (a prefill replica's)
     chain_off: np.ndarray        # [C, R+1] CSR offsets into chain_val
     chain_val: np.ndarray        # [C, H] dense shared-block ids (per copy)
     uniq_base: np.ndarray        # [C, R] dense id of the request's first unique block
@@ -143,6 +154,16 @@ class EngineArrays(NamedTuple):
     n_swap: np.ndarray           # [C]
     host_free: np.ndarray        # [C] free host blocks for swapping
     epoch: np.ndarray            # [C, N_EP] decision-epoch state (EP_* columns)
+    kv_ready: np.ndarray         # [C, R] the end of its KV transfer (rule 13; -1: none)
+    kv_first: np.ndarray         # [C, R] rule 13: the end of its first iteration here (its token 2; -1: none)
+    link_free: np.ndarray        # [C, L] when each link's last transfer ends (FIFO per link)
+    xfer_ids: np.ndarray         # [C, S] admitted requests whose KV is in transfer, in admission order
+    n_xfer: np.ndarray           # [C]
+    hold_blk: np.ndarray         # [C, NH] block ids of the requests holding their KV (hold_kv), by offset
+    hold_at: np.ndarray          # [C, R] a holding request's offset into hold_blk (-1: not holding)
+    hold_ids: np.ndarray         # [C, R] the holding requests, in offset order
+    n_hold: np.ndarray           # [C]
+    hold_top: np.ndarray         # [C] hold_blk's first unused entry
 
 
 # Performance note. Every ``A.field`` read of the NamedTuple inside a numba function is a new
@@ -340,6 +361,89 @@ def _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq
     slot_free[c, n_slot_free[c]] = s
     n_slot_free[c] += 1
     slot_of[c, r] = -1
+
+
+@helper
+def _hold(run_ids, n_run, table, slot_of, held, slot_free, n_slot_free, hold_blk, hold_at, hold_ids, n_hold,
+          hold_top, c, r):
+    """Take r out of the running list and keep its blocks (docs/design.md section 13: a prefill
+    replica's request, finished-holding until its KV has moved): its block ids move from its table
+    slot, which is freed, to ``hold_blk`` (compacted when full). Returns False if they do not fit
+    there even then (the caller sizes it again)."""
+    for q in range(n_run[c]):
+        if run_ids[c, q] == r:
+            _run_remove_at(run_ids, n_run, c, q)
+            break
+    n = held[c, r]
+    if hold_top[c] + n > hold_blk.shape[1]:   # compact: the holders' blocks, in offset order, from 0
+        top = 0
+        for k in range(n_hold[c]):
+            q = hold_ids[c, k]
+            o = hold_at[c, q]
+            for j in range(held[c, q]):
+                hold_blk[c, top + j] = hold_blk[c, o + j]
+            hold_at[c, q] = top
+            top += held[c, q]
+        hold_top[c] = top
+        if top + n > hold_blk.shape[1]:
+            return False
+    s = slot_of[c, r]
+    o = hold_top[c]
+    for j in range(n):
+        hold_blk[c, o + j] = table[c, s, j]
+    hold_at[c, r] = o
+    hold_top[c] = o + n
+    hold_ids[c, n_hold[c]] = r
+    n_hold[c] += 1
+    slot_free[c, n_slot_free[c]] = s
+    n_slot_free[c] += 1
+    slot_of[c, r] = -1
+    return True
+
+
+@njit
+def release_held(c, r, held, n_cached, ref, bhash, fq_prev, fq_next, n_free, hold_blk, hold_at, hold_ids, n_hold,
+                 hold_top):
+    """Free the blocks request r of copy c holds (``_hold``) as a completion frees a request's:
+    in reverse order, hashless ones to the free queue's front, cached ones to its back."""
+    nb = ref.shape[1]
+    head, tail = nb, nb + 1
+    o = hold_at[c, r]
+    front0 = front1 = -1
+    back0 = back1 = -1
+    freed = 0
+    for j in range(held[c, r] - 1, -1, -1):
+        b = hold_blk[c, o + j]
+        left = ref[c, b] - 1
+        ref[c, b] = left
+        if left == 0:
+            freed += 1
+            if bhash[c, b] < 0:
+                _chain_append(fq_prev, fq_next, c, front1, b)
+                front0 = b if front1 < 0 else front0
+                front1 = b
+            else:
+                _chain_append(fq_prev, fq_next, c, back1, b)
+                back0 = b if back1 < 0 else back0
+                back1 = b
+    if front0 >= 0:
+        _fq_splice(fq_prev, fq_next, c, front0, front1, head)
+    if back0 >= 0:
+        _fq_splice(fq_prev, fq_next, c, back0, back1, fq_prev[c, tail])
+    n_free[c] += freed
+    if o + held[c, r] == hold_top[c]:
+        hold_top[c] = o
+    for k in range(n_hold[c]):
+        if hold_ids[c, k] == r:
+            for q in range(k, n_hold[c] - 1):
+                hold_ids[c, q] = hold_ids[c, q + 1]
+            n_hold[c] -= 1
+            break
+    if n_hold[c] == 0:
+        hold_top[c] = 0
+    hold_at[c, r] = -1
+    held[c, r] = 0
+    n_cached[c, r] = 0
 
 
 @helper
@@ -727,6 +831,16 @@ def guard_budget(B, D, slack_ps, cb, cfg, bmin, bs):
 
 # ---------------------------------------------------------------------------------- decision epochs
 @helper
+def _first_ready(c, xfer_ids, n_xfer, kv_ready):
+    """The first end of copy c's KV transfers in flight (rule 13)."""
+    t = _FOREVER
+    for i in range(n_xfer[c]):
+        if kv_ready[c, xfer_ids[c, i]] < t:
+            t = kv_ready[c, xfer_ids[c, i]]
+    return t
+
+
+@helper
 def _next_epoch(epoch, c, t):
     """The first decision epoch strictly after t."""
     t0 = epoch[c, EP_T0]
@@ -998,14 +1112,16 @@ def _prefetch_copy(c, hi, n, ref, bhash, hnext, fq_prev, fq_next, arrival, promp
 @njit
 def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, tier, score, active, claim, mine,
                       max_steps, until_ns,
-                      n_req, arrival, prompt, out_len, prio, capped, t1, t2, est, with_kv, chain_off, chain_val,
+                      n_req, arrival, prompt, out_len, prio, capped, t1, t2, est, with_kv, kv_src, hold_kv,
+                      chain_off, chain_val,
                       uniq_base, now, it, next_arr, n_ended, key_hi, key_lo, n_run,
                       n_wait, n_free, n_slot_free, n_pend, n_iter_rec, status, end_state, computed,
                       gen, qkey, slot_of, held, n_cached, first_sched, first_token, first_token_it,
                       finish, finish_it, n_preempt, recomputed, resumed, run_ids, wait_ids, slot_free,
                       pend_ids, table, ref, bhash, hnext, fq_prev, fq_next, hash_head,
                       sched_r, sched_new, sched_cb, iter_rec, jump_ids, jump_off, emit_it, swapped, swap_ids,
-                      n_swap, host_free, epoch, gtab, acc, ev_blocks, w_hits, w_st):
+                      n_swap, host_free, epoch, kv_ready, kv_first, link_free, xfer_ids, n_xfer, hold_blk, hold_at,
+                      hold_ids, n_hold, hold_top, gtab, acc, ev_blocks, w_hits, w_st):
     """``run_copies`` with the struct of arrays unpacked (``kernel_args``: every parameter by name,
     ``KERNEL_ARGS``). One iteration of copy c is the body of the inner loop (written inline: a call
     with more than 30 arguments cannot be inlined by numba).
@@ -1198,8 +1314,11 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
             # Idle engine: jump the clock to the next arrival (a cluster's replica stops there if that
             # is at or past until_ns: see C_STOP_IDLE).
             if n_run[c] == 0 and n_wait[c] == 0 and n_pend[c] == 0 and n_swap[c] == 0:
-                if next_arr[c] < n and arrival[c, next_arr[c]] > now[c]:
-                    now[c] = arrival[c, next_arr[c]]
+                nxt = arrival[c, next_arr[c]] if next_arr[c] < n else _FOREVER
+                if n_xfer[c] > 0:   # (rule 13: or the first KV transfer's end)
+                    nxt = min(nxt, _first_ready(c, xfer_ids, n_xfer, kv_ready))
+                if nxt < _FOREVER and nxt > now[c]:
+                    now[c] = nxt
                     if cfg[C_STOP_IDLE] != 0 and now[c] >= until:
                         break
             t_now = now[c]
@@ -1249,6 +1368,25 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                 qkey[c, r] = key_hi[c]
                 key_hi[c] += 1
                 _wait_add(wait_ids, n_wait, status, c, r)
+
+            # Rule 13: a request whose KV transfer has ended is running (its seat and blocks were
+            # taken at its admission), in admission order
+            if n_xfer[c] > 0:
+                i = 0
+                while i < n_xfer[c]:
+                    r = xfer_ids[c, i]
+                    if kv_ready[c, r] <= t_now:
+                        for q in range(i, n_xfer[c] - 1):
+                            xfer_ids[c, q] = xfer_ids[c, q + 1]
+                        n_xfer[c] -= 1
+                        status[c, r] = RUNNING
+                        run_ids[c, n_run[c]] = r
+                        n_run[c] += 1
+                        if prefix_on and _bdiv(computed[c, r], bs, bsh) > n_cached[c, r]:
+                            _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, chain_val,
+                                          uniq_base, c, r, computed[c, r], bs, bsh)
+                    else:
+                        i += 1
 
             # In-engine scores (docs/design.md section 4) and the common shed rule, from the state at
             # the iteration's start: slack = arrival + T1 - now - prefill_time.
@@ -1341,7 +1479,7 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
             # token per request. They are advanced here without the scheduling passes, with the
             # same block claims in the same order, so the state afterwards is the one k single
             # steps would give.
-            if (cfg[C_JUMPS] != 0 and n_pend[c] == 0 and n_swap[c] == 0 and n_run[c] > 0
+            if (cfg[C_JUMPS] != 0 and n_pend[c] == 0 and n_swap[c] == 0 and n_xfer[c] == 0 and n_run[c] > 0
                     and n_run[c] <= cfg[C_BUDGET] and (n_wait[c] == 0 or not waiting_preempts)):
                 D = n_run[c]
                 k_done = cfg[C_MAX_ITERS] - it[c]
@@ -1351,7 +1489,8 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                 all_decoding = True
                 for q in range(D):
                     r = run_ids[c, q]
-                    if gen[c, r] == 0 or computed[c, r] != prompt[c, r] + gen[c, r] - 1:
+                    if (gen[c, r] == 0 or computed[c, r] != prompt[c, r] + gen[c, r] - 1
+                            or first_token_it[c, r] < 0):   # (rule 13: its first iteration here is stepped)
                         all_decoding = False
                         break
                     left = out_len[c, r] - gen[c, r] - 1  # iterations before the completing one
@@ -1564,8 +1703,12 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                                 _end(status, end_state, finish, n_ended, c, r,
                                      E_LENGTH_CAPPED if capped[c, r] else E_COMPLETED, t)
                                 finish_it[c, r] = it[c] + k - 1
-                                _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next,
-                                        n_free, slot_free, n_slot_free, c, r, head, tail)
+                                if not hold_kv[c, r]:
+                                    _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev,
+                                            fq_next, n_free, slot_free, n_slot_free, c, r, head, tail)
+                                elif not _hold(run_ids, n_run, table, slot_of, held, slot_free, n_slot_free,
+                                               hold_blk, hold_at, hold_ids, n_hold, hold_top, c, r):
+                                    return HOLD_FULL
                             if m_last >= 0:
                                 iter_rec[c, m_last, 7] = cfg[C_USABLE] - n_free[c]
                                 iter_rec[c, m_last, 8] = n_run[c]
@@ -1687,7 +1830,7 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
             # same way (the gate for ceil((N + 1)/bs) blocks + watermark), claiming ceil(N/bs) blocks
             # at once, without a swap's cost (never preempted: it holds no host blocks).
             if preempted == 0:
-                while n_swap[c] > 0 and budget > 0 and n_run[c] < cfg[C_MAX_SEQS]:
+                while n_swap[c] > 0 and budget > 0 and n_run[c] + n_xfer[c] < cfg[C_MAX_SEQS]:
                     r = swap_ids[c, 0]
                     num_tokens = prompt[c, r] + gen[c, r]
                     if _bdiv(num_tokens + bs - 1, bs, bsh) + cfg[C_WATERMARK] > n_free[c]:
@@ -1695,7 +1838,8 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                     for q in range(n_swap[c] - 1):
                         swap_ids[c, q] = swap_ids[c, q + 1]
                     n_swap[c] -= 1
-                    if with_kv[c, r] and n_preempt[c, r] == 0:
+                    remote = with_kv[c, r] and n_preempt[c, r] == 0
+                    if remote:
                         h = _bdiv(prompt[c, r] + bs - 1, bs, bsh)
                     else:
                         h = held[c, r]
@@ -1706,6 +1850,19 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                     slot_of[c, r] = slot_free[c, n_slot_free[c]]
                     _alloc(fq_prev, fq_next, n_free, bhash, hash_head, hnext, ref, table, slot_of, held,
                            c, r, h, head)
+                    if remote:
+                        # its KV transfer starts once the link is free (FIFO per link); it ends at
+                        # kv_ready, when the request runs (the transfer's source frees its blocks)
+                        lk = kv_src[c, r]
+                        t0 = link_free[c, lk] if link_free[c, lk] > t_now else t_now
+                        kv_ready[c, r] = t0 + (computed[c, r] * cfg[C_XFER_PS_PER_TOKEN] + 999) // 1000 \
+                            + cfg[C_XFER_LAT_NS]
+                        link_free[c, lk] = kv_ready[c, r]
+                        if kv_ready[c, r] > t_now:
+                            status[c, r] = TRANSFERRING
+                            xfer_ids[c, n_xfer[c]] = r
+                            n_xfer[c] += 1
+                            continue
                     status[c, r] = RUNNING
                     run_ids[c, n_run[c]] = r
                     n_run[c] += 1
@@ -1730,7 +1887,7 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
 
             if preempted == 0 and n_swap[c] == 0:
                 lim = n_wait[c]
-                while lim > 0 and budget > 0 and n_run[c] < cfg[C_MAX_SEQS]:
+                while lim > 0 and budget > 0 and n_run[c] + n_xfer[c] < cfg[C_MAX_SEQS]:
                     # the best waiting request in queue order (resume_first pins preempted ones first)
                     if mode == MODE_FCFS and fbest >= 0:
                         bi = fbest
@@ -1834,11 +1991,30 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
             # async scheduling (rule 10): blocks of requests that finished last iteration free now
             pending = n_pend[c]
             for k in range(pending):
-                _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
-                        slot_free, n_slot_free, c, pend_ids[c, k], head, tail)
+                r = pend_ids[c, k]
+                if not hold_kv[c, r]:
+                    _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
+                            slot_free, n_slot_free, c, r, head, tail)
+                elif not _hold(run_ids, n_run, table, slot_of, held, slot_free, n_slot_free, hold_blk, hold_at,
+                               hold_ids, n_hold, hold_top, c, r):
+                    return HOLD_FULL
             n_pend[c] = 0
 
             if ns == 0:
+                if n_run[c] == 0 and preempted == 0 and pending == 0 and (
+                        n_xfer[c] > 0 or (n_hold[c] > 0 and cfg[C_STOP_IDLE] != 0)):
+                    # nothing runs until a KV transfer ends (rule 13), blocks held for a transfer are
+                    # released (a prefill replica, section 13) or a request arrives: not a request
+                    # that can never fit
+                    if cfg[C_STOP_IDLE] != 0:
+                        epoch[c, EP_BLOCKED] = t_now
+                        break
+                    nxt = _first_ready(c, xfer_ids, n_xfer, kv_ready)
+                    if next_arr[c] < n and arrival[c, next_arr[c]] < nxt:
+                        nxt = arrival[c, next_arr[c]]
+                    now[c] = max(t_now, nxt)
+                    total += 1
+                    continue
                 # Nothing could run. With nothing running or pending, the head request can never fit
                 # (its whole sequence plus the watermark exceeds the empty pool): reject it.
                 if n_run[c] == 0 and n_swap[c] > 0 and preempted == 0 and pending == 0:
@@ -1920,6 +2096,9 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                     if gen[c, r] == 1:
                         first_token[c, r] = end
                         first_token_it[c, r] = itc
+                    elif first_token_it[c, r] < 0:   # (rule 13: its first token here, token 2)
+                        first_token_it[c, r] = itc
+                        kv_first[c, r] = end
                     if gen[c, r] >= out_len[c, r]:
                         _end(status, end_state, finish, n_ended, c, r,
                              E_LENGTH_CAPPED if capped[c, r] else E_COMPLETED, end)
@@ -1930,8 +2109,12 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                             pend_ids[c, n_pend[c]] = r
                             n_pend[c] += 1
                         else:
-                            _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next,
-                                    n_free, slot_free, n_slot_free, c, r, head, tail)
+                            if not hold_kv[c, r]:
+                                _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next,
+                                        n_free, slot_free, n_slot_free, c, r, head, tail)
+                            elif not _hold(run_ids, n_run, table, slot_of, held, slot_free, n_slot_free, hold_blk,
+                                           hold_at, hold_ids, n_hold, hold_top, c, r):
+                                return HOLD_FULL
 
             # per-iteration record
             m = n_iter_rec[c]
@@ -1990,14 +2173,15 @@ def run_copies(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_s
 KERNEL_CALL_ARGS = ("cfg_rows", "fcfg_rows", "theta", "shed_margin", "mrl", "nan_score", "tier", "score", "active",
                     "claim", "mine", "max_steps", "until_ns")
 KERNEL_STATE_ARGS = (
-    "n_req", "arrival", "prompt", "out_len", "prio", "capped", "t1", "t2", "est", "with_kv", "chain_off", "chain_val",
-    "uniq_base",
+    "n_req", "arrival", "prompt", "out_len", "prio", "capped", "t1", "t2", "est", "with_kv", "kv_src", "hold_kv",
+    "chain_off", "chain_val", "uniq_base",
     "now", "it", "next_arr", "n_ended", "key_hi", "key_lo", "n_run", "n_wait", "n_free", "n_slot_free", "n_pend",
     "n_iter_rec", "status", "end_state", "computed", "gen", "qkey", "slot_of", "held", "n_cached", "first_sched",
     "first_token", "first_token_it", "finish", "finish_it", "n_preempt", "recomputed", "resumed", "run_ids",
     "wait_ids", "slot_free", "pend_ids", "table", "ref", "bhash", "hnext", "fq_prev", "fq_next", "hash_head",
     "sched_r", "sched_new", "sched_cb", "iter_rec", "jump_ids", "jump_off", "emit_it", "swapped", "swap_ids",
-    "n_swap", "host_free", "epoch")
+    "n_swap", "host_free", "epoch", "kv_ready", "kv_first", "link_free", "xfer_ids", "n_xfer", "hold_blk", "hold_at",
+    "hold_ids", "n_hold", "hold_top")
 KERNEL_SCRATCH_ARGS = ("gtab", "acc", "ev_blocks", "w_hits", "w_st")
 KERNEL_ARGS = KERNEL_CALL_ARGS + KERNEL_STATE_ARGS + KERNEL_SCRATCH_ARGS
 _ARG_CFG, _ARG_NAN_SCORE = KERNEL_ARGS.index("cfg_rows"), KERNEL_ARGS.index("nan_score")
@@ -2026,6 +2210,8 @@ def kernel_args(A, cfg, fcfg, theta, shed_margin, mrl, tier, score, active, max_
 def checked_total(total: int, args: tuple) -> int:
     """The kernel's result for ``kernel_args`` ``args``: iterations run, or a ``PolicyError`` for the
     NaN score it stopped at (total < 0)."""
+    if total == HOLD_FULL:
+        raise RuntimeError("a copy's hold store (hold_blk) is full: size it for the blocks held at once")
     if total < 0:
         from ..errors import PolicyError
         from .scoring import POLICY_NAMES

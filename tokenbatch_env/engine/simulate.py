@@ -197,7 +197,8 @@ class EngineRun(_Copies):
                  residual_life: Optional[np.ndarray] = None,
                  iteration_sink: Optional[Callable[[int, dict], None]] = None,
                  record_sink: Optional[Callable[[int, dict], None]] = None, record_chunk: int = 65_536,
-                 threads: int = 1, with_kv: Optional[Sequence[np.ndarray]] = None):
+                 threads: int = 1, with_kv: Optional[Sequence[np.ndarray]] = None,
+                 kv_src: Optional[Sequence[np.ndarray]] = None, kv_link=None):
         """``iteration_sink(copy, columns)`` receives per-iteration records in chunks of at most
         ``config.record_iterations`` rows; ``record_sink(copy, columns)`` receives each copy's final
         request records in request order, at most ``record_chunk`` rows a call (the columns of
@@ -217,7 +218,9 @@ class EngineRun(_Copies):
 
         ``with_kv[c]`` (one bool array per trace): requests that arrive with their prompt's KV cache and
         first token, computed elsewhere (engine rule 13, docs/design.md section 13: a decode replica's
-        view of a prefill/decode handoff)."""
+        view of a prefill/decode handoff); ``kv_src[c]`` the link each one's KV comes over (int per
+        request, default 0) and ``kv_link`` the links' ``KVLink`` (or a preset's name; default none:
+        the KV is there at admission): its transfer starts at admission once its link is free."""
         if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or int(threads) < 1:
             raise ConfigError(f"threads: must be an integer >= 1, got {threads!r}")
         self.threads = int(threads)
@@ -229,7 +232,8 @@ class EngineRun(_Copies):
         self.configs, self.profiles = resolve_copies(profile, config, C)
         self.policy = _resolve_policy(policy)
         compile_notice()   # (one line, once, if numba is about to compile the kernel: a run would look hung)
-        self.arrays = A = build_arrays(self.traces, self.profiles, self.configs, estimates, with_kv=with_kv)
+        self.arrays = A = build_arrays(self.traces, self.profiles, self.configs, estimates, with_kv=with_kv,
+                                       kv_src=kv_src)
         if iteration_sink is not None and self.configs[0].record_iterations < 1:
             raise ConfigError("an iteration sink needs record_iterations >= 1 (the buffer size)")
         self.iteration_sink = iteration_sink
@@ -238,6 +242,12 @@ class EngineRun(_Copies):
         self.record_sink, self.record_chunk = record_sink, int(record_chunk)
         self.cfg, self.fcfg = make_cfg_rows(self.profiles, self.configs, self.policy.mode, self.policy.pid,
                                             stream_records=iteration_sink is not None)
+        if kv_link is not None:
+            from .kv_link import resolve_kv_link
+            link = resolve_kv_link(kv_link)
+            for c, prof in enumerate(self.profiles):
+                self.cfg[c, K.C_XFER_PS_PER_TOKEN] = link.ps_per_token(prof.kv_bytes_per_token)
+                self.cfg[c, K.C_XFER_LAT_NS] = link.latency_ns
         self._cfg_decide = self.cfg.copy()
         self._cfg_decide[:, K.C_DECIDE] = 1
         R = A.arrival.shape[1]
@@ -484,18 +494,19 @@ def simulate(traces: Union[Trace, Sequence[Trace]], profile: Union[str, Profile]
              chunk_steps: int = 20_000,
              iteration_sink: Optional[Callable[[int, dict], None]] = None,
              record_sink: Optional[Callable[[int, dict], None]] = None,
-             record_chunk: int = 65_536, with_kv: Optional[Sequence[np.ndarray]] = None) -> SimResult:
+             record_chunk: int = 65_536, with_kv: Optional[Sequence[np.ndarray]] = None,
+             kv_src: Optional[Sequence[np.ndarray]] = None, kv_link=None) -> SimResult:
     """Replay each trace on its own engine copy, all copies stepped together, until every request
     has ended or the iteration cap is hit (unfinished requests are then ``unfinished``).
 
     ``estimates`` (one float array per trace) and ``residual_life`` (a mean-residual-life table,
     see ``tokenbatch_env.predictors``) feed the in-engine scores; requests without an estimate use
     the table (default: 1 token left). ``iteration_sink``/``record_sink`` stream records to the
-    caller in bounded chunks (see ``EngineRun``); ``with_kv``: requests that arrive with their KV
-    (engine rule 13, see ``EngineRun``)."""
+    caller in bounded chunks (see ``EngineRun``); ``with_kv``, ``kv_src``, ``kv_link``: requests that
+    arrive with their KV, over which link (engine rule 13, see ``EngineRun``)."""
     run = EngineRun(traces, profile, policy, config, estimates=estimates, residual_life=residual_life,
                     iteration_sink=iteration_sink, record_sink=record_sink, record_chunk=record_chunk,
-                    with_kv=with_kv)
+                    with_kv=with_kv, kv_src=kv_src, kv_link=kv_link)
     bar = None
     if progress:
         from tqdm.auto import tqdm

@@ -291,7 +291,8 @@ def unique_block_bases(prompt, out_len, prefix_lengths, n_uniq, bs):
 def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profile]],
                  config: Union[EngineConfig, Sequence[EngineConfig]],
                  estimates: Optional[Sequence[np.ndarray]] = None, *, block_table: bool = True,
-                 with_kv: Optional[Sequence[np.ndarray]] = None) -> K.EngineArrays:
+                 with_kv: Optional[Sequence[np.ndarray]] = None,
+                 kv_src: Optional[Sequence[np.ndarray]] = None, hold_width: int = 0) -> K.EngineArrays:
     """Lay N traces out as the struct of arrays, one copy each, padded to the longest.
 
     ``profile`` and ``config`` (resolved: ``EngineConfig.resolve``) are the batch's, or one per copy
@@ -300,7 +301,10 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
     ``estimates[c]`` are copy c's output-length estimates (a predictor's, never the truth unless
     labelled oracle); NaN or absent means "use the family's mean residual life".
     ``with_kv[c]`` (bool per request of trace c; default none): requests that arrive with their
-    prompt's KV and first token (engine rule 13, docs/design.md section 13).
+    prompt's KV and first token (engine rule 13, docs/design.md section 13); ``kv_src[c]`` (int per
+    request, default 0) the link each one's KV comes over (FIFO per link). ``hold_width``: entries
+    of each copy's hold store (block ids of the requests whose KV a prefill replica holds,
+    ``EngineArrays.hold_kv``, set by the caller; 0: none hold).
     ``block_table=False`` leaves ``table`` empty ([C, 0, 0]): for callers that write these copies
     into rows of an existing batch, whose table rows need no reset (the kernel reads a request's
     table entries only below its held blocks, all written when claimed)."""
@@ -364,6 +368,17 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
                 raise ConfigError(f"with_kv for trace {c}: expected a bool array of shape ({len(t)},), got "
                                   f"{w.dtype} {w.shape}")
             kv[c, :len(t)] = w
+    src = np.zeros((C, R), i64)
+    if kv_src is not None:
+        if with_kv is None or len(kv_src) != C:
+            raise ConfigError(f"kv_src: one int array per trace, with with_kv; got {len(kv_src)} for {C} traces")
+        for c, (t, w) in enumerate(zip(traces, kv_src)):
+            w = np.asarray(w)
+            if w.shape != (len(t),) or w.dtype.kind not in "iu" or (len(w) and w.min() < 0):
+                raise ConfigError(f"kv_src for trace {c}: expected link indices >= 0 of shape ({len(t)},), got "
+                                  f"{w.dtype} {w.shape}")
+            src[c, :len(t)] = w
+    n_links = int(src.max()) + 1 if src.size else 1
 
     # prefix chains -> dense per-copy ids; blocks past a chain get unique ids
     H = max(1, max(len(t.prefix_hashes) for t in traces))
@@ -398,7 +413,7 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
     rec = max(configs[0].record_iterations, 1)
     return K.EngineArrays(
         n_req=n_req, arrival=arrival, prompt=prompt, out_len=out_len, prio=prio, capped=capped, t1=t1, t2=t2, est=est,
-        with_kv=kv, chain_off=chain_off, chain_val=chain_val, uniq_base=uniq_base,
+        with_kv=kv, kv_src=src, chain_off=chain_off, chain_val=chain_val, uniq_base=uniq_base,
         now=np.where(n_req > 0, arrival[:, 0], 0).astype(i64), it=z(C), next_arr=z(C), n_ended=z(C),
         key_hi=z(C, fill=1), key_lo=z(C, fill=-1), n_run=z(C), n_wait=z(C),
         n_free=nb_c.copy(), n_slot_free=slots_c.copy(), n_pend=z(C),
@@ -419,6 +434,9 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
         swapped=z(C, R), swap_ids=z(C, R), n_swap=z(C),
         host_free=np.array([host_blocks(p, e) for p, e in zip(profiles, configs)], i64),
         epoch=z(C, K.N_EP),
+        kv_ready=z(C, R, fill=-1), kv_first=z(C, R, fill=-1), link_free=z(C, n_links), xfer_ids=z(C, S), n_xfer=z(C),
+        hold_kv=z(C, R, dtype=np.bool_), hold_blk=z(C, max(1, int(hold_width)), dtype=np.int32),
+        hold_at=z(C, R, fill=-1), hold_ids=z(C, R), n_hold=z(C), hold_top=z(C),
     )
 
 
