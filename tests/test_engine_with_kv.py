@@ -11,7 +11,7 @@ from tokenbatch_env.engine.state import EngineConfig
 from tokenbatch_env.errors import ConfigError
 
 from engine_helpers import tiny_trace
-from test_engine_properties import _pool_consistent, _policy, configs, policies, traces
+from test_engine_properties import _pool_consistent, _policy, assert_tokens_conserved, configs, policies, traces
 
 
 def _sim(trace, with_kv, **cfg):
@@ -118,16 +118,7 @@ def test_invariants_with_requests_arriving_with_kv(trace, policy, cfg, data):
     done = (rec["end_state"] == K.E_COMPLETED) | (rec["end_state"] == K.E_LENGTH_CAPPED)
     assert (rec["first_token_ns"][kv] == rec["arrival_ns"][kv]).all()
     assert (rec["finish_ns"][done] >= rec["first_token_ns"][done]).all()
-    work = int(it["prefill_tokens"].sum() + it["decodes"].sum())
-    need = int((rec["prompt_tokens"][done & ~kv] + rec["output_tokens"][done & ~kv] - 1).sum()
-               + (rec["output_tokens"][done & kv] - 1).sum())
-    if cfg["prefix_caching"]:
-        assert work <= need + rec["recomputed_tokens"].sum() + (
-            int(rec["prompt_tokens"].sum()) if cfg["timeout_running"] else 0)
-    elif cfg["timeout_running"] and cfg["max_wait_ms"] is not None:
-        assert need + rec["recomputed_tokens"].sum() <= work
-    else:
-        assert work == need + rec["recomputed_tokens"].sum()
+    assert_tokens_conserved(rec, it, cfg, done, kv)
 
 
 def test_without_with_kv_nothing_changes():
@@ -213,11 +204,7 @@ def test_invariants_with_kv_transfers(trace, policy, cfg, data):
     rec, it = res.records(0), res.iterations(0)
     assert (rec["end_state"] != K.E_NONE).all() and (rec["end_state"] != K.E_UNFINISHED).all()
     done = (rec["end_state"] == K.E_COMPLETED) | (rec["end_state"] == K.E_LENGTH_CAPPED)
-    work = int(it["prefill_tokens"].sum() + it["decodes"].sum())
-    need = int((rec["prompt_tokens"][done & ~kv] + rec["output_tokens"][done & ~kv] - 1).sum()
-               + (rec["output_tokens"][done & kv] - 1).sum())
-    if not cfg["prefix_caching"] and not (cfg["timeout_running"] and cfg["max_wait_ms"] is not None):
-        assert work == need + rec["recomputed_tokens"].sum()
+    assert_tokens_conserved(rec, it, cfg, done, kv)
     ready = run.arrays.kv_ready[0, :n]
     moved = kv & (ready >= 0)
     assert (ready[moved] >= rec["arrival_ns"][moved]).all()

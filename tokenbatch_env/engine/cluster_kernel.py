@@ -248,6 +248,53 @@ def router_counters(c, t, now, it, n_req, n_ended, epoch, prompt, out):
 
 
 @njit
+def predicted_ttft(c, v, p, bs, cfg_rows):
+    """least-predicted-ttft's prediction for a prompt of p tokens on replica c with the view ``v``:
+    its iteration in flight's remaining time, then the queued and routed prefill work and the prompt
+    (less its cached blocks) at the replica's chunk cap, idle (ns)."""
+    cap = cfg_rows[c, K.C_BUDGET]
+    if 0 < cfg_rows[c, K.C_THRESHOLD] < cap:
+        cap = cfg_rows[c, K.C_THRESHOLD]
+    work = v[V_QUEUED] + v[V_SINCE_TOK] + p - v[V_HITS] * bs
+    return v[V_REM] + idle_prefill_ns(work, np.int64(0), cap, cfg_rows[c, K.C_PS0:K.C_PS0 + 4])
+
+
+@njit
+def append_row(c, i, t, with_chain, cfg_rows, g_prompt, g_out, g_capped, mml_of, g_prio, g_t1, g_t2, g_est, g_coff,
+               g_cval, g_room, u_next, n_req, arrival, prompt, out_len, prio, capped, t1, t2, est, chain_off, chain_val,
+               uniq_base, hash_head):
+    """Append request i of the cluster's table to replica c's rows, arriving at t: its columns (its
+    output length and cap at c's context length), its prefix chain when ``with_chain`` and its unique
+    block ids under prefix caching. Returns its row, or -1 when c's rows, chain ids or hash ids are
+    full (the caller runs again with room for more)."""
+    k = n_req[c]
+    lo = g_coff[i]
+    nch = g_coff[i + 1] - lo if with_chain else 0
+    o = chain_off[c, k]
+    prefix_c = cfg_rows[c, K.C_PREFIX] != 0
+    if k + 1 > arrival.shape[1] or o + nch > chain_val.shape[1] or (
+            prefix_c and u_next[c] + g_room[i] > hash_head.shape[1]):
+        return -1
+    arrival[c, k] = t
+    prompt[c, k] = g_prompt[i]
+    out_len[c, k] = g_out[mml_of[c], i]
+    capped[c, k] = g_capped[mml_of[c], i]
+    prio[c, k] = g_prio[i]
+    t1[c, k] = g_t1[i]
+    t2[c, k] = g_t2[i]
+    est[c, k] = g_est[i]
+    for j in range(nch):
+        chain_val[c, o + j] = g_cval[lo + j]
+    chain_off[c, k + 1] = o + nch
+    uniq_base[c, k] = 0
+    if prefix_c:
+        uniq_base[c, k] = u_next[c]
+        u_next[c] += g_room[i]
+    n_req[c] = k + 1
+    return k
+
+
+@njit
 def _advance(t, R, cfg_rows, n_req, now, it, n_ended, active, claim, until_ns, kargs):
     """Run every replica's iterations that start before t (the engine's own step). Returns the
     iterations run, -1 (a NaN score: the kernel's own code) or -2 (a replica made no progress)."""
@@ -343,37 +390,14 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
                     v[V_HITS] = request_hits(hash_head, c, g_coff, g_cval, p, a, bs)
             router_counters(c, t, now, it, n_req, n_ended, epoch, prompt, v)   # (at t, stale or not)
             if want_q:
-                cap = cfg_rows[c, K.C_BUDGET]
-                if 0 < cfg_rows[c, K.C_THRESHOLD] < cap:
-                    cap = cfg_rows[c, K.C_THRESHOLD]
-                work = v[V_QUEUED] + v[V_SINCE_TOK] + p - v[V_HITS] * bs
-                pred[c] = v[V_REM] + idle_prefill_ns(work, np.int64(0), cap, cfg_rows[c, K.C_PS0:K.C_PS0 + 4])
+                pred[c] = predicted_ttft(c, v, p, bs, cfg_rows)
         c = choose(router, rpar, key0, key1, a, cand, n_cand, view, rstate, pred)
         # append request a to replica c's rows (its arrival becomes visible at c's next iteration start)
-        k = n_req[c]
-        lo = g_coff[a]
-        nch = g_coff[a + 1] - lo
-        o = chain_off[c, k]
-        prefix_c = cfg_rows[c, K.C_PREFIX] != 0
-        if k + 1 > arrival.shape[1] or o + nch > chain_val.shape[1] or (
-                prefix_c and u_next[c] + g_room[a] > hash_head.shape[1]):
+        k = append_row(c, a, t, True, cfg_rows, g_prompt, g_out, g_capped, mml_of, g_prio, g_t1, g_t2, g_est, g_coff,
+                       g_cval, g_room, u_next, n_req, arrival, prompt, out_len, prio, capped, t1, t2, est, chain_off,
+                       chain_val, uniq_base, hash_head)
+        if k < 0:
             return -3
-        arrival[c, k] = t
-        prompt[c, k] = p
-        out_len[c, k] = g_out[mml_of[c], a]
-        capped[c, k] = g_capped[mml_of[c], a]
-        prio[c, k] = g_prio[a]
-        t1[c, k] = g_t1[a]
-        t2[c, k] = g_t2[a]
-        est[c, k] = g_est[a]
-        for j in range(nch):
-            chain_val[c, o + j] = g_cval[lo + j]
-        chain_off[c, k + 1] = o + nch
-        uniq_base[c, k] = 0
-        if prefix_c:
-            uniq_base[c, k] = u_next[c]
-            u_next[c] += g_room[a]
-        n_req[c] = k + 1
         route[a] = c
         row[a] = k
         a += 1
@@ -383,5 +407,5 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
     return total + done
 
 
-guard_stale_cache([_mul32, _fmix32, stream_u32, _pick, choose, request_hits, pending_frees, in_flight,
-                   replica_view, router_counters, _advance, run_cluster_kernel], tag="cluster")
+guard_stale_cache([_mul32, _fmix32, stream_u32, _pick, choose, request_hits, pending_frees, in_flight, predicted_ttft,
+                   append_row, replica_view, router_counters, _advance, run_cluster_kernel], tag="cluster")

@@ -188,7 +188,7 @@ def _run_pd(trace, profile, policy, configs, rp, rd, link, guard, residual_life,
         run.cfg[c, K.C_XFER_LAT_NS] = link.latency_ns
     A = run.arrays = run.arrays._replace(
         chain_val=np.zeros((R, max(1, H)), np.int64), hash_head=np.full((R, max(1, U + n_uniq)), -1, np.int32),
-        link_free=np.zeros((R, Rp), np.int64), hold_blk=np.zeros((R, hold), np.int32))
+        link_free=np.zeros((R, Rp), np.int64), hold_blk=np.zeros((R, 1, hold), np.int32))
     A.n_req[:] = 0
     A.chain_off[:] = 0
     A.now[:] = trace.arrival_ns[0] if N else 0

@@ -24,13 +24,11 @@ prefill replica's view at t holds the blocks released at t (they free after D's 
 
 from __future__ import annotations
 
-import numpy as np
 
 from ._jit import guard_stale_cache, njit
 from . import kernel as K
-from .cluster_kernel import FOREVER, R_LEAST_PREDICTED_TTFT, R_PREFIX_AFFINITY, V_HITS, V_QUEUED, V_REM, \
-    V_SINCE_TOK, choose, replica_view, request_hits, router_counters
-from .scoring import idle_prefill_ns
+from .cluster_kernel import FOREVER, R_LEAST_PREDICTED_TTFT, R_PREFIX_AFFINITY, V_HITS, append_row, choose, \
+    predicted_ttft, replica_view, request_hits, router_counters
 
 # event heaps: (time, tie key, request) rows
 H_T, H_K, H_I = range(3)
@@ -122,11 +120,7 @@ def _views(lo, R, t, router, p, i, bs, g_coff, g_cval, cfg_rows, now, it, next_a
             v[V_HITS] = request_hits(hash_head, c, g_coff, g_cval, p, i, bs)
         router_counters(c, t, now, it, n_req, n_ended, epoch, prompt, v)
         if want_q:
-            cap = cfg_rows[c, K.C_BUDGET]
-            if 0 < cfg_rows[c, K.C_THRESHOLD] < cap:
-                cap = cfg_rows[c, K.C_THRESHOLD]
-            work = v[V_QUEUED] + v[V_SINCE_TOK] + p - v[V_HITS] * bs
-            pred[j] = v[V_REM] + idle_prefill_ns(work, np.int64(0), cap, cfg_rows[c, K.C_PS0:K.C_PS0 + 4])
+            pred[j] = predicted_ttft(c, v, p, bs, cfg_rows)
     return n_cand
 
 
@@ -206,22 +200,13 @@ def run_pd_kernel(Rp, p_router, d_router, rpar_p, rpar_d, key0, key1, g_arrival,
                     heap_push(rq, n_rq, t_ev, seq[i], i)
                     continue
                 c = Rp + choose(d_router, rpar_d, key0, key1, i, cand[:Rd], n_cand, view[:Rd], rstate_d, pred[:Rd])
-                k = n_req[c]
-                if k + 1 > arrival.shape[1]:
+                k = append_row(c, i, t_ev, False, cfg_rows, g_prompt, g_out, g_capped, mml_of, g_prio, g_t1, g_t2,
+                               g_est, g_coff, g_cval, g_room, u_next, n_req, arrival, prompt, out_len, prio, capped, t1,
+                               t2, est, chain_off, chain_val, uniq_base, hash_head)   # (no prefix caching on D)
+                if k < 0:
                     return -3
-                arrival[c, k] = t_ev
-                prompt[c, k] = p
-                out_len[c, k] = g_out[mml_of[c], i]
-                capped[c, k] = g_capped[mml_of[c], i]
-                prio[c, k] = g_prio[i]
-                t1[c, k] = g_t1[i]
-                t2[c, k] = g_t2[i]
-                est[c, k] = g_est[i]
                 with_kv[c, k] = True
                 kv_src[c, k] = route_p[i]
-                chain_off[c, k + 1] = chain_off[c, k]   # (no prefix caching on D: no chain)
-                uniq_base[c, k] = 0
-                n_req[c] = k + 1
                 route_d[i] = c - Rp
                 row_d[i] = k
                 gid[c, k] = i
@@ -237,32 +222,14 @@ def run_pd_kernel(Rp, p_router, d_router, rpar_p, rpar_d, key0, key1, g_arrival,
             if n_cand == 0:
                 continue   # (rejected at the router: route_p[i] stays -1)
             c = choose(p_router, rpar_p, key0, key1, i, cand[:Rp], n_cand, view[:Rp], rstate_p, pred[:Rp])
-            k = n_req[c]
-            lo = g_coff[i]
-            nch = g_coff[i + 1] - lo
-            o = chain_off[c, k]
-            prefix_c = cfg_rows[c, K.C_PREFIX] != 0
-            if k + 1 > arrival.shape[1] or o + nch > chain_val.shape[1] or (
-                    prefix_c and u_next[c] + g_room[i] > hash_head.shape[1]):
+            k = append_row(c, i, t_ev, True, cfg_rows, g_prompt, g_out, g_capped, mml_of, g_prio, g_t1, g_t2, g_est,
+                           g_coff, g_cval, g_room, u_next, n_req, arrival, prompt, out_len, prio, capped, t1, t2, est,
+                           chain_off, chain_val, uniq_base, hash_head)
+            if k < 0:
                 return -3
-            arrival[c, k] = t_ev
-            prompt[c, k] = p
-            o_true = g_out[mml_of[c], i]
             out_len[c, k] = 1   # (P runs it as if O = 1)
-            capped[c, k] = g_capped[mml_of[c], i] and o_true == 1
+            capped[c, k] = capped[c, k] and g_out[mml_of[c], i] == 1
             hold_kv[c, k] = True   # (every request's blocks free by a release: one order of frees)
-            prio[c, k] = g_prio[i]
-            t1[c, k] = g_t1[i]
-            t2[c, k] = g_t2[i]
-            est[c, k] = g_est[i]
-            for j in range(nch):
-                chain_val[c, o + j] = g_cval[lo + j]
-            chain_off[c, k + 1] = o + nch
-            uniq_base[c, k] = 0
-            if prefix_c:
-                uniq_base[c, k] = u_next[c]
-                u_next[c] += g_room[i]
-            n_req[c] = k + 1
             route_p[i] = c
             row_p[i] = k
             gid[c, k] = i

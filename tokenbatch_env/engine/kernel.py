@@ -159,7 +159,7 @@ class EngineArrays(NamedTuple):
     link_free: np.ndarray        # [C, L] when each link's last transfer ends (FIFO per link)
     xfer_ids: np.ndarray         # [C, S] admitted requests whose KV is in transfer, in admission order
     n_xfer: np.ndarray           # [C]
-    hold_blk: np.ndarray         # [C, NH] block ids of the requests holding their KV (hold_kv), by offset
+    hold_blk: np.ndarray         # [C, 1, NH] block ids of the requests holding their KV (hold_kv), by offset
     hold_at: np.ndarray          # [C, R] a holding request's offset into hold_blk (-1: not holding)
     hold_ids: np.ndarray         # [C, R] the holding requests, in offset order
     n_hold: np.ndarray           # [C]
@@ -326,19 +326,18 @@ def _cache_blocks(table, slot_of, n_cached, bhash, hash_head, hnext, chain_off, 
 
 
 @helper
-def _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
-                         slot_free, n_slot_free, c, r, head, tail):
-    """Release r's blocks in reverse order (tail evicted first). Cached ones are appended to the
-    free queue; hashless ones go to its front as a group, keeping that order (vLLM's
-    ``BlockPool.free_blocks``: ``prepend_n`` then ``append_n``). Each group is chained first and
-    spliced in once: the same queue as inserting block by block (profiled: those inserts, each
-    reading the links the previous one wrote, were 5% of the env's step)."""
-    s = slot_of[c, r]
+def _free_blocks(ids, s, o, n, ref, bhash, fq_prev, fq_next, n_free, c, head, tail):
+    """Release the blocks ``ids[c, s, o:o + n]`` (a table slot's, or a hold store's) in reverse order
+    (tail evicted first). Cached ones are appended to the free queue; hashless ones go to its front
+    as a group, keeping that order (vLLM's ``BlockPool.free_blocks``: ``prepend_n`` then
+    ``append_n``). Each group is chained first and spliced in once: the same queue as inserting
+    block by block (profiled: those inserts, each reading the links the previous one wrote, were 5%
+    of the env's step)."""
     front0 = front1 = -1   # the hashless group (first, last), in release order
     back0 = back1 = -1     # the cached group
     freed = 0
-    for j in range(held[c, r] - 1, -1, -1):
-        b = table[c, s, j]
+    for j in range(n - 1, -1, -1):
+        b = ids[c, s, o + j]
         left = ref[c, b] - 1
         ref[c, b] = left
         if left == 0:
@@ -356,6 +355,14 @@ def _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq
     if back0 >= 0:    # at the back, before the sentinel
         _fq_splice(fq_prev, fq_next, c, back0, back1, fq_prev[c, tail])
     n_free[c] += freed
+
+
+@helper
+def _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
+                         slot_free, n_slot_free, c, r, head, tail):
+    """Release r's blocks (``_free_blocks``: its table slot's) and its slot."""
+    s = slot_of[c, r]
+    _free_blocks(table, s, 0, held[c, r], ref, bhash, fq_prev, fq_next, n_free, c, head, tail)
     held[c, r] = 0
     n_cached[c, r] = 0
     slot_free[c, n_slot_free[c]] = s
@@ -375,22 +382,22 @@ def _hold(run_ids, n_run, table, slot_of, held, slot_free, n_slot_free, hold_blk
             _run_remove_at(run_ids, n_run, c, q)
             break
     n = held[c, r]
-    if hold_top[c] + n > hold_blk.shape[1]:   # compact: the holders' blocks, in offset order, from 0
+    if hold_top[c] + n > hold_blk.shape[2]:   # compact: the holders' blocks, in offset order, from 0
         top = 0
         for k in range(n_hold[c]):
             q = hold_ids[c, k]
             o = hold_at[c, q]
             for j in range(held[c, q]):
-                hold_blk[c, top + j] = hold_blk[c, o + j]
+                hold_blk[c, 0, top + j] = hold_blk[c, 0, o + j]
             hold_at[c, q] = top
             top += held[c, q]
         hold_top[c] = top
-        if top + n > hold_blk.shape[1]:
+        if top + n > hold_blk.shape[2]:
             return False
     s = slot_of[c, r]
     o = hold_top[c]
     for j in range(n):
-        hold_blk[c, o + j] = table[c, s, j]
+        hold_blk[c, 0, o + j] = table[c, s, j]
     hold_at[c, r] = o
     hold_top[c] = o + n
     hold_ids[c, n_hold[c]] = r
@@ -407,30 +414,8 @@ def release_held(c, r, held, n_cached, ref, bhash, fq_prev, fq_next, n_free, hol
     """Free the blocks request r of copy c holds (``_hold``) as a completion frees a request's:
     in reverse order, hashless ones to the free queue's front, cached ones to its back."""
     nb = ref.shape[1]
-    head, tail = nb, nb + 1
     o = hold_at[c, r]
-    front0 = front1 = -1
-    back0 = back1 = -1
-    freed = 0
-    for j in range(held[c, r] - 1, -1, -1):
-        b = hold_blk[c, o + j]
-        left = ref[c, b] - 1
-        ref[c, b] = left
-        if left == 0:
-            freed += 1
-            if bhash[c, b] < 0:
-                _chain_append(fq_prev, fq_next, c, front1, b)
-                front0 = b if front1 < 0 else front0
-                front1 = b
-            else:
-                _chain_append(fq_prev, fq_next, c, back1, b)
-                back0 = b if back1 < 0 else back0
-                back1 = b
-    if front0 >= 0:
-        _fq_splice(fq_prev, fq_next, c, front0, front1, head)
-    if back0 >= 0:
-        _fq_splice(fq_prev, fq_next, c, back0, back1, fq_prev[c, tail])
-    n_free[c] += freed
+    _free_blocks(hold_blk, 0, o, held[c, r], ref, bhash, fq_prev, fq_next, n_free, c, nb, nb + 1)
     if o + held[c, r] == hold_top[c]:
         hold_top[c] = o
     for k in range(n_hold[c]):

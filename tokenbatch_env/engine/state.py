@@ -435,7 +435,7 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
         host_free=np.array([host_blocks(p, e) for p, e in zip(profiles, configs)], i64),
         epoch=z(C, K.N_EP),
         kv_ready=z(C, R, fill=-1), kv_first=z(C, R, fill=-1), link_free=z(C, n_links), xfer_ids=z(C, S), n_xfer=z(C),
-        hold_kv=z(C, R, dtype=np.bool_), hold_blk=z(C, max(1, int(hold_width)), dtype=np.int32),
+        hold_kv=z(C, R, dtype=np.bool_), hold_blk=z(C, 1, max(1, int(hold_width)), dtype=np.int32),
         hold_at=z(C, R, fill=-1), hold_ids=z(C, R), n_hold=z(C), hold_top=z(C),
     )
 
