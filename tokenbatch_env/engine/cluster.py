@@ -219,14 +219,49 @@ def stream_key(trace: Trace) -> tuple:
 ROW_SLACK = 64
 
 
-def _run_cluster(trace, profiles, policy, config, router, guard, residual_life, est, table, sizes, stale_ns, key):
-    """One run of the compiled cluster loop over the cluster's request table ``table`` (its columns
-    for ``run_cluster_kernel``, then the dense chain ids' count), each replica with ``sizes`` = (rows,
-    chain ids, unique hash ids): (its result, the run, route, row, kernel args); result -3: a replica
-    was full."""
+def cluster_table(trace: Trace, resolved: Sequence[Profile], estimates, replicas: int) -> tuple:
+    """A cluster loop's inputs: ``(trace at the replicas' block size, the router streams' key,
+    estimates, request table, share, sizes)``. ``share``: the totals (and largest single need) of rows,
+    chain ids and unique hash ids; ``sizes``: each replica's first room, twice its even share of
+    ``replicas`` (``grow_sizes`` when a router sends one more). Bad estimates: one line."""
+    est_all = None if estimates is None else np.asarray(estimates, np.float64)
+    if est_all is not None and est_all.shape != (len(trace),):
+        raise ConfigError(f"estimates have shape {est_all.shape}, expected ({len(trace)},)")
+    bs = resolved[0].block_size
+    key = stream_key(trace)   # (the trace as given: the stream is shared at any block size)
+    if trace.block_size != bs:
+        from ..traces.blocks import at_block_size
+        trace = at_block_size(trace, bs)
+    table = request_table(trace, resolved, est_all)
+    chain_len, g_room = np.diff(table[8]), table[10]
+    share = [(len(trace), 0), (int(chain_len.sum()), int(chain_len.max(initial=0))),
+             (int(g_room.sum()), int(g_room.max(initial=0)))]
+    sizes = [min(tot, 2 * -(-tot // replicas) + top + ROW_SLACK) for tot, top in share]
+    return trace, key, est_all, table, share, sizes
+
+
+def grow_sizes(sizes: list, share: list) -> list:
+    """The replicas' room doubled (a replica was full), up to the totals."""
+    if sizes == [tot for tot, _ in share]:
+        raise RuntimeError("a cluster replica ran out of rows at full size; please report this trace")
+    return [min(tot, 2 * x) for x, (tot, _) in zip(sizes, share)]
+
+
+def router_params(router: Router) -> np.ndarray:
+    """A router's parameters as the compiled loops read them (``rpar``)."""
+    rpar = np.zeros(CK.N_RPAR)
+    rpar[CK.RP_ALPHA], rpar[CK.RP_BETA], rpar[CK.RP_SEED] = router.alpha, router.beta, router.seed
+    return rpar
+
+
+def replica_batch(trace, profiles, policy, config, guard, residual_life, est, table, sizes, **arrays) -> tuple:
+    """The replicas of a cluster loop, one engine copy each with no rows yet (the routers append
+    them), each with ``sizes`` = (rows, chain ids, unique hash ids) of room; ``arrays``: more fields of
+    the struct of arrays replaced. Returns ``(run, mml_of, active, claim, until, kargs)``: each
+    replica's row of rule 8's output lengths, the loop's scratch and ``kernel.kernel_args``."""
     N, R = len(trace), len(profiles)
     width, H, U = sizes
-    g_arrival, g_prompt, g_out, g_capped, g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, n_uniq = table
+    n_uniq = table[-1]
     head = trace.subset(slice(0, max(1, width))) if N else trace
     run = EngineRun([head] * R, profiles, policy, config, residual_life=residual_life,
                     estimates=None if est is None else [est[:len(head)]] * R)
@@ -234,28 +269,36 @@ def _run_cluster(trace, profiles, policy, config, router, guard, residual_life, 
         run.set_guard(slice(None), guard[0], guard[1])
     run.cfg[:, K.C_STOP_IDLE] = 1   # (a replica's iteration at t waits for the other arrivals at t)
     A = run.arrays = run.arrays._replace(chain_val=np.zeros((R, max(1, H)), np.int64),
-                                         hash_head=np.full((R, max(1, U + n_uniq)), -1, np.int32))
-    # the replicas start with no rows: the router appends them
+                                         hash_head=np.full((R, max(1, U + n_uniq)), -1, np.int32), **arrays)
     A.n_req[:] = 0
     A.chain_off[:] = 0
     A.now[:] = trace.arrival_ns[0] if N else 0
+    active, claim, until = np.zeros(R, np.bool_), np.zeros(1, np.int64), np.zeros(R, np.int64)
+    mmls = sorted({p.max_model_len for p in run.profiles})
+    mml_of = np.array([mmls.index(p.max_model_len) for p in run.profiles], np.int64)
+    kargs = K.kernel_args(A, run.cfg, run.fcfg, run.theta, run.shed_margin, run.mrl, run.tier, run.score, active,
+                          1 << 62, until, claim=claim)
+    return run, mml_of, active, claim, until, kargs
+
+
+def _run_cluster(trace, profiles, policy, config, router, guard, residual_life, est, table, sizes, stale_ns, key):
+    """One run of the compiled cluster loop over the cluster's request table ``table`` (its columns
+    for ``run_cluster_kernel``, then the dense chain ids' count), each replica with ``sizes`` = (rows,
+    chain ids, unique hash ids): (its result, the run, route, row, kernel args); result -3: a replica
+    was full."""
+    N, R = len(trace), len(profiles)
+    g_arrival, g_prompt, g_out, g_capped, g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, n_uniq = table
+    run, mml_of, active, claim, until, kargs = replica_batch(trace, profiles, policy, config, guard, residual_life,
+                                                             est, table, sizes)
+    A = run.arrays
     route = np.full(N, -1, np.int64)
     row = np.full(N, -1, np.int64)
     # the views read at t - S and not yet used: at most the arrivals within S of one another, plus one
     ring = 1 if stale_ns == 0 or N == 0 else int(
         (np.arange(N) - np.searchsorted(trace.arrival_ns, trace.arrival_ns - stale_ns, side="left")).max()) + 2
-    rpar = np.zeros(CK.N_RPAR)
-    rpar[CK.RP_ALPHA], rpar[CK.RP_BETA], rpar[CK.RP_SEED] = router.alpha, router.beta, router.seed
-    active = np.zeros(R, np.bool_)
-    claim = np.zeros(1, np.int64)
-    until = np.zeros(R, np.int64)
-    mmls = sorted({p.max_model_len for p in run.profiles})
-    mml_of = np.array([mmls.index(p.max_model_len) for p in run.profiles], np.int64)
-    kargs = K.kernel_args(A, run.cfg, run.fcfg, run.theta, run.shed_margin, run.mrl, run.tier, run.score, active,
-                          1 << 62, until, claim=claim)
     total = CK.run_cluster_kernel(
-        router.spec.rid, rpar, key[0], key[1], stale_ns, g_arrival, g_prompt, g_out, g_capped, mml_of, g_prio, g_t1,
-        g_t2, g_est, g_coff, g_cval, g_room, np.full(R, n_uniq, np.int64), route, row,
+        router.spec.rid, router_params(router), key[0], key[1], stale_ns, g_arrival, g_prompt, g_out, g_capped, mml_of,
+        g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, np.full(R, n_uniq, np.int64), route, row,
         np.zeros((R, CK.N_VIEW), np.int64), np.zeros((ring, R, CK.N_VIEW), np.int64), np.zeros((ring, R), np.int64),
         np.zeros(R, np.int64), np.zeros(1, np.int64),
         run.cfg, A.n_req, A.arrival, A.prompt, A.out_len, A.prio, A.capped, A.t1, A.t2, A.est, A.chain_off,
@@ -284,33 +327,16 @@ def simulate_cluster(trace: Trace, profile: Union[str, Profile, Sequence[Union[s
     stale = float(staleness_ms)
     if not np.isfinite(stale) or stale < 0:
         raise ConfigError(f"metrics staleness must be a number of ms >= 0, got {staleness_ms!r}")
-    est_all = None if estimates is None else np.asarray(estimates, np.float64)
-    if est_all is not None and est_all.shape != (len(trace),):
-        raise ConfigError(f"estimates have shape {est_all.shape}, expected ({len(trace)},)")
     _, resolved = resolve_copies(profile_list, config, R)
-    bs = resolved[0].block_size
-    key = stream_key(trace)   # (the trace as given: the stream is shared at any block size)
-    if trace.block_size != bs:
-        from ..traces.blocks import at_block_size
-        trace = at_block_size(trace, bs)
-    N = len(trace)
-    table = request_table(trace, resolved, est_all)
-    chain_len, g_room = np.diff(table[8]), table[10]
+    trace, key, est_all, table, share, sizes = cluster_table(trace, resolved, estimates, R)
     # (staleness delays only what routers read of the replicas' state: the others keep their counters)
     stale_ns = int(round(stale * 1e6)) if router.spec.rid in _READS_STATE else 0
-    # each replica's rows, chain ids and hash ids: twice its even share (and more, run again, when a
-    # router sends a replica more than that)
-    share = [(N, 0), (int(chain_len.sum()), int(chain_len.max(initial=0))), (int(g_room.sum()),
-                                                                             int(g_room.max(initial=0)))]
-    sizes = [min(tot, 2 * -(-tot // R) + top + ROW_SLACK) for tot, top in share]
     while True:
         total, run, route, row, kargs = _run_cluster(trace, profile_list, policy, config, router, guard,
                                                      residual_life, est_all, table, sizes, stale_ns, key)
         if total != -3:
             break
-        if sizes == [tot for tot, _ in share]:
-            raise RuntimeError("a cluster replica ran out of rows at full size; please report this trace")
-        sizes = [min(tot, 2 * x) for x, (tot, _) in zip(sizes, share)]
+        sizes = grow_sizes(sizes, share)
     if total == -2:
         raise RuntimeError("a cluster replica made no progress; please report this trace")
     total = K.checked_total(total, kargs)

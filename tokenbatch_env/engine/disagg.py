@@ -14,11 +14,12 @@ from ..traces.trace import Trace
 from . import cluster_kernel as CK
 from . import disagg_kernel as DK
 from . import kernel as K
-from .cluster import ROW_SLACK, Router, capped_lengths, request_table, resolve_router, stream_key
+from .cluster import (Router, capped_lengths, cluster_table, grow_sizes, replica_batch, resolve_router,
+                      router_params)
 from .kv_link import KVLink, resolve_kv_link
 from .outcomes import request_metrics
 from .profiles import Profile
-from .simulate import EnginePolicy, EngineRun, SimResult, request_columns, resolve_copies
+from .simulate import EnginePolicy, SimResult, request_columns, resolve_copies
 from .state import EngineConfig
 
 #: when a request's first token counts (docs/design.md section 13, 6.): at the end of its last
@@ -136,29 +137,14 @@ def simulate_pd(trace: Trace, profile: Union[str, Profile] = "stress-512", polic
     base = EngineConfig() if config is None else config
     configs = [base] * Rp + [dataclasses.replace(base, prefix_caching=False)] * Rd
     _, resolved = resolve_copies([profile] * R, configs, R)
-    est_all = None if estimates is None else np.asarray(estimates, np.float64)
-    if est_all is not None and est_all.shape != (len(trace),):
-        raise ConfigError(f"estimates have shape {est_all.shape}, expected ({len(trace)},)")
-    bs = resolved[0].block_size
-    key = stream_key(trace)
-    if trace.block_size != bs:
-        from ..traces.blocks import at_block_size
-        trace = at_block_size(trace, bs)
-    N = len(trace)
-    table = request_table(trace, resolved, est_all)
-    chain_len, g_room = np.diff(table[8]), table[10]
-    # rows: each pool's replicas twice their even share (again, larger, when a router sends more)
-    share = [(N, 0), (int(chain_len.sum()), int(chain_len.max(initial=0))),
-             (int(g_room.sum()), int(g_room.max(initial=0)))]
-    sizes = [min(tot, 2 * -(-tot // min(Rp, Rd)) + top + ROW_SLACK) for tot, top in share]
+    # (each pool's replicas room for twice the even share of the smaller pool)
+    trace, key, est_all, table, share, sizes = cluster_table(trace, resolved, estimates, min(Rp, Rd))
     hold = 2 * max(p.usable_blocks for p in resolved)
     while True:
         total, run, out, kargs = _run_pd(trace, profile, policy, configs, rp, rd, link, guard, residual_life,
                                          est_all, table, sizes, hold, key, Rp)
         if total == -3:
-            if sizes == [tot for tot, _ in share]:
-                raise RuntimeError("a replica ran out of rows at full size; please report this trace")
-            sizes = [min(tot, 2 * x) for x, (tot, _) in zip(sizes, share)]
+            sizes = grow_sizes(sizes, share)
             continue
         if total == K.HOLD_FULL:
             hold *= 2
@@ -175,40 +161,22 @@ def simulate_pd(trace: Trace, profile: Union[str, Profile] = "stress-512", polic
 
 def _run_pd(trace, profile, policy, configs, rp, rd, link, guard, residual_life, est, table, sizes, hold, key, Rp):
     N, R = len(trace), len(configs)
-    width, H, U = sizes
     g_arrival, g_prompt, g_out, g_capped, g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, n_uniq = table
-    head = trace.subset(slice(0, max(1, width))) if N else trace
-    run = EngineRun([head] * R, [profile] * R, policy, configs, residual_life=residual_life,
-                    estimates=None if est is None else [est[:len(head)]] * R)
-    if guard is not None:
-        run.set_guard(slice(None), guard[0], guard[1])
-    run.cfg[:, K.C_STOP_IDLE] = 1
+    run, mml_of, active, claim, until, kargs = replica_batch(
+        trace, [profile] * R, policy, configs, guard, residual_life, est, table, sizes,
+        link_free=np.zeros((R, Rp), np.int64), hold_blk=np.zeros((R, 1, hold), np.int32))
     for c in range(Rp, R):   # the decode replicas price the transfers over their links
         run.cfg[c, K.C_XFER_PS_PER_TOKEN] = link.ps_per_token(run.profiles[c].kv_bytes_per_token)
         run.cfg[c, K.C_XFER_LAT_NS] = link.latency_ns
-    A = run.arrays = run.arrays._replace(
-        chain_val=np.zeros((R, max(1, H)), np.int64), hash_head=np.full((R, max(1, U + n_uniq)), -1, np.int32),
-        link_free=np.zeros((R, Rp), np.int64), hold_blk=np.zeros((R, 1, hold), np.int32))
-    A.n_req[:] = 0
-    A.chain_off[:] = 0
-    A.now[:] = trace.arrival_ns[0] if N else 0
+    A = run.arrays
     A.epoch[:, K.EP_BLOCKED] = -1
     route_p, row_p, route_d, row_d, handoff = (np.full(N, -1, np.int64) for _ in range(5))
     gid = np.full((R, A.arrival.shape[1]), -1, np.int64)
-    rpars = []
-    for rt in (rp, rd):
-        rpar = np.zeros(CK.N_RPAR)
-        rpar[CK.RP_ALPHA], rpar[CK.RP_BETA], rpar[CK.RP_SEED] = rt.alpha, rt.beta, rt.seed
-        rpars.append(rpar)
-    active, claim, until = np.zeros(R, np.bool_), np.zeros(1, np.int64), np.zeros(R, np.int64)
-    mmls = sorted({p.max_model_len for p in run.profiles})
-    mml_of = np.array([mmls.index(p.max_model_len) for p in run.profiles], np.int64)
-    kargs = K.kernel_args(A, run.cfg, run.fcfg, run.theta, run.shed_margin, run.mrl, run.tier, run.score, active,
-                          1 << 62, until, claim=claim)
     total = DK.run_pd_kernel(
-        Rp, rp.spec.rid, rd.spec.rid, rpars[0], rpars[1], key[0], key[1], g_arrival, g_prompt, g_out, g_capped,
-        mml_of, g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, np.full(R, n_uniq, np.int64), route_p, row_p,
-        route_d, row_d, gid, handoff, np.full(max(1, N), -1, np.int64), np.zeros(1, np.int64), np.zeros(R, np.int64),
+        Rp, rp.spec.rid, rd.spec.rid, router_params(rp), router_params(rd), key[0], key[1], g_arrival, g_prompt, g_out,
+        g_capped, mml_of, g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, np.full(R, n_uniq, np.int64), route_p,
+        row_p, route_d, row_d, gid, handoff, np.full(max(1, N), -1, np.int64), np.zeros(1, np.int64),
+        np.zeros(R, np.int64),
         np.zeros((max(1, N), 3), np.int64),
         np.zeros(1, np.int64), np.zeros((max(1, N), 3), np.int64), np.zeros(1, np.int64),
         np.zeros((R, CK.N_VIEW), np.int64), np.zeros(R, np.int64), np.zeros(R, np.bool_), np.zeros(1, np.int64),

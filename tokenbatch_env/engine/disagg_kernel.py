@@ -87,13 +87,8 @@ def next_start(c, cfg_rows, now, it, n_req, n_ended, next_arr, arrival, n_run, n
     blocked = n_run[c] == 0 and n_pend[c] == 0 and epoch[c, K.EP_BLOCKED] == now[c]
     if not blocked and n_run[c] + n_wait[c] + n_pend[c] + n_swap[c] > 0:
         return now[c]
-    t = FOREVER
-    if next_arr[c] < n_req[c]:
-        t = arrival[c, next_arr[c]]
-    for q in range(n_xfer[c]):
-        if kv_ready[c, xfer_ids[c, q]] < t:
-            t = kv_ready[c, xfer_ids[c, q]]
-    if t == FOREVER:
+    t = K.next_wake(c, n_req[c], next_arr, arrival, xfer_ids, n_xfer, kv_ready)
+    if t >= FOREVER:
         return FOREVER
     return t if t > now[c] else now[c]
 

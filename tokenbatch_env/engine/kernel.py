@@ -371,16 +371,11 @@ def _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq
 
 
 @helper
-def _hold(run_ids, n_run, table, slot_of, held, slot_free, n_slot_free, hold_blk, hold_at, hold_ids, n_hold,
-          hold_top, c, r):
+def _hold(table, slot_of, held, slot_free, n_slot_free, hold_blk, hold_at, hold_ids, n_hold, hold_top, c, r):
     """Take r out of the running list and keep its blocks (docs/design.md section 13: a prefill
     replica's request, finished-holding until its KV has moved): its block ids move from its table
     slot, which is freed, to ``hold_blk`` (compacted when full). Returns False if they do not fit
     there even then (the caller sizes it again)."""
-    for q in range(n_run[c]):
-        if run_ids[c, q] == r:
-            _run_remove_at(run_ids, n_run, c, q)
-            break
     n = held[c, r]
     if hold_top[c] + n > hold_blk.shape[2]:   # compact: the holders' blocks, in offset order, from 0
         top = 0
@@ -433,14 +428,20 @@ def release_held(c, r, held, n_cached, ref, bhash, fq_prev, fq_next, n_free, hol
 
 @helper
 def _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free, slot_free,
-            n_slot_free, c, r, head, tail):
-    """Take r out of the running list and release its blocks (a completion, or async's pending free)."""
+            n_slot_free, c, r, head, tail, hold_kv, hold_blk, hold_at, hold_ids, n_hold, hold_top):
+    """Take r out of the running list and release its blocks (a completion, or async's pending free),
+    or keep them (``_hold``) when it holds its KV for a transfer (``hold_kv``, a prefill replica's).
+    Returns False when the hold store is full."""
     for q in range(n_run[c]):
         if run_ids[c, q] == r:
             _run_remove_at(run_ids, n_run, c, q)
             break
+    if hold_kv[c, r]:
+        return _hold(table, slot_of, held, slot_free, n_slot_free, hold_blk, hold_at, hold_ids, n_hold, hold_top,
+                     c, r)
     _free_request_blocks(table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free, slot_free,
                          n_slot_free, c, r, head, tail)
+    return True
 
 
 @helper
@@ -816,9 +817,10 @@ def guard_budget(B, D, slack_ps, cb, cfg, bmin, bs):
 
 # ---------------------------------------------------------------------------------- decision epochs
 @helper
-def _first_ready(c, xfer_ids, n_xfer, kv_ready):
-    """The first end of copy c's KV transfers in flight (rule 13)."""
-    t = _FOREVER
+def next_wake(c, n, next_arr, arrival, xfer_ids, n_xfer, kv_ready):
+    """When copy c, with nothing to schedule now, can next: its next arrival (of its ``n`` rows) or
+    the first end of its KV transfers in flight (rule 13); ``_FOREVER`` if neither."""
+    t = arrival[c, next_arr[c]] if next_arr[c] < n else _FOREVER
     for i in range(n_xfer[c]):
         if kv_ready[c, xfer_ids[c, i]] < t:
             t = kv_ready[c, xfer_ids[c, i]]
@@ -1299,9 +1301,7 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
             # Idle engine: jump the clock to the next arrival (a cluster's replica stops there if that
             # is at or past until_ns: see C_STOP_IDLE).
             if n_run[c] == 0 and n_wait[c] == 0 and n_pend[c] == 0 and n_swap[c] == 0:
-                nxt = arrival[c, next_arr[c]] if next_arr[c] < n else _FOREVER
-                if n_xfer[c] > 0:   # (rule 13: or the first KV transfer's end)
-                    nxt = min(nxt, _first_ready(c, xfer_ids, n_xfer, kv_ready))
+                nxt = next_wake(c, n, next_arr, arrival, xfer_ids, n_xfer, kv_ready)   # (rule 13: or a transfer's end)
                 if nxt < _FOREVER and nxt > now[c]:
                     now[c] = nxt
                     if cfg[C_STOP_IDLE] != 0 and now[c] >= until:
@@ -1688,11 +1688,9 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                                 _end(status, end_state, finish, n_ended, c, r,
                                      E_LENGTH_CAPPED if capped[c, r] else E_COMPLETED, t)
                                 finish_it[c, r] = it[c] + k - 1
-                                if not hold_kv[c, r]:
-                                    _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev,
-                                            fq_next, n_free, slot_free, n_slot_free, c, r, head, tail)
-                                elif not _hold(run_ids, n_run, table, slot_of, held, slot_free, n_slot_free,
-                                               hold_blk, hold_at, hold_ids, n_hold, hold_top, c, r):
+                                if not _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev,
+                                               fq_next, n_free, slot_free, n_slot_free, c, r, head, tail, hold_kv,
+                                               hold_blk, hold_at, hold_ids, n_hold, hold_top):
                                     return HOLD_FULL
                             if m_last >= 0:
                                 iter_rec[c, m_last, 7] = cfg[C_USABLE] - n_free[c]
@@ -1976,12 +1974,9 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
             # async scheduling (rule 10): blocks of requests that finished last iteration free now
             pending = n_pend[c]
             for k in range(pending):
-                r = pend_ids[c, k]
-                if not hold_kv[c, r]:
-                    _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
-                            slot_free, n_slot_free, c, r, head, tail)
-                elif not _hold(run_ids, n_run, table, slot_of, held, slot_free, n_slot_free, hold_blk, hold_at,
-                               hold_ids, n_hold, hold_top, c, r):
+                if not _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next, n_free,
+                               slot_free, n_slot_free, c, pend_ids[c, k], head, tail, hold_kv, hold_blk, hold_at,
+                               hold_ids, n_hold, hold_top):
                     return HOLD_FULL
             n_pend[c] = 0
 
@@ -1994,10 +1989,7 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                     if cfg[C_STOP_IDLE] != 0:
                         epoch[c, EP_BLOCKED] = t_now
                         break
-                    nxt = _first_ready(c, xfer_ids, n_xfer, kv_ready)
-                    if next_arr[c] < n and arrival[c, next_arr[c]] < nxt:
-                        nxt = arrival[c, next_arr[c]]
-                    now[c] = max(t_now, nxt)
+                    now[c] = max(t_now, next_wake(c, n, next_arr, arrival, xfer_ids, n_xfer, kv_ready))
                     total += 1
                     continue
                 # Nothing could run. With nothing running or pending, the head request can never fit
@@ -2094,11 +2086,9 @@ def run_copies_kernel(cfg_rows, fcfg_rows, theta, shed_margin, mrl, nan_score, t
                             pend_ids[c, n_pend[c]] = r
                             n_pend[c] += 1
                         else:
-                            if not hold_kv[c, r]:
-                                _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev, fq_next,
-                                        n_free, slot_free, n_slot_free, c, r, head, tail)
-                            elif not _hold(run_ids, n_run, table, slot_of, held, slot_free, n_slot_free, hold_blk,
-                                           hold_at, hold_ids, n_hold, hold_top, c, r):
+                            if not _retire(run_ids, n_run, table, slot_of, held, n_cached, ref, bhash, fq_prev,
+                                           fq_next, n_free, slot_free, n_slot_free, c, r, head, tail, hold_kv, hold_blk,
+                                           hold_at, hold_ids, n_hold, hold_top):
                                 return HOLD_FULL
 
             # per-iteration record
