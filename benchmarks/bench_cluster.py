@@ -10,7 +10,10 @@ Prints, see docs/benchmarks.md for the definitions:
   (b) per router, ``simulate_cluster`` on --replicas replicas of the same engine replaying that trace
       with its arrival times divided by --speedup: wall time (best of --repeats), iterations (summed
       over the replicas), iterations/s, requests, and the target (<= 1 s);
-  (c) the engine state's memory (sum of the EngineArrays' nbytes): the single engine's and the cluster's.
+  (c) the engine state's memory (sum of the EngineArrays' nbytes): the single engine's and the cluster's;
+  (d) per --pd split Rp:Rd, ``simulate_pd`` (prefill/decode disaggregation, docs/design.md section 13)
+      on Rp + Rd replicas replaying the trace at --pd-speedup x its rate over NVLink: wall time (best of
+      --repeats), iterations, iterations/s, requests, and the target (<= 2 s at 16 replicas).
 ``--json`` prints one JSON object with the same figures instead.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -28,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 AZURE_CONV = ROOT.parent / "shared" / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 PROFILE = "llama3-8b-h100"
 TARGET_S = 1.0
+PD_TARGET_S = 2.0
 
 
 def _best(repeats: int, fn, *args, **kw):
@@ -41,8 +46,9 @@ def _best(repeats: int, fn, *args, **kw):
 
 
 def _warm(replicas: int) -> float:
-    """Load (or compile) the engine's and the cluster's kernels once, on a tiny trace."""
+    """Load (or compile) the engine's, the cluster's and the P/D loop's kernels once, on a tiny trace."""
     from tokenbatch_env.engine.cluster import simulate_cluster
+    from tokenbatch_env.engine.disagg import simulate_pd
     from tokenbatch_env.engine.simulate import simulate
     from tokenbatch_env.traces import Trace
 
@@ -50,6 +56,7 @@ def _warm(replicas: int) -> float:
     t0 = time.perf_counter()
     simulate(t, PROFILE, "fcfs")
     simulate_cluster(t, PROFILE, "fcfs", replicas=replicas, router="jsq")
+    simulate_pd(t, PROFILE, "fcfs")
     return time.perf_counter() - t0
 
 
@@ -57,8 +64,9 @@ def _nbytes(arrays) -> int:
     return int(sum(a.nbytes for a in arrays))
 
 
-def run(routers, replicas: int, speedup: float, repeats: int) -> dict:
+def run(routers, replicas: int, speedup: float, repeats: int, splits=(), pd_speedup: float = 16.0) -> dict:
     from tokenbatch_env.engine.cluster import simulate_cluster
+    from tokenbatch_env.engine.disagg import simulate_pd
     from tokenbatch_env.engine.simulate import simulate
     from tokenbatch_env.traces.io import load_trace
     from tokenbatch_env.traces.windows import time_scale
@@ -77,6 +85,17 @@ def run(routers, replicas: int, speedup: float, repeats: int) -> dict:
         out["cluster"][name] = dict(requests=len(scaled), wall_s=wall, iterations=int(res.n_iterations),
                                     iter_per_s=res.n_iterations / wall, target_met=wall <= TARGET_S,
                                     state_bytes=_nbytes(res.arrays))
+    if splits:
+        out["pd_speedup"] = pd_speedup
+        pd_scaled = time_scale(trace, 1 / pd_speedup)
+        out["pd"] = {}
+        for rp, rd in splits:
+            wall, res = _best(repeats, simulate_pd, pd_scaled, PROFILE, "fcfs", prefill_replicas=rp,
+                              decode_replicas=rd, kv_link="nvlink")
+            out["pd"][f"{rp}:{rd}"] = dict(requests=len(pd_scaled), wall_s=wall, iterations=int(res.n_iterations),
+                                           iter_per_s=res.n_iterations / wall,
+                                           target_met=wall <= PD_TARGET_S if rp + rd == 16 else None,
+                                           state_bytes=_nbytes(res.arrays))
     return out
 
 
@@ -89,19 +108,31 @@ def main(argv=None) -> int:
     ap.add_argument("--speedup", type=float, default=8.0,
                     help="the cluster's trace at this many times its rate (default 8)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each measure; the best is kept (default 3)")
+    ap.add_argument("--pd", default="8:8,4:12",
+                    help="comma list of prefill:decode splits for (d); '' skips (d) (default 8:8,4:12)")
+    ap.add_argument("--pd-speedup", type=float, default=16.0,
+                    help="(d)'s trace at this many times its rate (default 16)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     bad = [r for r in routers if r not in ROUTER_NAMES]
     if bad or not routers:
         ap.error(f"--routers: unknown {', '.join(bad) or '(none given)'}; valid: {', '.join(ROUTER_NAMES)}")
-    if args.replicas < 1 or args.repeats < 1 or not args.speedup > 0:
-        ap.error("--replicas and --repeats must be >= 1, --speedup > 0")
+    if args.replicas < 1 or args.repeats < 1 or not args.speedup > 0 or not args.pd_speedup > 0:
+        ap.error("--replicas and --repeats must be >= 1, --speedup and --pd-speedup > 0")
+    splits = []
+    for part in (p.strip() for p in args.pd.split(",")):
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d+):(\d+)", part)
+        if not m or min(int(m[1]), int(m[2])) < 1:
+            ap.error(f"--pd: {part!r} is not a split Rp:Rd of integers >= 1")
+        splits.append((int(m[1]), int(m[2])))
     if not AZURE_CONV.exists():
         print(f"bench_cluster: {AZURE_CONV} not found (the Azure LLM 2023 conv trace is needed)", file=sys.stderr)
         return 2
 
-    d = run(routers, args.replicas, args.speedup, args.repeats)
+    d = run(routers, args.replicas, args.speedup, args.repeats, splits, args.pd_speedup)
     if args.json:
         print(json.dumps(d, indent=1))
         return 0
@@ -117,6 +148,14 @@ def main(argv=None) -> int:
     mem = {c["state_bytes"] for c in d["cluster"].values()}
     print(f"(c) engine state: single {s['state_bytes'] / 2**20:,.1f} MiB, cluster "
           f"{' / '.join(f'{m / 2**20:,.1f}' for m in sorted(mem))} MiB ({args.replicas} replicas)")
+    if d.get("pd"):
+        print(f"(d) P/D: prefill:decode replicas, the trace at {d['pd_speedup']:g}x its rate, FCFS, {PROFILE}, "
+              f"NVLink, round-robin / least-kv")
+        print(f"    {'split':<22}{'wall s':>8}{'iterations':>13}{'iter/s':>13}{'requests':>10}  target <= 2 s at 16")
+        for name, c in d["pd"].items():
+            met = "n/a" if c["target_met"] is None else ("met" if c["target_met"] else "not met")
+            print(f"    {name:<22}{c['wall_s']:>8.3f}{c['iterations']:>13,}{c['iter_per_s']:>13,.0f}"
+                  f"{c['requests']:>10,}  {met}")
     return 0
 
 

@@ -21,7 +21,7 @@ LAYERS = (
                           "tokenbatch_env.bounds", "tokenbatch_env.params", "tokenbatch_env.workload")),
     ("envs/evaluation", ("tokenbatch_env.envs", "tokenbatch_env.control", "tokenbatch_env.evaluate",
                          "tokenbatch_env.report", "tokenbatch_env.capacity", "tokenbatch_env.capacity_bridge",
-                         "tokenbatch_env.plan", "tokenbatch_env.integrations")),
+                         "tokenbatch_env.plan", "tokenbatch_env.plan_pd", "tokenbatch_env.integrations")),
     ("tuning/agents", ("tokenbatch_env.tuning", "tokenbatch_env.robust", "tokenbatch_env.agents",
                        "tokenbatch_env.sb3")),
     ("commands", ()),

@@ -63,6 +63,11 @@ class PlanConfig:
     bootstrap_seed: int = 0
     workers: int = 1
     staleness_ms: float = 0.0            # the routers read the replicas' state this long ago
+    pd: bool = False                     # also the prefill/decode splits (plan_pd; docs/design.md section 13)
+    pd_trials: int = 8                   # splits (and colocated lever settings) tried per GPU count
+    pd_gpus: tuple = ()                  # GPU counts evaluated besides the search's
+    decode_router: str = "least-kv"      # the splits' decode router
+    kv_link: str = "nvlink"              # the splits' KV link (engine.kv_link.KV_LINKS)
 
     def __post_init__(self):
         if not self.trace.has_slos:
@@ -84,6 +89,24 @@ class PlanConfig:
             raise ConfigError(f"--gpu-price must be a number >= 0, got {self.gpu_price_usd}")
         if int(self.workers) < 1:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
+        if self.pd:
+            self._check_pd()
+
+    def _check_pd(self) -> None:
+        from .engine.kv_link import resolve_kv_link
+        if self.staleness_ms:
+            raise ConfigError("--pd: metrics staleness is not supported for P/D clusters (docs/design.md section 13)")
+        if self.decode_router not in ROUTER_NAMES:
+            raise ConfigError(f"--decode-router: unknown router {self.decode_router!r}; valid: "
+                              f"{', '.join(ROUTER_NAMES)}")
+        resolve_kv_link(self.kv_link)
+        if isinstance(self.pd_trials, bool) or not isinstance(self.pd_trials, int) or self.pd_trials < 1:
+            raise ConfigError(f"--pd-trials must be an integer >= 1, got {self.pd_trials!r}")
+        if self.max_replicas < 2:
+            raise ConfigError("--pd: --max-replicas must be >= 2 (a split needs a prefill and a decode replica)")
+        for g in self.pd_gpus:
+            if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or not 2 <= g <= self.max_replicas:
+                raise ConfigError(f"--pd-gpus: each a GPU count in [2, --max-replicas {self.max_replicas}], got {g!r}")
 
     def usd_per_year(self, replicas: int) -> float:
         """What ``replicas`` replicas cost a year at ``gpu_price_usd`` per GPU-hour."""
@@ -104,9 +127,8 @@ def evaluate_row(trace: Trace, profile, engine: EngineConfig, row: PlanRow, R: i
     moving-block bootstrap CI over ``units`` consecutive groups of them."""
     from .engine.cluster import simulate_cluster
     from .metrics import bootstrap_ci, default_block
-    pol = engine_policy(row.policy, shed_margin=0.0 if row.shed else None, t_ref_ms=t_ref_ms(trace))
-    res = simulate_cluster(trace, profile, pol, engine, replicas=R, router=Router(row.router), estimates=est,
-                           residual_life=residual_life, staleness_ms=staleness_ms)
+    res = simulate_cluster(trace, profile, row_policy(trace, row), engine, replicas=R, router=Router(row.router),
+                           estimates=est, residual_life=residual_life, staleness_ms=staleness_ms)
     ok = admitted_uncapped(trace.prompt_tokens, trace.output_tokens, profile.max_model_len)
     met = res.records()["met"][ok].astype(np.float64)
     groups = [g for g in np.array_split(met, min(units, max(1, met.size))) if g.size]
@@ -122,6 +144,41 @@ def t_ref_ms(trace: Trace) -> float:
     return float(np.median(trace.ttft_slo_ns)) / 1e6 if len(trace) else 1.0
 
 
+def search_min(good, R_max: int, start: int = 1):
+    """Section 12's search (module docstring): the smallest R >= ``start`` with ``good(R)`` and
+    ``good(R + 1)`` (R + 1 may be ``R_max`` + 1), doubling from ``start``, then bisection, then R + 1
+    checked (on upward when it misses); None if not reached up to ``R_max``."""
+    lo, hi = start - 1, start   # lo misses the target (start - 1: taken as missing), hi meets it
+    while not good(hi):
+        if hi >= R_max:
+            return None
+        lo, hi = hi, min(2 * hi, R_max)
+    while hi - lo > 1:   # bisection, as if goodput were monotone in R
+        mid = (lo + hi) // 2
+        if good(mid):
+            hi = mid
+        else:
+            lo = mid
+    R = hi
+    while R <= R_max:   # R + 1 must meet it too
+        if good(R + 1):
+            return R
+        R += 2   # up to the next R that meets it
+        while R <= R_max and not good(R):
+            R += 1
+    return None
+
+
+def non_monotone(passes) -> bool:
+    """A larger R misses the target where a smaller one met it (``passes`` in increasing R)."""
+    return any(passes[i] and not passes[j] for i in range(len(passes)) for j in range(i + 1, len(passes)))
+
+
+def row_policy(trace: Trace, row: PlanRow):
+    """The replica policy of ``row`` (its shed rule at margin 0, the trace's T_ref)."""
+    return engine_policy(row.policy, shed_margin=0.0 if row.shed else None, t_ref_ms=t_ref_ms(trace))
+
+
 def search_row(cfg: PlanConfig, row: PlanRow, profile, engine, est=None, residual_life=None) -> dict:
     """Section 12's search for one row (module docstring)."""
     seen: dict = {}
@@ -132,36 +189,12 @@ def search_row(cfg: PlanConfig, row: PlanRow, profile, engine, est=None, residua
                                    cfg.bootstrap_seed, est, residual_life, cfg.staleness_ms)
         return seen[R]["goodput"] >= cfg.target
 
-    R_max = int(cfg.max_replicas)
-    lo, hi = 0, 1   # lo misses the target (0: no replica), hi meets it
-    while not good(hi):
-        if hi >= R_max:
-            hi = None
-            break
-        lo, hi = hi, min(2 * hi, R_max)
-    found = None
-    if hi is not None:
-        while hi - lo > 1:   # bisection, as if goodput were monotone in R
-            mid = (lo + hi) // 2
-            if good(mid):
-                hi = mid
-            else:
-                lo = mid
-        R = hi
-        while found is None and R <= R_max:   # R + 1 must meet it too (may be R_max + 1)
-            if good(R + 1):
-                found = R
-            else:   # up to the next R that meets it
-                R += 2
-                while R <= R_max and not good(R):
-                    R += 1
+    found = search_min(good, int(cfg.max_replicas))
     evaluated = [seen[k] for k in sorted(seen)]
-    passes = [e["goodput"] >= cfg.target for e in evaluated]
-    # non-monotone: a larger R misses the target where a smaller one met it
-    non_monotone = any(passes[i] and not passes[j] for i in range(len(passes)) for j in range(i + 1, len(passes)))
     at = seen.get(found)
     return {"router": row.router, "policy": row.policy, "shed": row.shed, "label": row.label,
-            "replicas": found, "at": at, "evaluated": evaluated, "non_monotone": non_monotone,
+            "replicas": found, "at": at, "evaluated": evaluated,
+            "non_monotone": non_monotone([e["goodput"] >= cfg.target for e in evaluated]),
             # the point meets the target but its CI reaches below it: the R is not certain
             "ci_below_target": bool(at is not None and at["ci95"][0] < cfg.target),
             "usd_per_year": cfg.usd_per_year(found) if found is not None else None}
@@ -181,6 +214,9 @@ def plan_inputs(cfg: PlanConfig, profile) -> dict:
             "units": cfg.units, "bootstrap": [cfg.bootstrap_b, cfg.bootstrap_seed],
             "gpu_price_usd": cfg.gpu_price_usd, "gpus_per_replica": cfg.gpus_per_replica,
             **({"metrics_staleness_ms": cfg.staleness_ms} if cfg.staleness_ms else {}),
+            **({"pd": {"trials": cfg.pd_trials, "gpus": sorted(int(g) for g in cfg.pd_gpus),
+                       "decode_router": cfg.decode_router, "kv_link": cfg.kv_link,
+                       "lever_seed": cfg.bootstrap_seed}} if cfg.pd else {}),
             "tokenbatch_version": __version__}
 
 
@@ -200,21 +236,12 @@ def plan_capacity(cfg: PlanConfig, progress: bool = False) -> dict:
 
     from tqdm.auto import tqdm
     with contextlib.ExitStack() as stack:
-        searches = map(_search_task, tasks)
-        if cfg.workers > 1 and len(rows) > 1:   # (in task order: the same results as one process)
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor
-            ex = stack.enter_context(ProcessPoolExecutor(min(cfg.workers, len(rows)),
-                                                         mp_context=mp.get_context("spawn")))
-            searches = ex.map(_search_task, tasks)
+        searches = local_map(stack, cfg.workers if len(rows) > 1 else 1)(_search_task, tasks)
         results = list(tqdm(searches, total=len(rows), desc="plan rows", unit="row", disable=not progress,
                             leave=False, file=sys.stderr))
     by = {(r["router"], r["policy"], r["shed"]): r for r in results}
     ref = by[REFERENCE]
-
-    def best(rs):
-        reached = [r for r in rs if r["replicas"] is not None]
-        return min(reached, key=lambda r: (r["replicas"], -r["at"]["goodput"])) if reached else None
+    best = best_of
 
     def gain(r):
         if r is None:
@@ -245,6 +272,22 @@ def plan_capacity(cfg: PlanConfig, progress: bool = False) -> dict:
             "metrics_staleness_ms": cfg.staleness_ms,
             "reference": ref["label"], "gpu_price_usd_per_hour": cfg.gpu_price_usd,
             "gpus_per_replica": cfg.gpus_per_replica, "rows": results, "gains": gains, "inputs": inputs}
+
+
+def local_map(stack, workers: int):
+    """``map``, or with ``workers`` > 1 a pool of local processes' (entered on ``stack``), in task
+    order: the same results as one process."""
+    if workers <= 1:
+        return map
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    return stack.enter_context(ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))).map
+
+
+def best_of(rows: list):
+    """The row needing the fewest replicas (ties: the higher goodput there), None if none reached."""
+    reached = [r for r in rows if r["replicas"] is not None]
+    return min(reached, key=lambda r: (r["replicas"], -r["at"]["goodput"])) if reached else None
 
 
 def plot_plan(plan: dict, path) -> None:
@@ -328,6 +371,8 @@ def format_plan(plan: dict) -> str:
 def json_rows(plan: dict) -> list:
     """``--json``'s rows: router, policy (the plain name), replicas (None: not reached), goodput at
     it, $/year, and the variant fields."""
-    return [{"router": r["router"], "policy": r["policy"], "replicas": r["replicas"],
+    rows = [{"router": r["router"], "policy": r["policy"], "replicas": r["replicas"],
              "goodput": r["at"]["goodput"] if r["at"] else None, "usd_per_year": r["usd_per_year"],
-             "shed": r["shed"], "levers": None} for r in plan["rows"]]
+             "shed": r["shed"], "levers": None, "kind": "colocated", "prefill_replicas": None,
+             "decode_replicas": None} for r in plan["rows"]]
+    return rows

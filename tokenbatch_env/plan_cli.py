@@ -47,6 +47,16 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="write plan.json and plan.png (goodput vs replicas per row) here (default runs/plan/TRACE)")
     p.add_argument("--json", action="store_true",
                    help="print only a JSON list of rows {router, policy, replicas, goodput, usd_per_year, ...}")
+    p.add_argument("--pd", action="store_true",
+                   help="also prefill/decode disaggregation: per GPU count the Rp:Rd splits beside the colocated "
+                        "cluster with its levers tuned on as many trials (docs/design.md section 13); writes "
+                        "plan_pd.png")
+    p.add_argument("--pd-trials", default="8", metavar="T",
+                   help="--pd: splits (and colocated lever settings) tried per GPU count (default 8)")
+    p.add_argument("--pd-gpus", default=None, metavar="G1,G2,...",
+                   help="--pd: GPU counts evaluated besides the search's (e.g. 8)")
+    p.add_argument("--decode-router", default="least-kv", help="--pd: the decode router (default least-kv)")
+    p.add_argument("--kv-link", default="nvlink", help="--pd: the KV link: nvlink, rdma or none (default nvlink)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (on stderr)")
     add_engine_flags(p)
 
@@ -59,7 +69,8 @@ def run(args) -> int:
     from .engine.flags import engine_overrides, resolve_with_flags
     from .engine.profiles import load_profile
     from .engine.state import EngineConfig
-    from .plan import PlanConfig, format_plan, json_rows, plan_capacity, plot_plan
+    from .plan import PlanConfig, format_plan, plot_plan
+    from .plan_pd import format_pd, json_rows, plan_with_pd, plot_pd
     from .traces.io import load_trace
     from .traces.slo_rules import DEFAULT_RULE, apply_slo_rule, load_slo_rule
     from .traces.windows import scale_to_rate, time_scale
@@ -88,6 +99,15 @@ def run(args) -> int:
     bad = [p for p in policies if "+" in p or p == "srpt-oracle"]
     if bad:
         raise ConfigError(f"--policies: {bad[0]!r}: plain policy names (--shed adds the +shed variants; no oracle)")
+    pd_flags = [f for f, v in (("--pd-trials", args.pd_trials != "8"), ("--pd-gpus", args.pd_gpus is not None),
+                                 ("--decode-router", args.decode_router != "least-kv"),
+                                 ("--kv-link", args.kv_link != "nvlink")) if v]
+    if pd_flags and not args.pd:
+        raise ConfigError(f"{pd_flags[0]}: a --pd setting; add --pd")
+    pd_trials = parse_int(args.pd_trials, "--pd-trials", 1)
+    pd_gpus = tuple(parse_int(g.strip(), "--pd-gpus", 2) for g in (args.pd_gpus or "").split(",") if g.strip())
+    if args.pd_gpus is not None and not pd_gpus:
+        raise ConfigError("--pd-gpus: give GPU counts, e.g. 8 or 4,8")
     trace, _ = load_trace(args.trace, args.format)
     out = args.out or os.path.join("runs", "plan", os.path.splitext(os.path.basename(args.trace))[0])
     _io.check_writable(os.path.join(out, "plan.json"), "--out")
@@ -103,16 +123,21 @@ def run(args) -> int:
         trace = time_scale(trace, 1.0 / num["--rate-scale"])
     cfg = PlanConfig(trace, profile, config, routers=routers, policies=policies, shed=args.shed,
                      target=num["--target"], max_replicas=max_r, gpu_price_usd=num["--gpu-price"], workers=workers,
-                     staleness_ms=num["--metrics-staleness-ms"])
-    plan = plan_capacity(cfg, progress=not args.quiet)
+                     staleness_ms=num["--metrics-staleness-ms"], pd=args.pd, pd_trials=pd_trials, pd_gpus=pd_gpus,
+                     decode_router=args.decode_router, kv_link=args.kv_link)
+    plan = plan_with_pd(cfg, progress=not args.quiet)
     os.makedirs(out, exist_ok=True)
     with _io.atomic_path(os.path.join(out, "plan.json")) as tmp:
         with open(tmp, "w") as f:
             json.dump(plan, f, indent=1)
     plot_plan(plan, os.path.join(out, "plan.png"))
+    pngs = [os.path.join(out, "plan.png")]
+    if args.pd:
+        plot_pd(plan, os.path.join(out, "plan_pd.png"))
+        pngs.append(os.path.join(out, "plan_pd.png"))
     if args.json:
         print(json.dumps(json_rows(plan)))
         return 0
-    print(format_plan(plan))
-    print(f"\nwrote {os.path.join(out, 'plan.json')} and {os.path.join(out, 'plan.png')}")
+    print(format_plan(plan) + (format_pd(plan) if args.pd else ""))
+    print(f"\nwrote {os.path.join(out, 'plan.json')} and {' and '.join(pngs)}")
     return 0

@@ -83,7 +83,7 @@ from typing import Optional
 import numpy as np
 
 from .config_cli import option
-from .engine.levers import FLAGS_SUFFIX, GUARD_LEVERS, GUARD_SUFFIX
+from .engine.levers import FLAGS_SUFFIX, GUARD_LEVERS, GUARD_SUFFIX, lever_space, suggest_levers
 from .errors import ConfigError, TokenBatchError
 from .policies import policy_names
 from .util import NATIVE, available_cores, canonical_json, parse_loads, split_native
@@ -100,8 +100,6 @@ BUCKET_PREFIX = "index@rho"          # comparator: index-scheduled, one index st
 #: FCFS and priority with tuned vLLM flags (docs/design.md section 11): the rows of what an engineer
 #: can do today with vLLM's own flags
 FLAGS_ROWS = tuple(p + FLAGS_SUFFIX for p in ("fcfs", "priority"))
-#: the smallest token budget and max_num_seqs a lever may choose, and the smallest threshold
-LEVER_MIN_BUDGET, LEVER_MIN_SEQS, LEVER_MIN_THRESHOLD = 64, 8, 16
 QUARTERS = 4
 #: a cluster row's label: ``"<router> x <row>"`` (the benchmark's, ``evaluate.rows.routed_label``)
 ROUTED = " x "
@@ -475,16 +473,8 @@ class TuneConfig:
         +tpot-guard row also u and B_min in their ranges, the reference the rule's defaults (0, 0)."""
         if row.startswith(BUCKET_PREFIX):
             return None
-        space = {}
-        if self.levers:
-            from .engine.profiles import load_profile
-            prof = load_profile(self.profile)
-            b_max = prof.budget_max
-            space = {"max_num_batched_tokens": [min(LEVER_MIN_BUDGET, b_max), b_max, prof.max_num_batched_tokens],
-                     "max_num_seqs": [min(LEVER_MIN_SEQS, prof.max_num_seqs), prof.max_num_seqs, prof.max_num_seqs],
-                     "long_prefill_token_threshold": [min(LEVER_MIN_THRESHOLD, b_max), b_max, 0]}
-        if row.endswith(GUARD_SUFFIX):
-            space.update({k: [lo, hi, 0.0] for k, (lo, hi) in GUARD_LEVERS.items()})
+        from .engine.profiles import load_profile
+        space = lever_space(load_profile(self.profile), flags=self.levers, guard=row.endswith(GUARD_SUFFIX))
         return space or None
 
 
@@ -562,22 +552,6 @@ def row_kind(row: str) -> str:
     if row in FLAGS_ROWS:
         return "flags"
     return "weights" if row == WEIGHTS_ROW else "margin"
-
-
-def suggest_levers(trial, space: dict) -> dict:
-    """vLLM's three iteration-size flags (docs/design.md section 11), log-uniform integers in the
-    row's ``space`` (``TuneConfig.lever_space``), and a +tpot-guard row's u and B_min, uniform. As
-    vLLM requires, max_num_seqs <= the budget (the drawn value is capped at it); a threshold at or
-    above the budget changes nothing and is written as off (0)."""
-    lv = {k: trial.suggest_float(k, lo, hi) if k in GUARD_LEVERS else trial.suggest_int(k, lo, hi, log=True)
-          for k, (lo, hi, _) in space.items()}
-    if "max_num_batched_tokens" not in lv:
-        return lv
-    B = lv["max_num_batched_tokens"]
-    lv["max_num_seqs"] = min(lv["max_num_seqs"], B)
-    if lv["long_prefill_token_threshold"] >= B:
-        lv["long_prefill_token_threshold"] = 0
-    return lv
 
 
 def suggest_config(row: str, trial, space: Optional[dict] = None) -> dict:

@@ -21,6 +21,42 @@ FLAGS_SUFFIX = " (tuned vLLM flags)"
 PROFILE_FLAGS_SUFFIX = " (profile flags)"
 #: the label suffix of a row run with the tpot-guard budget rule (``<policy>[+shed][+tpot-guard]``)
 GUARD_SUFFIX = "+tpot-guard"
+#: the smallest token budget and max_num_seqs a lever may choose, and the smallest threshold
+LEVER_MIN_BUDGET, LEVER_MIN_SEQS, LEVER_MIN_THRESHOLD = 64, 8, 16
+
+
+def lever_space(profile, flags: bool = True, guard: bool = False) -> dict:
+    """A row's lever ranges ``{lever: [lo, hi, reference]}`` on ``profile`` (docs/design.md section
+    11): vLLM's flags (with ``flags``), bounded by the profile's B_max and max_num_seqs, the reference
+    the profile's own setting (threshold: off); with ``guard`` also the tpot-guard rule's u and B_min
+    in their ranges, the reference the rule's defaults (0, 0)."""
+    space = {}
+    if flags:
+        b_max = profile.budget_max
+        space = {"max_num_batched_tokens": [min(LEVER_MIN_BUDGET, b_max), b_max, profile.max_num_batched_tokens],
+                 "max_num_seqs": [min(LEVER_MIN_SEQS, profile.max_num_seqs), profile.max_num_seqs,
+                                  profile.max_num_seqs],
+                 "long_prefill_token_threshold": [min(LEVER_MIN_THRESHOLD, b_max), b_max, 0]}
+    if guard:
+        space.update({k: [lo, hi, 0.0] for k, (lo, hi) in GUARD_LEVERS.items()})
+    return space
+
+
+def suggest_levers(trial, space: dict) -> dict:
+    """vLLM's three iteration-size flags (docs/design.md section 11), log-uniform integers in the
+    row's ``space`` (``lever_space``), and a +tpot-guard row's u and B_min, uniform, drawn by
+    ``trial`` (an optuna trial, or anything with its ``suggest_int`` and ``suggest_float``). As vLLM
+    requires, max_num_seqs <= the budget (the drawn value is capped at it); a threshold at or above
+    the budget changes nothing and is written as off (0)."""
+    lv = {k: trial.suggest_float(k, lo, hi) if k in GUARD_LEVERS else trial.suggest_int(k, lo, hi, log=True)
+          for k, (lo, hi, _) in space.items()}
+    if "max_num_batched_tokens" not in lv:
+        return lv
+    B = lv["max_num_batched_tokens"]
+    lv["max_num_seqs"] = min(lv["max_num_seqs"], B)
+    if lv["long_prefill_token_threshold"] >= B:
+        lv["long_prefill_token_threshold"] = 0
+    return lv
 
 
 def check_levers(levers, what: str, guard: bool = False) -> tuple:
