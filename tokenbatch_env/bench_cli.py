@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 
 from .errors import ConfigError
@@ -74,6 +75,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "them); the first router's fcfs is the reference")
     g.add_argument("--metrics-staleness-ms", default=None, metavar="S",
                    help="with --replicas: the routers read the replicas' state as of S ms ago (default 0)")
+    g.add_argument("--pd", default=None, metavar="Rp:Rd",
+                   help="with --replicas R: also every row on Rp prefill + Rd decode replicas (Rp + Rd = R; "
+                        "docs/design.md section 13), the rows' router in front of the prefill replicas, twice: "
+                        "'[P/D Rp:Rd, first token at prefill]' (DistServe, Splitwise) and '... at decode' (vLLM)")
+    g.add_argument("--kv-link", default=None, help="with --pd: the KV link, nvlink, rdma or none (default nvlink)")
+    g.add_argument("--decode-router", default=None, help="with --pd: the decode router (default least-kv)")
     from .engine.flags import add_budget_flags, add_engine_flags
     add_engine_flags(p)
     add_budget_flags(p, bench=True)
@@ -147,6 +154,21 @@ def cluster_kwargs(args) -> dict:
                 raise ConfigError(f"--metrics-staleness-ms: must be a number of ms >= 0, got "
                                   f"{args.metrics_staleness_ms!r}")
             kw["metrics_staleness_ms"] = st
+    if args.pd is None and (args.kv_link is not None or args.decode_router is not None):
+        raise ConfigError(f"{'--kv-link' if args.kv_link is not None else '--decode-router'}: a setting of P/D rows; "
+                          "add --pd Rp:Rd")
+    if args.pd is not None:
+        m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(args.pd))
+        if not m or min(int(m[1]), int(m[2])) < 1:
+            raise ConfigError(f"--pd: expected Rp:Rd, integers >= 1 (e.g. 3:5), got {args.pd!r}")
+        rp, rd = int(m[1]), int(m[2])
+        if R is None or R != rp + rd:
+            raise ConfigError(f"--pd {rp}:{rd}: needs --replicas {rp + rd} (Rp + Rd)")
+        kw["pd"] = (rp, rd)
+        if args.kv_link is not None:
+            kw["kv_link"] = args.kv_link
+        if args.decode_router is not None:
+            kw["decode_router"] = args.decode_router
     return kw
 
 

@@ -162,22 +162,28 @@ class ClusterResult:
         """Per replica: requests routed, busy time (ns), utilisation (busy / the trace's span to the
         last end), and vLLM's prefix-cache counters (admitted prompt tokens queried, hit); the
         cluster's imbalance (max / mean busy time) and prefix hit rate."""
-        A, R = self.arrays, self.replicas
-        busy = A.epoch[:, K.EP_BUSY].astype(np.int64)
-        q = A.epoch[:, K.EP_QUERY_TOK].astype(np.int64)
-        h = A.epoch[:, K.EP_HIT_TOK].astype(np.int64)
-        t = self.trace
-        t0 = int(t.arrival_ns[0]) if len(t) else 0
-        span = max(1, int(max(A.now.max(), t.arrival_ns[-1] if len(t) else 0)) - t0)
-        mean = busy.mean() if R else 0.0
-        return {
-            "requests": np.bincount(self.route[self.route >= 0], minlength=R)[:R],
-            "rejected_at_router": int((self.route < 0).sum()),
-            "busy_ns": busy, "utilisation": busy / span,
-            "imbalance": float(busy.max() / mean) if mean > 0 else 1.0,
-            "prefix_query_tokens": q, "prefix_hit_tokens": h,
-            "prefix_hit_rate": float(h.sum() / q.sum()) if q.sum() > 0 else 0.0,
-        }
+        return replica_stats(self.arrays, self.trace, np.bincount(self.route[self.route >= 0],
+                                                                  minlength=self.replicas)[:self.replicas],
+                             int((self.route < 0).sum()))
+
+
+def replica_stats(A, trace: Trace, requests: np.ndarray, rejected: int) -> dict:
+    """``ClusterResult.replica_stats`` of the replicas (copies) of ``A`` that served ``requests``
+    each, ``rejected`` rejected at the router."""
+    R = A.epoch.shape[0]
+    busy = A.epoch[:, K.EP_BUSY].astype(np.int64)
+    q = A.epoch[:, K.EP_QUERY_TOK].astype(np.int64)
+    h = A.epoch[:, K.EP_HIT_TOK].astype(np.int64)
+    t0 = int(trace.arrival_ns[0]) if len(trace) else 0
+    span = max(1, int(max(A.now.max(), trace.arrival_ns[-1] if len(trace) else 0)) - t0)
+    mean = busy.mean() if R else 0.0
+    return {
+        "requests": requests, "rejected_at_router": rejected,
+        "busy_ns": busy, "utilisation": busy / span,
+        "imbalance": float(busy.max() / mean) if mean > 0 else 1.0,
+        "prefix_query_tokens": q, "prefix_hit_tokens": h,
+        "prefix_hit_rate": float(h.sum() / q.sum()) if q.sum() > 0 else 0.0,
+    }
 
 
 def capped_lengths(prompt, output, max_model_len) -> tuple:

@@ -14,8 +14,8 @@ from ..traces.trace import Trace
 from . import cluster_kernel as CK
 from . import disagg_kernel as DK
 from . import kernel as K
-from .cluster import (Router, capped_lengths, cluster_table, grow_sizes, replica_batch, resolve_router,
-                      router_params)
+from .cluster import (Router, capped_lengths, cluster_table, grow_sizes, replica_batch, replica_stats,
+                      resolve_router, router_params)
 from .kv_link import KVLink, resolve_kv_link
 from .outcomes import request_metrics
 from .profiles import Profile
@@ -59,6 +59,14 @@ class PDResult:
     @property
     def decode_replicas(self) -> int:
         return len(self.profiles) - self.prefill_replicas
+
+    def replica_stats(self) -> dict:
+        """``ClusterResult.replica_stats`` over all replicas (P first, then D): a prefill replica's
+        requests are the arrivals routed to it, a decode replica's the handoffs it admitted."""
+        Rp, R = self.prefill_replicas, len(self.profiles)
+        req = np.concatenate([np.bincount(self.route_p[self.route_p >= 0], minlength=Rp)[:Rp],
+                              np.bincount(self.route_d[self.route_d >= 0], minlength=R - Rp)[:R - Rp]])
+        return replica_stats(self.arrays, self.trace, req, int((self.route_p < 0).sum()))
 
     def records(self, first_token_at: Optional[str] = None) -> dict:
         """Per-request records in trace order (``SimResult.records``' columns, TTFT, TPOT and met

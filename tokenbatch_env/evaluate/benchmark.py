@@ -271,7 +271,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                                "valid": bool(all(p99[k] <= limits[k] for k in limits))}
             d["goodput_per_unit"] = [float(x) for x in g]
             if r.label in per_row_stats:
-                d["cluster"] = cluster_block(per_row_stats[r.label][li], cfg, r.router)
+                d["cluster"] = cluster_block(per_row_stats[r.label][li], cfg, r.router, r)
             res_rows.append(d)
             curves["goodput"].setdefault(r.label, []).append(d["goodput"])
             if rho == _primary_load(loads):

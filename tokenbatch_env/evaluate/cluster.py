@@ -39,14 +39,27 @@ def bench_workload(cfg: BenchConfig, profile) -> Workload:
         note += (f"; windows of {cfg.windows} x {R} = {spec.windows} scored requests (warm-up {spec.warmup}, "
                  f"cool-down {spec.cooldown})")
     wl.notes.append(note + "; no upper bound (a single engine's)")
+    if cfg.pd:   # (docs/design.md section 13; every report says where a P/D row's first token counts)
+        from ..engine.kv_link import resolve_kv_link
+        link = resolve_kv_link(cfg.kv_link)
+        wl.notes.append(f"P/D rows '[P/D {cfg.pd[0]}:{cfg.pd[1]}, ...]': {cfg.pd[0]} prefill + {cfg.pd[1]} decode "
+                        f"replicas, the row's router in front of the prefill replicas, decode router "
+                        f"{cfg.decode_router}, KV over {link.name} ({link.gb_per_s:g} GB/s, {link.latency_us:g} us); "
+                        "'first token at prefill': token 1 at the end of the last prefill iteration (DistServe, "
+                        "Splitwise: the transfer and the decode queue count in TPOT); 'first token at decode': at "
+                        "the end of the first decode iteration (vLLM's P/D: they count in TTFT)")
     return wl
 
 
-def cluster_block(stats: list, cfg: BenchConfig, router: str) -> dict:
-    """A row's ``cluster`` entry at one load from its units' ``ClusterResult.replica_stats``."""
+def cluster_block(stats: list, cfg: BenchConfig, router: str, row=None) -> dict:
+    """A row's ``cluster`` entry at one load from its units' ``ClusterResult.replica_stats`` (a P/D
+    ``row``'s with its split, link and first-token convention)."""
     q = sum(int(np.sum(s["prefix_query_tokens"])) for s in stats)
     h = sum(int(np.sum(s["prefix_hit_tokens"])) for s in stats)
     return {"replicas": cfg.replicas, "router": router,
             "utilisation": [float(x) for x in np.mean([s["utilisation"] for s in stats], axis=0)],
             "imbalance": float(np.mean([s["imbalance"] for s in stats])),
-            "prefix_hit_rate": h / q if q > 0 else 0.0}
+            "prefix_hit_rate": h / q if q > 0 else 0.0,
+            **({"pd": {"prefill_replicas": row.pd[0], "decode_replicas": row.pd[1], "decode_router": cfg.decode_router,
+                       "kv_link": cfg.kv_link, "first_token_at": row.first_token_at}}
+               if row is not None and row.pd else {})}

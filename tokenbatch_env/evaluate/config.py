@@ -131,6 +131,9 @@ class BenchConfig:
     routers: tuple = (DEFAULT_ROUTER,)          # cluster mode: each row once per router (engine.cluster.ROUTER_NAMES)
     metrics_staleness_ms: float = 0.0           # cluster mode: the routers read the replicas' state this long ago
     routed: tuple = ()                          # cluster mode: (("<router> x <row>", RoutedRow), ...) tuned per row
+    pd: tuple = ()                              # cluster mode: (Rp, Rd), Rp + Rd = R: P/D rows too (design s. 13)
+    kv_link: str = "nvlink"                     # P/D rows: the KV link (engine.kv_link.KV_LINKS)
+    decode_router: str = "least-kv"             # P/D rows: the decode router
 
     def __post_init__(self):
         from ..engine.state import EngineConfig
@@ -253,10 +256,13 @@ class BenchConfig:
             raise ConfigError(f"metrics_staleness_ms: must be a finite number of ms >= 0, got {st!r}")
         set_("metrics_staleness_ms", float(st))
         if R == 1:   # the single engine, exactly as without these fields
-            if routers != (DEFAULT_ROUTER,) or self.metrics_staleness_ms != 0.0 or self.routed:
-                raise ConfigError("routers, metrics_staleness_ms and routed rows: a cluster's settings, with "
+            if routers != (DEFAULT_ROUTER,) or self.metrics_staleness_ms != 0.0 or self.routed or self.pd:
+                raise ConfigError("routers, metrics_staleness_ms, routed rows and pd: a cluster's settings, with "
                                   "replicas R > 1 (--replicas R)")
+            if (self.kv_link, self.decode_router) != ("nvlink", "least-kv"):
+                raise ConfigError("kv_link and decode_router: settings of P/D rows (pd, --pd Rp:Rd)")
             return
+        self._check_pd(set_)
         self._check_routed(set_)
         if self.schedule is not None or self.controllers:
             raise ConfigError("controller rows (--schedule, agents) are not supported in cluster mode "
@@ -266,6 +272,32 @@ class BenchConfig:
         if self.upper_bound:
             raise ConfigError("upper_bound: the upper bound is a single engine's; not supported in cluster mode "
                               "(replicas > 1) yet (give upper_bound=False)")
+
+    def _check_pd(self, set_) -> None:
+        """``pd`` (Rp, Rd) >= 1 each with Rp + Rd = ``replicas``, its link and decode router known; P/D
+        rows without staleness (docs/design.md section 13)."""
+        if not self.pd:
+            if (self.kv_link, self.decode_router) != ("nvlink", "least-kv"):
+                raise ConfigError("kv_link and decode_router: settings of P/D rows (pd, --pd Rp:Rd)")
+            set_("pd", ())
+            return
+        try:
+            rp, rd = self.pd
+        except (TypeError, ValueError):
+            raise ConfigError(f"pd: expected (prefill replicas, decode replicas), got {self.pd!r}") from None
+        for v in (rp, rd):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ConfigError(f"pd: replicas must be integers >= 1, got {self.pd!r}")
+        if rp + rd != self.replicas:
+            raise ConfigError(f"pd: {rp}:{rd} must add up to the replicas R = {self.replicas}")
+        from ..engine.cluster import ROUTER_NAMES
+        from ..engine.kv_link import resolve_kv_link
+        resolve_kv_link(self.kv_link)
+        if self.decode_router not in ROUTER_NAMES:
+            raise ConfigError(f"decode_router: unknown router {self.decode_router!r}; valid: {', '.join(ROUTER_NAMES)}")
+        if self.metrics_staleness_ms:
+            raise ConfigError("pd: metrics staleness is not supported for P/D rows (docs/design.md section 13)")
+        set_("pd", (int(rp), int(rd)))
 
     def _check_routed(self, set_) -> None:
         """``routed``: labels ``"<router> x <row>"`` of this benchmark's routers, each a ``RoutedRow``

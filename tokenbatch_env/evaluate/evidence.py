@@ -35,6 +35,9 @@ def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
             d["router"] = r.router
             if r.router_params:
                 d["router_params"] = dict(r.router_params)
+        if r.pd:
+            d["pd"] = {"prefill_replicas": r.pd[0], "decode_replicas": r.pd[1], "first_token_at": r.first_token_at,
+                       "decode_router": cfg.decode_router, "kv_link": cfg.kv_link}
         if r.levers:
             d["levers"] = dict(r.levers)
         if r.guard:

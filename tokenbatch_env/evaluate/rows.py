@@ -27,6 +27,8 @@ class Row:
     index_params: object = None      # a +tpot-guard index row's own IndexParams (None: the config's)
     router: Optional[str] = None     # cluster mode: the router in front of its replicas (None: one engine)
     router_params: tuple = ()        # cluster mode: its router's tuned parameters (BenchConfig.routed)
+    pd: tuple = ()                   # a P/D row: (Rp, Rd) (BenchConfig.pd; docs/design.md section 13)
+    first_token_at: Optional[str] = None   # a P/D row: where its first token counts (prefill, decode)
 
 
 def routed_label(cfg: BenchConfig, router: Optional[str], label: str) -> str:
@@ -91,7 +93,22 @@ def build_rows(cfg: BenchConfig) -> list:
         rows.append(Row(spec.label, CONTROLLED, None))
     if cfg.cluster:   # every row behind each router (docs/design.md section 12), router by router
         rows = [routed_row(cfg, router, r) for router in cfg.routers for r in rows]
+    if cfg.pd:   # each routed row again on the split, the router in front of its prefill replicas
+        from ..engine.disagg import FIRST_TOKEN_AT
+        rows += [pd_row(cfg, r, f) for r in rows if r.policy != CONTROLLED for f in FIRST_TOKEN_AT]
     return rows
+
+
+def pd_label(cfg: BenchConfig, label: str, first_token_at: str) -> str:
+    """A P/D row's label: ``"<row> [P/D Rp:Rd, first token at <first_token_at>]"``."""
+    return f"{label} [P/D {cfg.pd[0]}:{cfg.pd[1]}, first token at {first_token_at}]"
+
+
+def pd_row(cfg: BenchConfig, r: Row, first_token_at: str) -> Row:
+    """The routed row ``r`` on ``cfg.pd``'s split (docs/design.md section 13)."""
+    return dataclasses.replace(r, label=pd_label(cfg, r.label, first_token_at), added=True, pd=cfg.pd,
+                               first_token_at=first_token_at,
+                               twin=None if r.twin is None else pd_label(cfg, r.twin, first_token_at))
 
 
 def routed_row(cfg: BenchConfig, router: str, r: Row) -> Row:
@@ -173,13 +190,17 @@ def run_row(row: Row, wl, traces: list, est: list, profile, cfg: BenchConfig):
 
 class ClusterRuns:
     """A row's cluster replays, one per copy (docs/design.md section 12): ``records(i)`` copy i's
-    per-request records in trace order (``SimResult.records``' columns and ``replica``), and
-    ``replica_stats(i)`` its replicas' utilisation, imbalance and prefix-cache counters."""
+    per-request records in trace order (``SimResult.records``' columns and ``replica``; a P/D row's
+    with its first token where the row counts it), and ``replica_stats(i)`` its replicas'
+    utilisation, imbalance and prefix-cache counters."""
 
-    def __init__(self, runs: list):
+    def __init__(self, runs: list, first_token_at: Optional[str] = None):
         self.runs = runs
+        self.first_token_at = first_token_at
 
     def records(self, copy: int = 0) -> dict:
+        if self.first_token_at is not None:
+            return self.runs[copy].records(self.first_token_at)
         return self.runs[copy].records()
 
     def replica_stats(self, copy: int = 0) -> dict:
@@ -196,6 +217,14 @@ def run_cluster_row(row: Row, wl, traces: list, est: list, profile, cfg: BenchCo
     guard = row_guard(row, cfg) if row.guard else None
     from ..engine.cluster import Router
     router = Router(row.router, **dict(row.router_params))
+    if row.pd:   # (docs/design.md section 13: the row's router in front of the prefill replicas)
+        from ..engine.disagg import simulate_pd
+        return ClusterRuns([simulate_pd(t, profile, pol, engine, prefill_replicas=row.pd[0],
+                                        decode_replicas=row.pd[1], prefill_router=router,
+                                        decode_router=cfg.decode_router, kv_link=cfg.kv_link,
+                                        first_token_at=row.first_token_at, estimates=est[i],
+                                        residual_life=wl.residual_life, guard=guard)
+                            for i, t in enumerate(traces)], row.first_token_at)
     return ClusterRuns([simulate_cluster(t, profile, pol, engine, replicas=cfg.replicas, router=router,
                                          staleness_ms=cfg.metrics_staleness_ms, estimates=est[i],
                                          residual_life=wl.residual_life, guard=guard)
