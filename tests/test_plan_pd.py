@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import tiny_trace
+from test_plan import _file
 from tokenbatch_env import plan as P
 from tokenbatch_env import plan_pd as PD
 from tokenbatch_env.engine.cluster import simulate_cluster
@@ -126,13 +127,6 @@ def test_lever_trials_and_splits():
         assert lv["max_num_seqs"] <= lv["max_num_batched_tokens"]
     assert PD.splits_of(4, 8) == [1, 2, 3]
     assert PD.splits_of(16, 4) == [1, 6, 10, 15]
-
-
-def _file(tmp_path):
-    from tokenbatch_env.traces import io as tio
-    path = tmp_path / "t.csv"
-    tio.save_csv(_trace(120), path)
-    return path
 
 
 def test_plan_cli_pd_prints_both_conventions_and_writes_the_split_plot(tmp_path, capsys):

@@ -295,7 +295,6 @@ def plot_plan(plan: dict, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from ._io import atomic_path
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in plan["rows"]:
         ev = r["evaluated"]
@@ -307,13 +306,21 @@ def plot_plan(plan: dict, path) -> None:
         if r["at"] is not None:   # the chosen R, with its CI
             ax.errorbar([r["replicas"]], [r["at"]["goodput"]], ms=7, marker="s", color=line.get_color(),
                         yerr=[[r["at"]["goodput"] - r["at"]["ci95"][0]], [r["at"]["ci95"][1] - r["at"]["goodput"]]])
-    ax.axhline(plan["target"], ls="--", color="k", lw=1)
     ax.set_xscale("log", base=2)
     ticks = sorted({e["replicas"] for r in plan["rows"] for e in r["evaluated"]})
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.set_xlabel("replicas")
+    save_goodput_plot(fig, ax, plan, f"goodput vs replicas (target {plan['target']:g})", path)
+
+
+def save_goodput_plot(fig, ax, plan: dict, what: str, path) -> None:
+    """A plan's goodput plot finished (the target line, labels, legend) and written atomically."""
+    import matplotlib.pyplot as plt
+
+    from ._io import atomic_path
+    ax.axhline(plan["target"], ls="--", color="k", lw=1)
     ax.set_ylabel("goodput (admitted uncapped requests)")
-    ax.set_title(f"{plan['trace']['name']} on {plan['profile']}: goodput vs replicas (target {plan['target']:g})")
+    ax.set_title(f"{plan['trace']['name']} on {plan['profile']}: {what}")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     with atomic_path(path) as tmp:

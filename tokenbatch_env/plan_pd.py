@@ -24,7 +24,7 @@ import numpy as np
 from .engine.disagg import FIRST_TOKEN_AT
 from .engine.levers import lever_space, suggest_levers
 from .plan import (HOURS_PER_YEAR, REFERENCE, PlanRow, best_of, local_map, non_monotone, plan_capacity, row_policy,
-                   search_min)
+                   save_goodput_plot, search_min)
 
 #: first_token_at's meaning, said in every P/D report (docs/design.md section 13, 6.)
 FIRST_TOKEN_MEANING = {
@@ -260,7 +260,6 @@ def plot_pd(plan: dict, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from ._io import atomic_path
     pd = plan["pd"]
     fig, ax = plt.subplots(figsize=(8, 5))
     for e in pd["by_gpus"]:
@@ -272,12 +271,5 @@ def plot_pd(plan: dict, path) -> None:
                 label=f"{G} GPUs, at decode")
         ax.axhline(e["colocated"]["goodput"], ls=":", color=line.get_color(), lw=1.2,
                    label=f"{G} GPUs colocated, tuned levers")
-    ax.axhline(plan["target"], ls="--", color="k", lw=1)
     ax.set_xlabel("prefill share of the GPUs (Rp / G)")
-    ax.set_ylabel("goodput (admitted uncapped requests)")
-    ax.set_title(f"{plan['trace']['name']} on {plan['profile']}: goodput vs prefill:decode split")
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
+    save_goodput_plot(fig, ax, plan, "goodput vs prefill:decode split", path)
