@@ -53,13 +53,21 @@ def test_every_pd_figure_is_a_replay_and_the_fewest_gpus_is_confirmed():
         res = simulate_pd(tr, prof, pol, EngineConfig(), prefill_replicas=rp, decode_replicas=G - rp,
                           prefill_router=pd["router"], decode_router="least-kv", kv_link="nvlink", estimates=est,
                           residual_life=rl)
-        return {f: res.records(f)["met"][ok].astype(float) for f in ("prefill", "decode")}
+        recs = {f: res.records(f) for f in ("prefill", "decode")}
+        for f, rec in recs.items():   # (why they missed, from the same replay's records)
+            ttft_in = ((rec["first_token_ns"] >= 0) & (rec["ttft_ns"] <= tr.ttft_slo_ns))[ok]
+            want_miss[G, rp, f] = {"missed_ttft": float((~ttft_in).mean()),
+                                   "missed_tpot_only": float((ttft_in & ~rec["met"][ok]).mean())}
+        moved = ok & (recs["prefill"]["kv_ready_ns"] >= 0)
+        want_wait[G, rp] = np.median((recs["prefill"]["kv_ready_ns"] - recs["prefill"]["handoff_ns"])[moved]) / 1e6
+        return {f: rec["met"][ok].astype(float) for f, rec in recs.items()}
 
     def colocated(G, lv):
         res = simulate_cluster(tr, prof, pol, with_levers(EngineConfig(), lv), replicas=G, router=pd["router"],
                                estimates=est, residual_life=rl)
         return res.records()["met"][ok].astype(float)
 
+    want_miss, want_wait = {}, {}
     gs = [e["gpus"] for e in pd["by_gpus"]]
     assert 6 in gs and gs == sorted(gs) and min(gs) >= 2
     for e in pd["by_gpus"]:
@@ -72,6 +80,9 @@ def test_every_pd_figure_is_a_replay_and_the_fewest_gpus_is_confirmed():
             assert s["decode_replicas"] == G - s["prefill_replicas"]
             for f in ("prefill", "decode"):
                 assert s["goodput"][f] == mets[s["prefill_replicas"]][f].mean()
+                assert s["misses"][f] == pytest.approx(want_miss[G, s["prefill_replicas"], f])
+                assert s["goodput"][f] + sum(s["misses"][f].values()) == pytest.approx(1.0)
+            assert s["handoff_to_kv_ms_p50"] == pytest.approx(want_wait[G, s["prefill_replicas"]])
         co = [colocated(G, t["levers"]) for t in e["colocated"]["trials"]]
         assert [t["goodput"] for t in e["colocated"]["trials"]] == [m.mean() for m in co]
         k = int(np.argmax([m.mean() for m in co]))

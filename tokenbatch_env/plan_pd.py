@@ -81,25 +81,44 @@ def _ci(per_unit, cfg) -> list:
     return [float(lo), float(hi)]
 
 
+def misses(rec: dict, trace, ok: np.ndarray) -> dict:
+    """Why the admitted uncapped requests ``ok`` missed: the share without a first token within its
+    TTFT SLO (not served, or late), and the share with it but over the TPOT SLO."""
+    ttft_in = (rec["ttft_ns"] >= 0) & (rec["ttft_ns"] <= trace.ttft_slo_ns) & (rec["first_token_ns"] >= 0)
+    ttft_in, met = ttft_in[ok], rec["met"][ok]
+    n = max(1, int(ok.sum()))
+    return {"missed_ttft": float((~ttft_in).sum() / n), "missed_tpot_only": float((ttft_in & ~met).sum() / n)}
+
+
 def _met_pd(task):
-    """One split's replay: {first_token_at: met over the admitted uncapped requests}."""
+    """One split's replay: met over the admitted uncapped requests and why they missed, per
+    first_token_at; the median wait from handoff to the KV's arrival on D (its admission there, then
+    the transfer)."""
     cfg, profile, row, G, Rp, est, rl, ok = task
     from .engine.cluster import Router
     from .engine.disagg import simulate_pd
     res = simulate_pd(cfg.trace, profile, row_policy(cfg.trace, row), cfg.engine, prefill_replicas=Rp,
                       decode_replicas=G - Rp, prefill_router=Router(row.router), decode_router=cfg.decode_router,
                       kv_link=cfg.kv_link, estimates=est, residual_life=rl)
-    return {f: res.records(f)["met"][ok].astype(np.float64) for f in FIRST_TOKEN_AT}
+    recs = {f: res.records(f) for f in FIRST_TOKEN_AT}
+    r = recs[FIRST_TOKEN_AT[0]]
+    moved = ok & (r["kv_ready_ns"] >= 0)
+    wait = (r["kv_ready_ns"] - r["handoff_ns"])[moved]
+    return ({f: rec["met"][ok].astype(np.float64) for f, rec in recs.items()},
+            {"misses": {f: misses(rec, cfg.trace, ok) for f, rec in recs.items()},
+             "handoff_to_kv_ms_p50": float(np.median(wait)) / 1e6 if wait.size else None})
 
 
 def _met_colocated(task):
-    """One lever setting's replay on G colocated replicas: met over the admitted uncapped requests."""
+    """One lever setting's replay on G colocated replicas: met over the admitted uncapped requests,
+    and why they missed."""
     cfg, profile, row, G, levers, est, rl, ok = task
     from .engine.cluster import Router, simulate_cluster
     from .engine.levers import with_levers
     res = simulate_cluster(cfg.trace, profile, row_policy(cfg.trace, row), with_levers(cfg.engine, levers),
                            replicas=G, router=Router(row.router), estimates=est, residual_life=rl)
-    return res.records()["met"][ok].astype(np.float64)
+    rec = res.records()
+    return rec["met"][ok].astype(np.float64), misses(rec, cfg.trace, ok)
 
 
 def plan_with_pd(cfg, progress: bool = False) -> dict:
@@ -141,17 +160,18 @@ def plan_pd(cfg, profile, row, est, rl, ok, mapper, progress: bool = False) -> d
             return seen[G]
         rps = splits_of(G, cfg.pd_trials)
         levers = lever_trials(profile, len(rps), cfg.bootstrap_seed, G)
-        pd = list(mapper(_met_pd, [(cfg, profile, row, G, rp, est, rl, ok) for rp in rps]))
-        co = list(mapper(_met_colocated, [(cfg, profile, row, G, lv, est, rl, ok) for lv in levers]))
+        pd, pd_why = zip(*mapper(_met_pd, [(cfg, profile, row, G, rp, est, rl, ok) for rp in rps]))
+        co, co_why = zip(*mapper(_met_colocated, [(cfg, profile, row, G, lv, est, rl, ok) for lv in levers]))
         co_units = [unit_means(m, cfg.units) for m in co]
         k = int(np.argmax([m.mean() if m.size else 0.0 for m in co]))
         colocated = {"levers": levers[k], "goodput": float(co[k].mean()) if co[k].size else 0.0,
-                     "ci95": _ci(co_units[k], cfg), "trials": [
+                     "ci95": _ci(co_units[k], cfg), **co_why[k], "trials": [
                          {"levers": lv, "goodput": float(m.mean()) if m.size else 0.0} for lv, m in zip(levers, co)]}
         entry = {"gpus": G, "trials": len(rps), "colocated": colocated, "splits": [], "best": {}}
-        for rp, mets in zip(rps, pd):
+        for rp, mets, why in zip(rps, pd, pd_why):
             entry["splits"].append({"prefill_replicas": rp, "decode_replicas": G - rp,
-                                    "goodput": {f: float(m.mean()) if m.size else 0.0 for f, m in mets.items()}})
+                                    "goodput": {f: float(m.mean()) if m.size else 0.0 for f, m in mets.items()},
+                                    **why})
         for f in FIRST_TOKEN_AT:
             j = int(np.argmax([s["goodput"][f] for s in entry["splits"]]))
             units = unit_means(pd[j][f], cfg.units)
@@ -159,6 +179,8 @@ def plan_pd(cfg, profile, row, est, rl, ok, mapper, progress: bool = False) -> d
                                           block=default_block(units.size))
             entry["best"][f] = {"prefill_replicas": rps[j], "decode_replicas": G - rps[j],
                                 "goodput": entry["splits"][j]["goodput"][f], "ci95": _ci(units, cfg),
+                                **entry["splits"][j]["misses"][f],
+                                "handoff_to_kv_ms_p50": entry["splits"][j]["handoff_to_kv_ms_p50"],
                                 "gain": {"mean": float(d), "ci95": [float(lo), float(hi)]}}
         seen[G] = entry
         if bar is not None:
@@ -232,19 +254,23 @@ def format_pd(plan: dict) -> str:
                  f"the splits beside the colocated cluster with its levers tuned on as many trials"]
     for f, m in pd["first_token_at"].items():
         lines.append(f"          first_token_at {f}: {m}")
-    lines += ["", f"{'GPUs':>4}  {'first token':<11} {'best split':>10}  {'goodput [95% CI]':<24} "
-                  f"{'colocated, tuned levers':<26} {'gain [95% CI]':<26} splits (Rp:goodput)"]
+    lines += ["", f"{'GPUs':>4}  {'first token':<11} {'split':<6} {'goodput [95% CI]':<22} {'missed':<10}  "
+                  f"{'colocated, tuned [CI]':<22} {'missed':<10}  {'gain [95% CI]':<25} splits (Rp:goodput)"]
     for e in pd["by_gpus"]:
         c = e["colocated"]
         for f, b in e["best"].items():
             g = b["gain"]
             sp = " ".join(f"{s['prefill_replicas']}:{s['goodput'][f]:.3f}" for s in e["splits"])
-            lines.append(f"{e['gpus']:>4}  {f:<11} {b['prefill_replicas']:>4}:{b['decode_replicas']:<5}  "
-                         f"{b['goodput']:.3f} [{b['ci95'][0]:.3f}, {b['ci95'][1]:.3f}]   "
-                         f"{c['goodput']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]   "
+            split = f"{b['prefill_replicas']}:{b['decode_replicas']}"
+            lines.append(f"{e['gpus']:>4}  {f:<11} {split:<6} "
+                         f"{b['goodput']:.3f} [{b['ci95'][0]:.3f}, {b['ci95'][1]:.3f}]  "
+                         f"{b['missed_ttft']:.2f} / {b['missed_tpot_only']:.2f}  "
+                         f"{c['goodput']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]  "
+                         f"{c['missed_ttft']:.2f} / {c['missed_tpot_only']:.2f}  "
                          f"{g['mean']:+.3f} [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]  {sp}")
-    lines.append("(gain: best split - tuned colocated at the same GPU count, paired 95% moving-block bootstrap CI; "
-                 "the colocated levers chosen: plan.json)")
+    lines.append("(missed: the share of requests past their TTFT SLO / within it but past their TPOT SLO; gain: best "
+                 "split - tuned colocated at the same GPU count, paired 95% moving-block bootstrap CI; the levers "
+                 "chosen and each split's median wait from handoff to its KV on D: plan.json)")
     for f, fw in pd["fewest"].items():
         if fw["gpus"] is None:
             lines.append(f"fewest GPUs, first token at {f}: not reached up to --max-replicas")
