@@ -13,6 +13,7 @@ from tokenbatch_env.engine.simulate import EngineRun
 from tokenbatch_env.engine.state import EngineConfig
 from tokenbatch_env.errors import ConfigError
 from tokenbatch_env.traces import Trace
+from test_cluster import _trace_file
 
 COMPARED = ("first_scheduled_ns", "first_token_ns", "finish_ns", "preemptions", "recomputed_tokens", "end_state")
 
@@ -162,3 +163,55 @@ def test_bad_input_is_one_line(kw, msg):
     with pytest.raises(ConfigError) as e:
         simulate_pd(_trace(n=5), "stress-512", **kw)
     assert msg in str(e.value)
+
+
+# ------------------------------------------------------------------ tokenbatch simulate --pd
+@pytest.mark.parametrize("fta", ["prefill", "decode"])
+def test_simulate_cli_pd_is_simulate_pd(fta, tmp_path, capsys):
+    """`simulate --pd Rp:Rd`'s summary and records are ``simulate_pd``'s, with the convention said."""
+    import csv
+    import json
+
+    from tokenbatch_env.cli import main
+    from tokenbatch_env.traces import io as tio
+    path, out = _trace_file(tmp_path), tmp_path / "rec.csv"
+    argv = ["simulate", "--trace", str(path), "--profile", "linear", "--pd", "2:3", "--router", "jsq",
+            "--kv-link", "rdma", "--first-token-at", fta, "--records", str(out)]
+    assert main([*argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    trace, _ = tio.load_trace(str(path))
+    res = simulate_pd(trace, "linear", "fcfs", prefill_replicas=2, decode_replicas=3, prefill_router="jsq",
+                      kv_link="rdma")
+    want = res.records(fta)
+    assert d["goodput"] == pytest.approx(float(want["met"].mean()))
+    assert d["cluster"]["pd"]["first_token_at"] == fta and d["cluster"]["pd"]["kv_link"]["name"] == "rdma"
+    assert d["cluster"]["replicas"] == 5
+    assert sum(d["cluster"]["requests"]) == len(trace) + d["cluster"]["pd"]["handed_off"]
+    rows = list(csv.DictReader(open(out, newline="")))
+    for col in ("first_token_ns", "finish_ns", "prefill_replica", "decode_replica", "kv_ready_ns"):
+        assert [int(r[col]) for r in rows] == want[col].tolist(), col
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "P/D       2 prefill (replicas 0-1, router jsq) + 3 decode (router least-kv" in text
+    assert f"first token at {fta}: token 1 at the end of the" in text
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--pd", "2"], "--pd: expected Rp:Rd, integers >= 1 (e.g. 3:5), got '2'"),
+    (["--pd", "0:2"], "--pd: expected Rp:Rd, integers >= 1"),
+    (["--pd", "2:2", "--replicas", "3"], "--pd 2:2: --replicas 3 is not Rp + Rd = 4"),
+    (["--kv-link", "rdma"], "--kv-link: a setting of a P/D run; add --pd Rp:Rd"),
+    (["--first-token-at", "decode"], "--first-token-at: a setting of a P/D run; add --pd Rp:Rd"),
+    (["--pd", "1:1", "--kv-link", "wifi"], "unknown KV link 'wifi'"),
+    (["--pd", "1:1", "--metrics-staleness-ms", "2"], "--pd and --metrics-staleness-ms: staleness is not supported"),
+    (["--pd", "1:1", "--iterations", "it.csv"], "--iterations: per-iteration records of a cluster"),
+])
+def test_simulate_cli_pd_bad_input_is_one_line(argv, msg, tmp_path, capsys, monkeypatch):
+    from tokenbatch_env.cli import main
+    path = _trace_file(tmp_path, 10)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "rec.csv"
+    assert main(["simulate", "--trace", str(path), "--profile", "linear", "--records", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tokenbatch: error: {msg}") and err.count("\n") == 1, err
+    assert not out.exists() and not (tmp_path / "it.csv").exists()

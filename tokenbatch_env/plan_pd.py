@@ -21,17 +21,10 @@ import sys
 
 import numpy as np
 
-from .engine.disagg import FIRST_TOKEN_AT
+from .engine.disagg import FIRST_TOKEN_AT, FIRST_TOKEN_MEANING
 from .engine.levers import lever_space, suggest_levers
 from .plan import (HOURS_PER_YEAR, REFERENCE, PlanRow, best_of, local_map, non_monotone, plan_capacity, row_policy,
                    save_goodput_plot, search_min)
-
-#: first_token_at's meaning, said in every P/D report (docs/design.md section 13, 6.)
-FIRST_TOKEN_MEANING = {
-    "prefill": "token 1 at the end of the last prefill iteration on P (DistServe, Splitwise: the KV transfer "
-               "and D's queueing count in TPOT)",
-    "decode": "token 1 at the end of the first iteration on D (vLLM's P/D: the transfer counts in TTFT)"}
-
 
 class RandomTrial:
     """An optuna-like trial drawing from a seeded ``numpy`` generator (``suggest_levers``' draws

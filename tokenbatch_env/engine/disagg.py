@@ -26,6 +26,11 @@ from .state import EngineConfig
 #: prefill iteration on P (DistServe, Splitwise: the transfer and D's queueing fall in TPOT), or at
 #: the end of its first iteration on D (vLLM's P/D)
 FIRST_TOKEN_AT = ("prefill", "decode")
+#: first_token_at's meaning, said in every P/D report
+FIRST_TOKEN_MEANING = {
+    "prefill": "token 1 at the end of the last prefill iteration on P (DistServe, Splitwise: the KV transfer "
+               "and D's queueing count in TPOT)",
+    "decode": "token 1 at the end of the first iteration on D (vLLM's P/D: the transfer counts in TTFT)"}
 
 
 @dataclasses.dataclass

@@ -56,8 +56,46 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-staleness-ms", default=None, metavar="S",
                    help="the router reads the replicas' state as of S ms ago (default 0; routers that read only their "
                         "own counters, round-robin, random, least-outstanding and po2, are unaffected)")
+    g.add_argument("--pd", default=None, metavar="Rp:Rd",
+                   help="prefill/decode disaggregation (docs/design.md section 13): Rp prefill + Rd decode "
+                        "replicas (--replicas, if given, must be Rp + Rd); --router then routes arrivals to the "
+                        "prefill replicas")
+    g.add_argument("--decode-router", default=None, choices=LazyChoices(_routers),
+                   help="with --pd: how handoffs are routed to decode replicas (default least-kv)")
+    g.add_argument("--kv-link", default=None, help="with --pd: the KV link, nvlink, rdma or none (default nvlink)")
+    g.add_argument("--first-token-at", default=None, choices=("prefill", "decode"),
+                   help="with --pd: token 1 at the end of the last prefill iteration (prefill, the default: "
+                        "DistServe, Splitwise) or of the first decode iteration (decode: vLLM's P/D)")
     add_engine_flags(p)
     add_budget_flags(p)
+
+
+def _pd_args(args, R):
+    """(Rp, Rd, decode router, link, first_token_at) of a P/D run, or None; bad values raise
+    ``ConfigError`` naming the flag."""
+    import re
+    given = [f for f, v in (("--decode-router", args.decode_router), ("--kv-link", args.kv_link),
+                            ("--first-token-at", args.first_token_at)) if v is not None]
+    if args.pd is None:
+        if given:
+            raise ConfigError(f"{given[0]}: a setting of a P/D run; add --pd Rp:Rd")
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", args.pd)
+    if not m or min(int(m[1]), int(m[2])) < 1:
+        raise ConfigError(f"--pd: expected Rp:Rd, integers >= 1 (e.g. 3:5), got {args.pd!r}")
+    rp, rd = int(m[1]), int(m[2])
+    if rp + rd > MAX_REPLICAS:
+        raise ConfigError(f"--pd {rp}:{rd}: at most {MAX_REPLICAS} replicas in all")
+    if R is not None and R != rp + rd:
+        raise ConfigError(f"--pd {rp}:{rd}: --replicas {R} is not Rp + Rd = {rp + rd}")
+    if args.replica_profiles is not None:
+        raise ConfigError("--pd and --replica-profiles: a P/D run has one profile (--profile)")
+    if args.metrics_staleness_ms is not None:
+        raise ConfigError("--pd and --metrics-staleness-ms: staleness is not supported in P/D (docs/design.md "
+                          "section 13)")
+    from .kv_link import resolve_kv_link
+    link = resolve_kv_link(args.kv_link or "nvlink")
+    return rp, rd, args.decode_router or "least-kv", link, args.first_token_at or "prefill"
 
 
 def _rate(trace):
@@ -73,8 +111,8 @@ def _routers() -> tuple:
 
 
 def _cluster_args(args):
-    """(replicas, profile names, staleness ms) of a cluster run, or None for the single engine (also
-    ``--replicas 1`` alone). Bad values raise ``ConfigError`` naming the flag."""
+    """(replicas, profile names, staleness ms, P/D settings or None) of a cluster run, or None for the
+    single engine (also ``--replicas 1`` alone). Bad values raise ``ConfigError`` naming the flag."""
     from ..config_cli import parse_float, parse_int
     names = None
     if args.replica_profiles is not None:
@@ -89,6 +127,9 @@ def _cluster_args(args):
     st = 0.0 if args.metrics_staleness_ms is None else parse_float(args.metrics_staleness_ms, "--metrics-staleness-ms")
     if not (np.isfinite(st) and st >= 0):
         raise ConfigError(f"--metrics-staleness-ms must be a number of ms >= 0, got {st}")
+    pd = _pd_args(args, R)
+    if pd is not None:
+        return pd[0] + pd[1], [args.profile or "stress-512"] * (pd[0] + pd[1]), 0.0, pd
     if R is None and names is not None:
         R = len(names)
     if names is not None and len(names) != R:
@@ -97,7 +138,7 @@ def _cluster_args(args):
         if args.router is not None or args.metrics_staleness_ms is not None:
             raise ConfigError("--router and --metrics-staleness-ms: a cluster's settings, with --replicas R > 1")
         return None
-    return R, names or [args.profile or "stress-512"] * R, st
+    return R, names or [args.profile or "stress-512"] * R, st, None
 
 
 def _csv_sink(stack: contextlib.ExitStack, path: str, names=None, convert=None):
@@ -221,6 +262,15 @@ def run(args) -> int:
             res = simulate(trace, profile, args.policy, config, progress=args.progress,
                            iteration_sink=it_sink, record_sink=rec_sink)
             rec = res.records(0)
+        elif cluster[3] is not None:   # prefill/decode disaggregation (docs/design.md section 13)
+            from .disagg import simulate_pd
+            rp, rd, drouter, link, fta = cluster[3]
+            res = simulate_pd(trace, profile, args.policy, config, prefill_replicas=rp, decode_replicas=rd,
+                              prefill_router=args.router or "round-robin", decode_router=drouter, kv_link=link,
+                              first_token_at=fta)
+            rec = res.records()
+            if rec_sink is not None:
+                rec_sink(0, rec)
         else:
             from .cluster import simulate_cluster
             res = simulate_cluster(trace, replica_profiles, args.policy, config, replicas=cluster[0],
@@ -233,11 +283,20 @@ def run(args) -> int:
     s = summarize(rec, trace)
     if cluster is not None:
         st = res.replica_stats()
-        s["cluster"] = {"replicas": cluster[0], "profiles": cluster[1], "router": res.router.label,
+        router = res.prefill_router if cluster[3] is not None else res.router
+        s["cluster"] = {"replicas": cluster[0], "profiles": cluster[1], "router": router.label,
                         "metrics_staleness_ms": cluster[2], "arrival_rate_rps": _rate(trace),
                         "requests": st["requests"].tolist(), "rejected_at_router": st["rejected_at_router"],
                         "utilisation": st["utilisation"].tolist(), "imbalance": st["imbalance"],
                         "prefix_hit_rate": st["prefix_hit_rate"]}
+        if cluster[3] is not None:
+            from .disagg import FIRST_TOKEN_MEANING
+            rp, rd, drouter, link, fta = cluster[3]
+            s["cluster"]["pd"] = {"prefill_replicas": rp, "decode_replicas": rd,
+                                  "decode_router": res.decode_router.label, "kv_link": dataclasses.asdict(link),
+                                  "first_token_at": fta,
+                                  "first_token_at_means": FIRST_TOKEN_MEANING[fta],
+                                  "handed_off": int((res.handoff_ns >= 0).sum())}
     from ..util import canonical_json
     s.update({"trace": trace.name, "trace_digest": trace.digest, "file_digest": file_digest, "profile": profile.name,
               "profile_provenance": profile.provenance,
@@ -280,6 +339,14 @@ def run(args) -> int:
         rate = f"{cl['arrival_rate_rps']:.3f} req/s" if cl["arrival_rate_rps"] is not None else "-"
         print(f"cluster   {cl['replicas']} replicas ({mix})  router {cl['router']}  arrivals {rate}"
               + (f"  metrics staleness {cl['metrics_staleness_ms']:g} ms" if cl["metrics_staleness_ms"] else ""))
+        if "pd" in cl:
+            pd = cl["pd"]
+            lk = pd["kv_link"]
+            print(f"P/D       {pd['prefill_replicas']} prefill (replicas 0-{pd['prefill_replicas'] - 1}, router "
+                  f"{cl['router']}) + {pd['decode_replicas']} decode (router {pd['decode_router']}, no prefix "
+                  f"caching); KV over {lk['name']} ({lk['gb_per_s']:g} GB/s, {lk['latency_us']:g} us); "
+                  f"{pd['handed_off']} handed off")
+            print(f"          first token at {pd['first_token_at']}: {pd['first_token_at_means']}")
 
         def per(values, fmt):
             if len(values) <= 16:
