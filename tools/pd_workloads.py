@@ -2,7 +2,8 @@
 disaggregation"): two traces and their SLO rules, written deterministically from ``--seed``.
 
 * ``long.csv``: prompts uniform in [4096, 7680] tokens, outputs log-normal (median 200) in [16, 512];
-  rule ``long-tpot30.json``: TTFT <= 3 x the idle prefill time on the plan's profile, TPOT <= 30 ms.
+  rule ``long-tpot30.json``: TTFT <= 3 x the idle prefill time on the plan's profile, TPOT <= 30 ms
+  (``long-tpot20.json``, ``long-tpot15.json``: the same with TPOT <= 20 and 15 ms).
 * ``short.csv``: prompts log-normal (median 300) in [16, 1500], outputs log-normal (median 200) in
   [16, 1024]; rule ``short-loose.json``: TTFT <= 5 x the idle prefill time, TPOT <= 100 ms.
 
@@ -23,6 +24,12 @@ import numpy as np
 RULES = {
     "long-tpot30": {"name": "long-tpot30", "note": "the P/D goal's long-prompt rule (tools/pd_workloads.py)",
                     "classes": [{"name": "long", "when": "otherwise", "ttft": {"a_ms": 0, "b": 3}, "tpot_ms": 30,
+                                 "priority": 0}]},
+    "long-tpot20": {"name": "long-tpot20", "note": "the long-prompt rule with TPOT <= 20 ms (tools/pd_workloads.py)",
+                    "classes": [{"name": "long", "when": "otherwise", "ttft": {"a_ms": 0, "b": 3}, "tpot_ms": 20,
+                                 "priority": 0}]},
+    "long-tpot15": {"name": "long-tpot15", "note": "the long-prompt rule with TPOT <= 15 ms (tools/pd_workloads.py)",
+                    "classes": [{"name": "long", "when": "otherwise", "ttft": {"a_ms": 0, "b": 3}, "tpot_ms": 15,
                                  "priority": 0}]},
     "short-loose": {"name": "short-loose", "note": "the P/D goal's short-prompt rule (tools/pd_workloads.py)",
                     "classes": [{"name": "short", "when": "otherwise", "ttft": {"a_ms": 0, "b": 5}, "tpot_ms": 100,
@@ -68,7 +75,7 @@ def main(argv=None) -> int:
         with atomic_path(os.path.join(args.out, f"{name}.json")) as tmp:
             with open(tmp, "w") as f:
                 json.dump(rule, f, indent=1)
-    print(f"wrote {args.out}/long.csv, short.csv, long-tpot30.json, short-loose.json")
+    print(f"wrote {args.out}/long.csv, short.csv, " + ", ".join(f"{n}.json" for n in RULES))
     return 0
 
 
