@@ -21,20 +21,17 @@ import sys
 
 import numpy as np
 
-RULES = {
-    "long-tpot30": {"name": "long-tpot30", "note": "the P/D goal's long-prompt rule (tools/pd_workloads.py)",
-                    "classes": [{"name": "long", "when": "otherwise", "ttft": {"a_ms": 0, "b": 3}, "tpot_ms": 30,
-                                 "priority": 0}]},
-    "long-tpot20": {"name": "long-tpot20", "note": "the long-prompt rule with TPOT <= 20 ms (tools/pd_workloads.py)",
-                    "classes": [{"name": "long", "when": "otherwise", "ttft": {"a_ms": 0, "b": 3}, "tpot_ms": 20,
-                                 "priority": 0}]},
-    "long-tpot15": {"name": "long-tpot15", "note": "the long-prompt rule with TPOT <= 15 ms (tools/pd_workloads.py)",
-                    "classes": [{"name": "long", "when": "otherwise", "ttft": {"a_ms": 0, "b": 3}, "tpot_ms": 15,
-                                 "priority": 0}]},
-    "short-loose": {"name": "short-loose", "note": "the P/D goal's short-prompt rule (tools/pd_workloads.py)",
-                    "classes": [{"name": "short", "when": "otherwise", "ttft": {"a_ms": 0, "b": 5}, "tpot_ms": 100,
-                                 "priority": 0}]},
-}
+def _rule(name: str, cls: str, b: int, tpot_ms: int, note: str) -> dict:
+    return {"name": name, "note": note, "classes": [{"name": cls, "when": "otherwise", "ttft": {"a_ms": 0, "b": b},
+                                                     "tpot_ms": tpot_ms, "priority": 0}]}
+
+
+RULES = {r["name"]: r for r in (
+    _rule("long-tpot30", "long", 3, 30, "the P/D goal's long-prompt rule (tools/pd_workloads.py)"),
+    _rule("long-tpot20", "long", 3, 20, "the long-prompt rule with TPOT <= 20 ms (tools/pd_workloads.py)"),
+    _rule("long-tpot15", "long", 3, 15, "the long-prompt rule with TPOT <= 15 ms (tools/pd_workloads.py)"),
+    _rule("short-loose", "short", 5, 100, "the P/D goal's short-prompt rule (tools/pd_workloads.py)"),
+)}
 
 
 def lognormal_int(rng, median: float, sigma: float, lo: int, hi: int, n: int) -> np.ndarray:

@@ -295,11 +295,43 @@ def append_row(c, i, t, with_chain, cfg_rows, g_prompt, g_out, g_capped, mml_of,
 
 
 @njit
-def _advance(t, R, cfg_rows, n_req, now, it, n_ended, active, claim, until_ns, kargs):
-    """Run every replica's iterations that start before t (the engine's own step). Returns the
-    iterations run, -1 (a NaN score: the kernel's own code) or -2 (a replica made no progress)."""
+def wants_hits(router):
+    """The router reads a request's cached prefix per replica (``V_HITS``)."""
+    return router == R_PREFIX_AFFINITY or router == R_LEAST_PREDICTED_TTFT
+
+
+@njit
+def pool_views(lo, R, t, want_q, want_hits, p, i, bs, g_coff, g_cval, cfg_rows, now, it, next_arr, n_run, n_wait,
+               n_swap, n_pend, n_free, epoch, status, prompt, gen, computed, run_ids, wait_ids, pend_ids, table,
+               slot_of, held, ref, hold_kv, hash_head, n_req, n_ended, view, pred, cand):
+    """The router's view (section 12) of copies lo .. lo+R-1 at t for request i of prompt p (``g_coff``,
+    ``g_cval``: its table's chains): ``view[j]``, with its cached prefix (``want_hits``) and
+    least-predicted-ttft's prediction ``pred[j]`` (``want_q``); ``cand[j]``: copy lo + j can serve
+    the prompt. Returns how many can."""
+    n_cand = 0
+    for j in range(R):
+        c = lo + j
+        cand[j] = p < cfg_rows[c, K.C_MAX_LEN]
+        if cand[j]:
+            n_cand += 1
+        v = view[j]
+        replica_view(c, t, now, it, next_arr, n_run, n_wait, n_swap, n_pend, n_free, epoch, status, prompt, gen,
+                     computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, hold_kv, want_q, v)
+        v[V_HITS] = 0
+        if want_hits and cfg_rows[c, K.C_PREFIX] != 0:
+            v[V_HITS] = request_hits(hash_head, c, g_coff, g_cval, p, i, bs)
+        router_counters(c, t, now, it, n_req, n_ended, epoch, prompt, v)
+        if want_q:
+            pred[j] = predicted_ttft(c, v, p, bs, cfg_rows)
+    return n_cand
+
+
+@njit
+def advance_copies(t, lo, hi, cfg_rows, n_req, now, it, n_ended, active, claim, until_ns, kargs):
+    """Run the iterations of copies lo .. hi-1 that start before t (the engine's own step). Returns
+    the iterations run, -1 (a NaN score: the kernel's own code) or -2 (a replica made no progress)."""
     total = 0
-    for c in range(R):
+    for c in range(lo, hi):
         while n_ended[c] < n_req[c] and now[c] < t and it[c] < cfg_rows[c, K.C_MAX_ITERS]:
             before = (now[c], it[c], n_ended[c])
             active[c] = True
@@ -337,7 +369,7 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
     ring = snap.shape[0]   # the views read at t - S and not yet used: a ring of them
     bs = cfg_rows[0, K.C_BS]
     want_q = router == R_LEAST_PREDICTED_TTFT
-    want_hits = router == R_PREFIX_AFFINITY or router == R_LEAST_PREDICTED_TTFT
+    want_hits = wants_hits(router)
     cand = np.zeros(R, np.bool_)
     total = 0
     a_snap = 0   # (staleness) the next request whose view is read at its arrival - S
@@ -346,7 +378,7 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
         t = g_arrival[a]
         if stale_ns > 0 and a_snap < N and g_arrival[a_snap] - stale_ns <= t:
             ts = g_arrival[a_snap] - stale_ns
-            done = _advance(ts, R, cfg_rows, n_req, now, it, n_ended, active, claim, until_ns, kargs)
+            done = advance_copies(ts, 0, R, cfg_rows, n_req, now, it, n_ended, active, claim, until_ns, kargs)
             if done < 0:
                 return done
             total += done
@@ -360,37 +392,34 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
                                                                bs)
             a_snap += 1
             continue
-        done = _advance(t, R, cfg_rows, n_req, now, it, n_ended, active, claim, until_ns, kargs)
+        done = advance_copies(t, 0, R, cfg_rows, n_req, now, it, n_ended, active, claim, until_ns, kargs)
         if done < 0:
             return done
         total += done
         p = g_prompt[a]
-        n_cand = 0
-        for c in range(R):
-            cand[c] = p < cfg_rows[c, K.C_MAX_LEN]
-            if cand[c]:
-                n_cand += 1
+        if stale_ns > 0:
+            n_cand = 0
+            for c in range(R):
+                cand[c] = p < cfg_rows[c, K.C_MAX_LEN]
+                if cand[c]:
+                    n_cand += 1
+                v = view[c]
+                for j in range(N_VIEW):   # the replica's state as read at t - S
+                    v[j] = snap[a % ring, c, j]
+                v[V_HITS] = snap_hits[a % ring, c]
+                router_counters(c, t, now, it, n_req, n_ended, epoch, prompt, v)   # (at t)
+                if want_q:
+                    pred[c] = predicted_ttft(c, v, p, bs, cfg_rows)
+        else:
+            n_cand = pool_views(0, R, t, want_q, want_hits, p, a, bs, g_coff, g_cval, cfg_rows, now, it, next_arr,
+                                n_run, n_wait, n_swap, n_pend, n_free, epoch, status, prompt, gen, computed, run_ids,
+                                wait_ids, pend_ids, table, slot_of, held, ref, hold_kv, hash_head, n_req, n_ended,
+                                view, pred, cand)
         if n_cand == 0:
             route[a] = -1
             row[a] = -1
             a += 1
             continue
-        for c in range(R):
-            v = view[c]
-            if stale_ns > 0:   # the replica's state as read at t - S
-                for j in range(N_VIEW):
-                    v[j] = snap[a % ring, c, j]
-                v[V_HITS] = snap_hits[a % ring, c]
-            else:
-                replica_view(c, t, now, it, next_arr, n_run, n_wait, n_swap, n_pend, n_free, epoch, status, prompt,
-                             gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, hold_kv, want_q,
-                             v)
-                v[V_HITS] = 0
-                if want_hits and cfg_rows[c, K.C_PREFIX] != 0:
-                    v[V_HITS] = request_hits(hash_head, c, g_coff, g_cval, p, a, bs)
-            router_counters(c, t, now, it, n_req, n_ended, epoch, prompt, v)   # (at t, stale or not)
-            if want_q:
-                pred[c] = predicted_ttft(c, v, p, bs, cfg_rows)
         c = choose(router, rpar, key0, key1, a, cand, n_cand, view, rstate, pred)
         # append request a to replica c's rows (its arrival becomes visible at c's next iteration start)
         k = append_row(c, a, t, True, cfg_rows, g_prompt, g_out, g_capped, mml_of, g_prio, g_t1, g_t2, g_est, g_coff,
@@ -401,11 +430,12 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
         route[a] = c
         row[a] = k
         a += 1
-    done = _advance(FOREVER, R, cfg_rows, n_req, now, it, n_ended, active, claim, until_ns, kargs)
+    done = advance_copies(FOREVER, 0, R, cfg_rows, n_req, now, it, n_ended, active, claim, until_ns, kargs)
     if done < 0:
         return done
     return total + done
 
 
 guard_stale_cache([_mul32, _fmix32, stream_u32, _pick, choose, request_hits, pending_frees, in_flight, predicted_ttft,
-                   append_row, replica_view, router_counters, _advance, run_cluster_kernel], tag="cluster")
+                   append_row, replica_view, router_counters, wants_hits, pool_views, advance_copies,
+                   run_cluster_kernel], tag="cluster")

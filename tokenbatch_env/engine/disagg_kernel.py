@@ -27,8 +27,7 @@ from __future__ import annotations
 
 from ._jit import guard_stale_cache, njit
 from . import kernel as K
-from .cluster_kernel import FOREVER, R_LEAST_PREDICTED_TTFT, R_PREFIX_AFFINITY, V_HITS, append_row, choose, \
-    predicted_ttft, replica_view, request_hits, router_counters
+from .cluster_kernel import FOREVER, R_LEAST_PREDICTED_TTFT, append_row, choose, pool_views, wants_hits
 
 # event heaps: (time, tie key, request) rows
 H_T, H_K, H_I = range(3)
@@ -91,32 +90,6 @@ def next_start(c, cfg_rows, now, it, n_req, n_ended, next_arr, arrival, n_run, n
     if t >= FOREVER:
         return FOREVER
     return t if t > now[c] else now[c]
-
-
-@njit
-def _views(lo, R, t, router, p, i, bs, g_coff, g_cval, cfg_rows, now, it, next_arr, n_run, n_wait, n_swap, n_pend,
-           n_free, epoch, status, prompt, gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref,
-           hold_kv, hash_head, n_req, n_ended, view, pred, cand):
-    """The router's view of copies lo .. lo+R-1 at t for request i (prompt p); ``cand``: those that can
-    serve its prompt. Returns how many can."""
-    want_q = router == R_LEAST_PREDICTED_TTFT
-    want_hits = router == R_PREFIX_AFFINITY or router == R_LEAST_PREDICTED_TTFT
-    n_cand = 0
-    for j in range(R):
-        c = lo + j
-        cand[j] = p < cfg_rows[c, K.C_MAX_LEN]
-        if cand[j]:
-            n_cand += 1
-        v = view[j]
-        replica_view(c, t, now, it, next_arr, n_run, n_wait, n_swap, n_pend, n_free, epoch, status, prompt, gen,
-                     computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, hold_kv, want_q, v)
-        v[V_HITS] = 0
-        if want_hits and cfg_rows[c, K.C_PREFIX] != 0:
-            v[V_HITS] = request_hits(hash_head, c, g_coff, g_cval, p, i, bs)
-        router_counters(c, t, now, it, n_req, n_ended, epoch, prompt, v)
-        if want_q:
-            pred[j] = predicted_ttft(c, v, p, bs, cfg_rows)
-    return n_cand
 
 
 @njit
@@ -187,10 +160,10 @@ def run_pd_kernel(Rp, p_router, d_router, rpar_p, rpar_d, key0, key1, g_arrival,
                 i = hq[0, H_I]
                 heap_pop(hq, n_hq)
                 p = g_prompt[i]
-                n_cand = _views(Rp, Rd, t_ev, d_router, p, i, bs, g_coff, g_cval, cfg_rows, now, it, next_arr, n_run,
-                                n_wait, n_swap, n_pend, n_free, epoch, status, prompt, gen, computed, run_ids,
-                                wait_ids, pend_ids, table, slot_of, held, ref, hold_kv, hash_head, n_req, n_ended, view,
-                                pred, cand)
+                n_cand = pool_views(Rp, Rd, t_ev, d_router == R_LEAST_PREDICTED_TTFT, wants_hits(d_router), p, i, bs,
+                                    g_coff, g_cval, cfg_rows, now, it, next_arr, n_run, n_wait, n_swap, n_pend, n_free,
+                                    epoch, status, prompt, gen, computed, run_ids, wait_ids, pend_ids, table, slot_of,
+                                    held, ref, hold_kv, hash_head, n_req, n_ended, view, pred, cand)
                 if n_cand == 0:   # no D replica serves it: it ends here, its blocks are freed
                     heap_push(rq, n_rq, t_ev, seq[i], i)
                     continue
@@ -210,10 +183,10 @@ def run_pd_kernel(Rp, p_router, d_router, rpar_p, rpar_d, key0, key1, g_arrival,
             i = a
             a += 1
             p = g_prompt[i]
-            n_cand = _views(0, Rp, t_ev, p_router, p, i, bs, g_coff, g_cval, cfg_rows, now, it, next_arr, n_run,
-                            n_wait, n_swap, n_pend, n_free, epoch, status, prompt, gen, computed, run_ids, wait_ids,
-                            pend_ids, table, slot_of, held, ref, hold_kv, hash_head, n_req, n_ended, view, pred,
-                            cand)
+            n_cand = pool_views(0, Rp, t_ev, p_router == R_LEAST_PREDICTED_TTFT, wants_hits(p_router), p, i, bs,
+                                g_coff, g_cval, cfg_rows, now, it, next_arr, n_run, n_wait, n_swap, n_pend, n_free,
+                                epoch, status, prompt, gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held,
+                                ref, hold_kv, hash_head, n_req, n_ended, view, pred, cand)
             if n_cand == 0:
                 continue   # (rejected at the router: route_p[i] stays -1)
             c = choose(p_router, rpar_p, key0, key1, i, cand[:Rp], n_cand, view[:Rp], rstate_p, pred[:Rp])
@@ -282,4 +255,4 @@ def run_pd_kernel(Rp, p_router, d_router, rpar_p, rpar_d, key0, key1, g_arrival,
     return total
 
 
-guard_stale_cache([heap_push, heap_pop, heap_top, next_start, _views, run_pd_kernel], tag="disagg")
+guard_stale_cache([heap_push, heap_pop, heap_top, next_start, run_pd_kernel], tag="disagg")
