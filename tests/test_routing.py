@@ -110,3 +110,33 @@ def test_bad_input():
     run = RoutingRun(_traces(2, prefix=False), replicas=2)
     with pytest.raises(ConfigError, match=r"actions: expected shape \(2,\)"):
         run.step(np.array([0]))
+
+
+def test_credit_counts_each_scored_request_met_once_and_load_starts_anew():
+    """Credited per step, a cluster's rewards sum to its scored requests met (simulate_cluster's
+    records); ``load`` puts a new trace on a used cluster, which then replays it as new."""
+    from tokenbatch_env.engine.routing import routing_capacity
+    from tokenbatch_env.engine.simulate import resolve_copies
+    traces = _traces(3, n=70)
+    _, resolved = resolve_copies(["stress-512"] * 3, EngineConfig(), 3)
+    cap = routing_capacity(traces, resolved)
+    run = RoutingRun(traces[:2], "stress-512", "fcfs", EngineConfig(), replicas=3, base_router="jsq", capacity=cap,
+                     scored=[(10, 50), (0, 65)])
+    got = np.zeros(2, np.int64)
+    while not run.done.all():
+        run.step(np.full(2, -1))
+        got += run.credit()
+    got += run.credit()
+    for e, (s0, s1) in enumerate([(10, 50), (0, 65)]):
+        met = simulate_cluster(traces[e], "stress-512", "fcfs", replicas=3, router="jsq").records()["met"]
+        assert got[e] == met[s0:s1].sum() > 0
+    assert (run.credit() == 0).all()   # (nothing twice)
+    run.load(0, traces[2])             # a used cluster, a new trace
+    while not run.done[0]:
+        run.step(np.array([-1, 0]), acting=np.array([True, False]))
+    want = simulate_cluster(traces[2], "stress-512", "fcfs", replicas=3, router="jsq").records()
+    got_rec = run.result(0).records()
+    for col in COLS:
+        assert np.array_equal(got_rec[col], want[col]), col
+    with pytest.raises(ConfigError, match="beyond the run's capacity"):
+        run.load(1, _traces(1, n=200, seed=9)[0])

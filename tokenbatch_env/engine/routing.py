@@ -23,19 +23,20 @@ from .state import EngineConfig
 
 class RoutingRun:
     """E clusters of R replicas of ``profile`` (each running ``policy`` with ``config``), cluster e
-    replaying ``traces[e]``; the caller routes each arrival (``step``). After construction and after
-    every ``step`` each cluster not ``done`` waits at its pending arrival ``pending[e]`` with the
-    router's view of its replicas (``view[e]``, [R, cluster_kernel.N_VIEW]; ``pred[e]``:
-    least-predicted-ttft's prediction, ns) and ``mask[e]`` (the replicas that serve the prompt and
-    have room for it). ``base_router`` replaces masked actions (and routes when asked to: action -1).
-    ``room``: each replica's rows as a multiple of its even share of the largest trace (a replica
-    whose rows are full is masked)."""
+    replaying ``traces[e]`` (``load`` puts another trace on a cluster); the caller routes each arrival
+    (``step``). After construction and after every ``step`` each cluster not ``done`` waits at its
+    pending arrival ``pending[e]`` with the router's view of its replicas (``view[e]``,
+    [R, cluster_kernel.N_VIEW]; ``pred[e]``: least-predicted-ttft's prediction, ns) and ``mask[e]``
+    (the replicas that serve the prompt and have room for it). ``base_router`` replaces masked
+    actions (and routes when asked to: action -1). ``capacity``: the largest trace any cluster will
+    hold, as ``routing_capacity`` of a list of traces (default: of ``traces``); each replica's rows
+    are ``room`` x its even share of it plus slack (a replica whose rows are full is masked)."""
 
     def __init__(self, traces: Sequence[Trace], profile: Union[str, Profile] = "stress-512",
                  policy: Union[str, EnginePolicy] = "fcfs", config: Optional[EngineConfig] = None, *,
                  replicas: int = 2, base_router: Union[str, Router] = "round-robin",
                  estimates: Optional[Sequence[np.ndarray]] = None, residual_life: Optional[np.ndarray] = None,
-                 room: float = 2.0):
+                 room: float = 2.0, capacity: Optional[tuple] = None, scored: Optional[Sequence[tuple]] = None):
         if not traces or not all(isinstance(t, Trace) for t in traces):
             raise ConfigError("RoutingRun routes a non-empty list of Traces, one per cluster")
         if isinstance(replicas, bool) or not isinstance(replicas, (int, np.integer)) or replicas < 1:
@@ -45,37 +46,33 @@ class RoutingRun:
         E, R = len(traces), int(replicas)
         self.router = resolve_router(base_router)
         self.replicas = R
-        _, resolved = resolve_copies([profile] * R, config, R)
-        est = [None] * E if estimates is None else list(estimates)
-        tabs = [cluster_table(t, resolved, x, R) for t, x in zip(traces, est)]
-        self.traces = [tb[0] for tb in tabs]
-        tables = [tb[3] for tb in tabs]
-        N = max(1, max(len(t) for t in self.traces))
-        n_uniq = max(tb[-1] for tb in tables)
-        chains = max(int(np.diff(tb[8]).sum()) for tb in tables)
-        rooms = max(int(tb[10].sum()) for tb in tables)
-        top_chain = max(int(np.diff(tb[8]).max(initial=0)) for tb in tables)
-        top_room = max(int(tb[10].max(initial=0)) for tb in tables)
-        sizes = [min(tot, int(room * -(-tot // R)) + top + ROW_SLACK) for tot, top in (
+        _, self._resolved = resolve_copies([profile] * R, config, R)
+        cap = routing_capacity(traces, self._resolved) if capacity is None else tuple(capacity)
+        N, chains, rooms, n_uniq, top_chain, top_room, n_mml = cap
+        self.capacity = cap
+        sizes = [max(1, min(tot, int(room * -(-tot // R)) + top + ROW_SLACK)) for tot, top in (
             (N, 0), (chains, top_chain), (rooms, top_room))]
-        n_mml = tables[0][2].shape[0]
-        self.g = self._stack(tables, N, n_mml, max(1, chains))
-        probe = self.traces[int(np.argmax([len(t) for t in self.traces]))]
-        fake = (*tables[0][:-1], n_uniq)
+        probe = Trace.build(arrival_ns=np.zeros(max(1, N), np.int64), prompt_tokens=np.ones(max(1, N), np.int64),
+                            output_tokens=np.ones(max(1, N), np.int64), block_size=self._resolved[0].block_size)
         run, mml_of, active, claim, until, kargs = replica_batch(
             probe, [profile] * (E * R), policy, [config or EngineConfig()] * (E * R), None, residual_life,
-            None, fake, [max(1, s) for s in sizes])
+            None, (None,) * 11 + (n_uniq,), sizes)
+        A = run.arrays
+        self._fresh = {f: np.array(getattr(A, f)[0]) for f in A._fields}   # a copy with no rows, as built
         self.run, self.mml_of, self._active, self._claim, self._until, self._kargs = \
             run, mml_of, active, claim, until, kargs
-        A = run.arrays
-        for e, t in enumerate(self.traces):   # each cluster's replicas start at its first arrival
-            A.now[e * R:(e + 1) * R] = t.arrival_ns[0] if len(t) else 0
+        self.n_uniq = n_uniq
+        N = max(1, N)
+        self.g = (np.zeros((E, N), np.int64), np.zeros((E, N), np.int64), np.zeros((E, n_mml, N), np.int64),
+                  np.zeros((E, n_mml, N), np.bool_), np.zeros((E, N), np.int64), np.zeros((E, N), np.int64),
+                  np.zeros((E, N), np.int64), np.full((E, N), np.nan), np.zeros((E, N + 1), np.int64),
+                  np.zeros((E, max(1, chains)), np.int64), np.zeros((E, N), np.int64))
         self.u_next = np.full(E * R, n_uniq, np.int64)
-        self.keys = np.array([tb[1] for tb in tabs], np.int64).reshape(E, 2)
+        self.keys = np.zeros((E, 2), np.int64)
         self.rpar = router_params(self.router)
         self.rstate = np.zeros((E, 1), np.int64)
         self.pending = np.zeros(E, np.int64)
-        self.n_of = np.array([len(t) for t in self.traces], np.int64)
+        self.n_of = np.zeros(E, np.int64)
         self.route = np.full((E, N), -1, np.int64)
         self.row = np.full((E, N), -1, np.int64)
         self.view = np.zeros((E, R, CK.N_VIEW), np.int64)
@@ -83,36 +80,70 @@ class RoutingRun:
         self.mask = np.zeros((E, R), np.bool_)
         self.done = np.zeros(E, np.bool_)
         self.replaced = np.zeros(E, np.int64)
+        self.s0, self.s1 = np.zeros(E, np.int64), np.zeros(E, np.int64)
+        self.cursor = np.zeros(E, np.int64)
+        self.credited = np.zeros((E, N), np.bool_)
+        self.traces: list = [None] * E
         self.n_iterations = 0
-        for e in range(E):
-            self._check(RK.next_decision(e, R, self.router.spec.rid, self.pending, self.n_of, self.route, self.row,
-                                         self.view, self.pred, self.mask, self.done, self.g[0], self.g[1], self.g[8],
-                                         self.g[9], self.g[10], self.u_next, run.cfg, A.n_req, A.arrival,
-                                         A.chain_off, A.chain_val, A.now, A.it, A.next_arr, A.n_ended, A.n_run,
-                                         A.n_wait, A.n_swap, A.n_pend, A.n_free, A.epoch, A.status, A.prompt, A.gen,
-                                         A.computed, A.run_ids, A.wait_ids, A.pend_ids, A.table, A.slot_of, A.held,
-                                         A.ref, A.hold_kv, A.hash_head, active, claim, until, kargs))
+        for e, t in enumerate(traces):
+            self.load(e, t, None if estimates is None else estimates[e], None if scored is None else scored[e])
 
-    @staticmethod
-    def _stack(tables, N, n_mml, H):
-        """The clusters' request tables as [E, ...] arrays (padded)."""
-        E = len(tables)
-        arrival, prompt, prio, t1, t2, room = (np.zeros((E, N), np.int64) for _ in range(6))
-        out, capped = np.zeros((E, n_mml, N), np.int64), np.zeros((E, n_mml, N), np.bool_)
-        est = np.full((E, N), np.nan)
-        coff = np.zeros((E, N + 1), np.int64)
-        cval = np.zeros((E, H), np.int64)
-        for e, tb in enumerate(tables):
-            g_arrival, g_prompt, g_out, g_capped, g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, _ = tb
-            n = len(g_arrival)
-            for dst, src in ((arrival, g_arrival), (prompt, g_prompt), (prio, g_prio), (t1, g_t1), (t2, g_t2),
-                             (est, g_est), (room, g_room)):
-                dst[e, :n] = src
-            out[e, :, :n], capped[e, :, :n] = g_out, g_capped
-            coff[e, :n + 1] = g_coff
-            coff[e, n + 1:] = g_coff[-1]
-            cval[e, :len(g_cval)] = g_cval
-        return arrival, prompt, out, capped, prio, t1, t2, est, coff, cval, room
+    def load(self, e: int, trace: Trace, estimates: Optional[np.ndarray] = None,
+             scored: Optional[tuple] = None) -> None:
+        """Put ``trace`` on cluster e, its replicas as new, and run it to its first decision;
+        ``scored``: the (start, stop) of its requests ``credit`` counts (default all). A trace beyond
+        the run's ``capacity``: ``ConfigError``."""
+        R, lo = self.replicas, e * self.replicas
+        trace, key, _, table, _, _ = cluster_table(trace, self._resolved, estimates, R)
+        n = len(trace)
+        g_arrival, g_prompt, g_out, g_capped, g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, n_uniq = table
+        if n > self.route.shape[1] or len(g_cval) > self.g[9].shape[1] or n_uniq > self.n_uniq \
+                or g_out.shape[0] != self.g[2].shape[1]:
+            raise ConfigError(f"cluster {e}: a trace of {n} requests beyond the run's capacity {self.capacity}")
+        A = self.run.arrays
+        for f in A._fields:
+            getattr(A, f)[lo:lo + R] = self._fresh[f]
+        A.now[lo:lo + R] = trace.arrival_ns[0] if n else 0
+        self.u_next[lo:lo + R] = self.n_uniq
+        g = self.g
+        for dst, src in ((g[0], g_arrival), (g[1], g_prompt), (g[4], g_prio), (g[5], g_t1), (g[6], g_t2),
+                         (g[7], g_est), (g[10], g_room)):
+            dst[e, :n] = src
+        g[2][e, :, :n], g[3][e, :, :n] = g_out, g_capped
+        g[8][e, :n + 1] = g_coff
+        g[8][e, n + 1:] = g_coff[-1]
+        g[9][e, :len(g_cval)] = g_cval
+        self.traces[e] = trace
+        self.keys[e] = key
+        self.rstate[e] = 0
+        self.pending[e] = 0
+        self.n_of[e] = n
+        self.route[e] = -1
+        self.row[e] = -1
+        self.done[e] = False
+        self.replaced[e] = 0
+        self.s0[e], self.s1[e] = (0, n) if scored is None else scored
+        self.cursor[e] = 0
+        self.credited[e] = False
+        run = self.run
+        self._check(RK.next_decision(e, R, self.router.spec.rid, self.pending, self.n_of, self.route, self.row,
+                                     self.view, self.pred, self.mask, self.done, g[0], g[1], g[8], g[9], g[10],
+                                     self.u_next, run.cfg, A.n_req, A.arrival, A.chain_off, A.chain_val, A.now,
+                                     A.it, A.next_arr, A.n_ended, A.n_run, A.n_wait, A.n_swap, A.n_pend, A.n_free,
+                                     A.epoch, A.status, A.prompt, A.gen, A.computed, A.run_ids, A.wait_ids,
+                                     A.pend_ids, A.table, A.slot_of, A.held, A.ref, A.hold_kv, A.hash_head,
+                                     self._active, self._claim, self._until, self._kargs))
+
+    def credit(self, clusters=None) -> np.ndarray:
+        """Per cluster (all, or those of ``clusters``): its scored requests met that ended since the
+        last call (a request rejected at the router, or ended unmet, counts 0)."""
+        A = self.run.arrays
+        out = np.zeros(self.done.shape[0], np.int64)
+        for e in (range(out.shape[0]) if clusters is None else clusters):
+            out[e] = RK.credit(int(e), self.replicas, self.s0, self.s1, self.cursor, self.credited, self.pending,
+                               self.route, self.row, A.end_state, A.first_token, A.arrival, A.finish, A.out_len,
+                               A.t1, A.t2)
+        return out
 
     def _check(self, total: int) -> None:
         if total == -2:
@@ -153,4 +184,15 @@ class RoutingRun:
                              engine, -1)
 
 
-__all__ = ["RoutingRun"]
+def routing_capacity(traces: Sequence[Trace], resolved: Sequence[Profile]) -> tuple:
+    """What a ``RoutingRun`` must hold to replay any of ``traces`` (or any part of one) on a cluster of
+    ``resolved`` replica profiles: (requests, chain ids, unique block ids, dense chain ids, the
+    largest chain, the largest room, context lengths)."""
+    tabs = [cluster_table(t, resolved, None, len(resolved))[3] for t in traces]
+    return (max(len(tb[0]) for tb in tabs), max(int(np.diff(tb[8]).sum()) for tb in tabs),
+            max(int(tb[10].sum()) for tb in tabs), max(tb[-1] for tb in tabs),
+            max(int(np.diff(tb[8]).max(initial=0)) for tb in tabs), max(int(tb[10].max(initial=0)) for tb in tabs),
+            tabs[0][2].shape[0])
+
+
+__all__ = ["RoutingRun", "routing_capacity"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 from ._jit import guard_stale_cache, njit
 from . import kernel as K
 from .cluster_kernel import FOREVER, R_ROUND_ROBIN, advance_copies, append_row, choose, pool_views
+from .outcomes import request_outcome
 
 
 @njit
@@ -117,3 +118,38 @@ def route_step(R, base_router, rpar, keys, acting, actions, replaced, rstate, a_
 
 
 guard_stale_cache([has_room, next_decision, route_step], tag="routing")
+
+
+@njit
+def credit(e, R, s0, s1, cursor, credited, pending, route, row, end_state, first_token, arrival, finish, out_len,
+           t1, t2):
+    """Cluster e's scored requests (indices ``s0[e]`` .. ``s1[e]``-1) met that ended since the last call
+    (each counted once, ``credited[e]``): the routed requests from ``cursor[e]`` on, in arrival order,
+    that have ended; a request rejected at the router ends unmet at its arrival."""
+    lo = e * R
+    got = 0
+    i = cursor[e]
+    moving = True
+    while i < pending[e]:
+        if not credited[e, i]:
+            j = route[e, i]
+            if j < 0:
+                credited[e, i] = True
+            else:
+                c = lo + j
+                k = row[e, i]
+                if end_state[c, k] != K.E_NONE:
+                    credited[e, i] = True
+                    if s0[e] <= i < s1[e] and request_outcome(end_state[c, k], first_token[c, k], arrival[c, k],
+                                                              finish[c, k], out_len[c, k], t1[c, k], t2[c, k],
+                                                              True)[2]:
+                        got += 1
+        if moving and credited[e, i]:
+            cursor[e] = i + 1
+        else:
+            moving = False
+        i += 1
+    return got
+
+
+guard_stale_cache([credit], tag="routing-credit")
