@@ -184,13 +184,20 @@ class RoutingRun:
                              engine, -1)
 
 
-def routing_capacity(traces: Sequence[Trace], resolved: Sequence[Profile]) -> tuple:
-    """What a ``RoutingRun`` must hold to replay any of ``traces`` (or any part of one) on a cluster of
-    ``resolved`` replica profiles: (requests, chain ids, unique block ids, dense chain ids, the
-    largest chain, the largest room, context lengths)."""
+def routing_capacity(traces: Sequence[Trace], resolved: Sequence[Profile], window: Optional[int] = None) -> tuple:
+    """What a ``RoutingRun`` must hold to replay any of ``traces``, or with ``window`` any ``window``
+    consecutive requests of one, on a cluster of ``resolved`` replica profiles: (requests, chain ids,
+    unique block ids, dense chain ids, the largest chain, the largest room, context lengths)."""
     tabs = [cluster_table(t, resolved, None, len(resolved))[3] for t in traces]
-    return (max(len(tb[0]) for tb in tabs), max(int(np.diff(tb[8]).sum()) for tb in tabs),
-            max(int(tb[10].sum()) for tb in tabs), max(tb[-1] for tb in tabs),
+
+    def most(x):   # the largest sum of ``window`` consecutive values (all of them without a window)
+        if window is None or window >= len(x):
+            return int(x.sum())
+        c = np.concatenate([[0], np.cumsum(x)])
+        return int((c[window:] - c[:-window]).max())
+    n = max(len(tb[0]) for tb in tabs)
+    return (n if window is None else min(n, int(window)), max(most(np.diff(tb[8])) for tb in tabs),
+            max(most(tb[10]) for tb in tabs), max(tb[-1] for tb in tabs),
             max(int(np.diff(tb[8]).max(initial=0)) for tb in tabs), max(int(tb[10].max(initial=0)) for tb in tabs),
             tabs[0][2].shape[0])
 

@@ -322,6 +322,7 @@ def build_arrays(traces: Sequence[Trace], profile: Union[Profile, Sequence[Profi
     # table slots: running requests, plus (async) finished ones whose blocks free one iteration later
     seqs = np.array([p.max_num_seqs for p in profiles], np.int64)
     slots_c = seqs * np.array([2 if p.async_scheduling else 1 for p in profiles], np.int64)
+    slots_c = np.minimum(slots_c, R)   # (a request holds at most one slot: never more slots than rows)
     S, slots = int(seqs.max()), int(slots_c.max())
     nb_c = np.array([p.usable_blocks for p in profiles], np.int64)
     NB = int(nb_c.max())
