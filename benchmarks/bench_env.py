@@ -7,6 +7,7 @@
     python benchmarks/bench_env.py --threads 1 --no-sync --no-adapter   # native env alone, one engine thread
     python benchmarks/bench_env.py --breakdown --no-sync --no-adapter   # where (a)'s time goes
     python benchmarks/bench_env.py --ceiling --no-sync --no-adapter     # (d): the speed-up the engine allows
+    python benchmarks/bench_env.py --v1 --cluster --no-sync --no-adapter # (e) TokenBatchCluster-v0 beside v1
 
 Prints, see docs/benchmarks.md ("Environment benchmark") for the definitions:
   (a) native ``TokenBatchVectorEnv`` env-steps/s (copies x steps / wall seconds), alone (--steps);
@@ -39,7 +40,11 @@ Prints, see docs/benchmarks.md ("Environment benchmark") for the definitions:
       claims a batch of copies at a time, advances them, then observes and rewards them and computes
       the metrics of those whose episode ended; one thread first lays out the new episodes of the
       copies that ended in the previous step, timed too), the episode metrics' info arrays and the
-      rest (the step's Python: action checks and mapping, infos).
+      rest (the step's Python: action checks and mapping, infos);
+  (e) --cluster: the native ``TokenBatchClusterVectorEnv`` (TokenBatchCluster-v0, docs/design.md
+      section 12): --cluster-copies clusters of 8 replicas of llama3-8b-h100, azure-conv-like at rho
+      1.2 (episodes of (32 + 8 + 8) x 8 arrivals), uniformly random actions: env-steps/s (one step =
+      one arrival routed in every cluster) after --warm steps; target >= 50k at 1,024 clusters.
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ ENV_KW: dict = {}
 
 #: the issue's speed target: native env-steps/s over SyncVectorEnv's, at TARGET_COPIES copies
 TARGET, TARGET_COPIES = 30.0, 1024
+#: (e): TokenBatchCluster-v0's configuration and target (env-steps/s at 1,024 clusters)
+CLUSTER_CONFIG = dict(suite="azure-conv-like", profile="llama3-8b-h100", replicas=8, rho=1.2, window=32, warmup=8,
+                      cooldown=8)
+CLUSTER_TARGET = 50_000
 
 
 def _actions(n: int, steps: int, seed: int = 0) -> np.ndarray:
@@ -91,6 +100,18 @@ def _measure(make, n: int, steps: int, warm: int) -> dict:
 def bench_native(n: int, steps: int, warm: int) -> dict:
     from tokenbatch_env.envs import TokenBatchVectorEnv
     return _measure(lambda: TokenBatchVectorEnv(n, **CONFIG, **ENV_KW), n, steps, warm)
+
+
+def bench_cluster_env(n: int, steps: int, warm: int) -> dict:
+    """(e): the native TokenBatchCluster-v0 vector env, random actions."""
+    from tokenbatch_env.envs.cluster_env import TokenBatchClusterVectorEnv
+    t0 = time.perf_counter()
+    env = TokenBatchClusterVectorEnv(n, **CLUSTER_CONFIG)
+    build = time.perf_counter() - t0
+    env.reset(seed=0)
+    acts = np.random.default_rng(0).integers(0, CLUSTER_CONFIG["replicas"], (warm + steps, n))
+    wall, rew = _drive(env.step, acts, warm)
+    return {"build_s": build, "wall_s": wall, "steps_per_s": n * steps / wall, "reward_sum": float(rew.sum())}
 
 
 #: (object path in the native env, label, nested) of the parts ``--breakdown`` times; a nested part
@@ -350,6 +371,8 @@ def main(argv=None) -> int:
                          "per copy-step and the speed-up it allows")
     ap.add_argument("--v1", action="store_true",
                     help="TokenBatch-v1 (tpot_guard: the budget rule, its action dimensions and TPOT state)")
+    ap.add_argument("--cluster", action="store_true", help="(e): also TokenBatchCluster-v0 (--cluster-copies)")
+    ap.add_argument("--cluster-copies", type=int, default=1024, help="(e): clusters (default 1024)")
     ap.add_argument("--threads", type=int, default=None,
                     help="engine threads of the native env, (a) and (c) (default: the env's, the available "
                          "cores from 64 copies on); SyncVectorEnv's single envs use 1")
@@ -427,6 +450,14 @@ def main(argv=None) -> int:
               f"(all else free, {ths} sharing k1 perfectly). {TARGET:g}x allows {c['budget']:.2f} us per native "
               f"copy-step: the kernels' {c['native_kernel_us'] / th:.2f} + the rest {c['rest']:.2f} now, i.e. the "
               f"rest at most {c['rest_allowed']:.2f}; {verdict}; same rewards: {c['same_rewards']}")
+    if a.cluster:
+        bench_cluster_env(2, 3, 1)   # (compile/load and the workload, outside the timing)
+        cl = bench_cluster_env(a.cluster_copies, T, W)
+        sps = cl["steps_per_s"]
+        print(f"(e) native TokenBatchCluster-v0, {a.cluster_copies} clusters of {CLUSTER_CONFIG['replicas']} replicas "
+              f"({CLUSTER_CONFIG['suite']}, rho {CLUSTER_CONFIG['rho']}, {CLUSTER_CONFIG['profile']}): {sps:,.0f} "
+              f"env-steps/s ({a.cluster_copies * T:,} in {cl['wall_s']:.2f} s; build {cl['build_s']:.1f} s); target "
+              f">= {CLUSTER_TARGET:,} at 1,024: {'met' if sps >= CLUSTER_TARGET else 'not met'}")
     if not a.no_adapter:
         ad = bench_adapter(n, T, W)
         print(f"(c) SB3 adapter, {n} copies, alternated step by step with the raw SAME_STEP env: "

@@ -138,11 +138,11 @@ class RoutingRun:
         """Per cluster (all, or those of ``clusters``): its scored requests met that ended since the
         last call (a request rejected at the router, or ended unmet, counts 0)."""
         A = self.run.arrays
-        out = np.zeros(self.done.shape[0], np.int64)
-        for e in (range(out.shape[0]) if clusters is None else clusters):
-            out[e] = RK.credit(int(e), self.replicas, self.s0, self.s1, self.cursor, self.credited, self.pending,
-                               self.route, self.row, A.end_state, A.first_token, A.arrival, A.finish, A.out_len,
-                               A.t1, A.t2)
+        E = self.done.shape[0]
+        out = np.zeros(E, np.int64)
+        which = np.arange(E, dtype=np.int64) if clusters is None else np.asarray(clusters, np.int64)
+        RK.credit_many(which, out, self.replicas, self.s0, self.s1, self.cursor, self.credited, self.pending,
+                       self.route, self.row, A.end_state, A.first_token, A.arrival, A.finish, A.out_len, A.t1, A.t2)
         return out
 
     def _check(self, total: int) -> None:

@@ -152,4 +152,14 @@ def credit(e, R, s0, s1, cursor, credited, pending, route, row, end_state, first
     return got
 
 
-guard_stale_cache([credit], tag="routing-credit")
+@njit
+def credit_many(clusters, out, R, s0, s1, cursor, credited, pending, route, row, end_state, first_token, arrival,
+                finish, out_len, t1, t2):
+    """``credit`` of each cluster of ``clusters`` into ``out[e]``."""
+    for q in range(clusters.shape[0]):
+        e = clusters[q]
+        out[e] = credit(e, R, s0, s1, cursor, credited, pending, route, row, end_state, first_token, arrival, finish,
+                        out_len, t1, t2)
+
+
+guard_stale_cache([credit, credit_many], tag="routing-credit")
