@@ -45,7 +45,7 @@ def heavy_modules_loaded(module: str, heavy=("torch", "stable_baselines3", "optu
 
 
 # The optional modules tests import, and the extra (pyproject.toml) that installs each.
-EXTRAS = {"torch": "rl", "stable_baselines3": "rl", "tensorboard": "rl", "rich": "rl",
+EXTRAS = {"torch": "rl", "stable_baselines3": "rl", "sb3_contrib": "rl", "tensorboard": "rl", "rich": "rl",
           "optuna": "tune", "cmaes": "tune", "psycopg2": "tune", "vllm": "vllm"}
 
 

@@ -175,14 +175,30 @@ def make_sb3_vec_env(num_envs: int = 1, *, monitor: bool = False, **config):
     return venv
 
 
+def make_sb3_cluster_vec_env(num_envs: int = 1, *, monitor: bool = False, **config):
+    """An SB3 ``VecEnv`` of ``num_envs`` TokenBatchCluster-v0 clusters (``ClusterEnvConfig``'s fields),
+    the same adapter in SAME_STEP mode; MaskablePPO reads the masks through ``env_method("action_masks")``.
+    ``monitor=True``: SB3's ``VecMonitor`` with ``episode_goodput``."""
+    from gymnasium.vector import AutoresetMode
+
+    from .envs.cluster_env import TokenBatchClusterVectorEnv
+    venv = sb3_vec_env_class()(TokenBatchClusterVectorEnv(num_envs, autoreset_mode=AutoresetMode.SAME_STEP, **config))
+    if monitor:
+        from stable_baselines3.common.vec_env import VecMonitor
+        return VecMonitor(venv, info_keywords=("episode_goodput",))
+    return venv
+
+
 def native_env(venv):
-    """The ``TokenBatchVectorEnv`` under an SB3 vec env made by ``make_sb3_vec_env`` (through any
+    """The native vector env (``TokenBatchVectorEnv``, ``TokenBatchClusterVectorEnv``) under an SB3 vec
+    env made by ``make_sb3_vec_env`` or ``make_sb3_cluster_vec_env`` (through any
     wrappers that keep the wrapped env as ``.venv``: VecMonitor, VecNormalize, ...); ValueError if
     there is none."""
     from .envs import TokenBatchVectorEnv
+    from .envs.cluster_env import TokenBatchClusterVectorEnv
     v = venv
     while v is not None:
-        if isinstance(v, TokenBatchVectorEnv):
+        if isinstance(v, (TokenBatchVectorEnv, TokenBatchClusterVectorEnv)):
             return v
         v = getattr(v, "venv", None)
     raise ValueError(f"no TokenBatchVectorEnv under {type(venv).__name__}")

@@ -89,13 +89,22 @@ def obs_dim(replicas: int) -> int:
 
 
 class TokenBatchClusterVectorEnv(gym.vector.VectorEnv):
-    """``num_envs`` clusters stepped as one batch (``TokenBatchClusterEnv`` states the MDP). Autoreset
-    NEXT_STEP: the step after a cluster's episode ends starts its next one (its action ignored,
-    reward 0). ``action_masks()``: [num_envs, R] (MaskablePPO)."""
+    """``num_envs`` clusters stepped as one batch (``TokenBatchClusterEnv`` states the MDP).
+    ``autoreset_mode`` NEXT_STEP (default: the step after a cluster's episode ends starts its next
+    one, its action ignored, reward 0) or SAME_STEP (the next episode starts in the step that ended
+    one; ``infos["final_obs"]``, ``infos["final_info"]``: what SB3's adapter needs).
+    ``action_masks()``: [num_envs, R] (MaskablePPO; ``copy=i``: cluster i's)."""
 
     metadata = {"render_modes": [], "autoreset_mode": gym.vector.AutoresetMode.NEXT_STEP}
 
-    def __init__(self, num_envs: int = 1, config: Optional[ClusterEnvConfig] = None, **kwargs):
+    def __init__(self, num_envs: int = 1, config: Optional[ClusterEnvConfig] = None, *,
+                 autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP, **kwargs):
+        from .config import autoreset_mode_of
+        am = autoreset_mode_of(autoreset_mode)
+        if am == gym.vector.AutoresetMode.DISABLED:
+            raise ConfigError("autoreset_mode: NEXT_STEP or SAME_STEP (DISABLED is not supported)")
+        self.autoreset_mode = am
+        self.metadata = {**type(self).metadata, "autoreset_mode": am}
         if config is None:
             config = ClusterEnvConfig(**kwargs)
         elif kwargs:
@@ -175,7 +184,9 @@ class TokenBatchClusterVectorEnv(gym.vector.VectorEnv):
     def step(self, actions):
         E = self.num_envs
         a = np.asarray(actions)
-        if a.shape != (E,) or not np.issubdtype(a.dtype, np.integer):
+        if a.dtype.kind == "f" and a.shape == (E,) and np.isfinite(a).all() and (a == np.round(a)).all():
+            a = a.astype(np.int64)   # (whole numbers as floats: what SB3's adapter passes)
+        if a.shape != (E,) or a.dtype.kind not in "iu":
             raise ConfigError(f"actions: expected {E} integers in [0, {self.config.replicas}), got {actions!r}")
         starting = self._needs_reset.copy()
         run = self.run
@@ -192,15 +203,23 @@ class TokenBatchClusterVectorEnv(gym.vector.VectorEnv):
             infos["_episode_goodput"] = terminated.copy()
         for e in np.flatnonzero(starting):
             self._start(e)
-        self._needs_reset = terminated.copy()
+        if self.autoreset_mode == gym.vector.AutoresetMode.SAME_STEP and terminated.any():
+            infos["final_obs"] = self._obs()
+            infos["_final_obs"] = terminated.copy()
+            infos["final_info"] = {k: v for k, v in infos.items() if k.endswith("episode_goodput")}
+            infos["_final_info"] = terminated.copy()
+            for e in np.flatnonzero(terminated):
+                self._start(e)
+        else:
+            self._needs_reset = terminated.copy()
         return self._obs(), rewards, terminated, np.zeros(E, bool), infos
 
-    def action_masks(self) -> np.ndarray:
+    def action_masks(self, copy: Optional[int] = None) -> np.ndarray:
         """[num_envs, R]: the replicas each cluster's pending arrival may go to (all, once its episode
-        ended: the action is ignored)."""
+        ended: the action is ignored); ``copy``: cluster ``copy``'s row alone."""
         m = self.run.mask.copy()
         m[self.run.done] = True
-        return m
+        return m if copy is None else m[copy]
 
     # -------------------------------------------------------------- observation
     def _obs(self) -> np.ndarray:
@@ -231,7 +250,8 @@ class TokenBatchClusterVectorEnv(gym.vector.VectorEnv):
 
 
 def make_cluster_vector_env(num_envs: int = 1, **kwargs) -> TokenBatchClusterVectorEnv:
-    """``gym.make_vec("TokenBatchCluster-v0", num_envs, vectorization_mode="vector_entry_point")``."""
+    """``gym.make_vec("TokenBatchCluster-v0", num_envs, vectorization_mode="vector_entry_point")``
+    (``autoreset_mode`` and ``ClusterEnvConfig``'s fields)."""
     kwargs.pop("render_mode", None)
     return TokenBatchClusterVectorEnv(num_envs, **kwargs)
 
