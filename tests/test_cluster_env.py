@@ -23,10 +23,13 @@ def test_gym_make_with_no_arguments_passes_check_env():
     assert env.unwrapped.action_masks().shape == (4,)
 
 
-def test_round_robin_by_hand_earns_the_cluster_replay_s_scored_met():
+@pytest.mark.parametrize("policy, margin", [("fcfs", None), ("sjf", 0.0)])
+def test_round_robin_by_hand_earns_the_cluster_replay_s_scored_met(policy, margin):
     """Actions t mod R (round-robin, every replica allowed): the episode's rewards sum to the scored
-    requests met in simulate_cluster of its window behind round-robin, and the last step ends it."""
-    env = TokenBatchClusterEnv(**SMALL, rho=1.3)
+    requests met in simulate_cluster of its window behind round-robin (the same replica policy, its
+    estimates and T_ref), and the last step ends it."""
+    from tokenbatch_env.policies import engine_policy
+    env = TokenBatchClusterEnv(**SMALL, rho=1.3, policy=policy, shed_margin=margin)
     env.reset(seed=3)
     run = env._vec.run
     trace, s0, s1 = run.traces[0], int(run.s0[0]), int(run.s1[0])
@@ -39,7 +42,8 @@ def test_round_robin_by_hand_earns_the_cluster_replay_s_scored_met():
         t += 1
     assert t == len(trace)
     prof = env._vec.run.run.profiles[0]
-    met = simulate_cluster(trace, prof, "fcfs", replicas=3, router="round-robin",
+    pol = engine_policy(policy, shed_margin=margin, t_ref_ms=env._vec.workload.t_ref_ms)
+    met = simulate_cluster(trace, prof, pol, replicas=3, router="round-robin",
                            estimates=run.g[7][0, :len(trace)], residual_life=env._vec.workload.residual_life
                            ).records()["met"]
     assert total == met[s0:s1].sum() > 0
@@ -92,7 +96,8 @@ def test_autoreset_next_step_starts_a_new_episode():
     (dict(replicas=0), "replicas: must be an integer in [1, 4096]"),
     (dict(rho=0), "rho: must be a positive number"),
     (dict(base_router="nope"), "base_router: unknown router 'nope'"),
-    (dict(policy="sjf"), "policy: fcfs or priority"),
+    (dict(policy="srpt-oracle"), "policy: a deployable policy"),
+    (dict(shed_margin=5.0), "shed_margin: shed_margin must be in"),
     (dict(window=500, replicas=8), "no trace of seed-200/train holds an episode"),
 ])
 def test_bad_config(kw, msg):

@@ -37,8 +37,9 @@ class ClusterEnvConfig:
     An episode is a window of a suite trace at cluster load ``rho`` (a number or a ``(low, high)``
     range drawn per episode; rho = admitted arrival rate / (``replicas`` x lambda_sat)): ``window`` x
     R scored requests with ``warmup`` x R before and ``cooldown`` x R after, every one routed by the
-    agent, only the scored ones rewarded. Each replica runs ``policy`` on ``profile``; a masked
-    action is ``base_router``'s choice."""
+    agent, only the scored ones rewarded. Each replica runs ``policy`` (a deployable policy of the
+    registry; ``shed_margin``: its common shed rule, None: none) on ``profile``, with the workload's
+    length estimates and T_ref; a masked action is ``base_router``'s choice."""
 
     suite: str = "seed-200"
     split: str = "train"
@@ -49,6 +50,7 @@ class ClusterEnvConfig:
     warmup: int = 16
     cooldown: int = 16
     policy: str = "fcfs"
+    shed_margin: Optional[float] = None
     base_router: str = "round-robin"
     seed: Optional[int] = None
     max_traces: Optional[int] = None
@@ -61,8 +63,18 @@ class ClusterEnvConfig:
         from ..engine.cluster import ROUTER_NAMES
         if self.base_router not in ROUTER_NAMES:
             raise ConfigError(f"base_router: unknown router {self.base_router!r}; valid: {', '.join(ROUTER_NAMES)}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ConfigError(f"policy: fcfs or priority (vLLM's own orders), got {self.policy!r}")
+        from ..policies import POLICIES, check_shed_margin
+        valid = sorted(k for k in POLICIES if k != "srpt-oracle")
+        if self.policy not in valid:
+            raise ConfigError(f"policy: a deployable policy ({', '.join(valid)}), got {self.policy!r}")
+        if self.shed_margin is not None:
+            if not is_num(self.shed_margin):
+                raise ConfigError(f"shed_margin: None or a number in [0, 2], got {self.shed_margin!r}")
+            from ..policies import PolicyError
+            try:
+                check_shed_margin(float(self.shed_margin))
+            except PolicyError as e:
+                raise ConfigError(f"shed_margin: {e}") from None
         rho = (self.rho, self.rho) if is_num(self.rho) else self.rho
         if not (isinstance(rho, (tuple, list)) and len(rho) == 2 and all(is_num(x) for x in rho)
                 and 0 < float(rho[0]) <= float(rho[1]) < math.inf):
@@ -132,7 +144,9 @@ class TokenBatchClusterVectorEnv(gym.vector.VectorEnv):
         self._rngs = [np.random.default_rng(None if cfg.seed is None else [cfg.seed, i]) for i in range(E)]
         first = [self._draw(e) for e in range(E)]
         cap = routing_capacity([wl.units[u] for u in self._units], resolved, need)
-        self.run = RoutingRun([w.trace for w, _ in first], profile, cfg.policy, EngineConfig(), replicas=R,
+        from ..policies import engine_policy
+        pol = engine_policy(cfg.policy, shed_margin=cfg.shed_margin, t_ref_ms=wl.t_ref_ms)
+        self.run = RoutingRun([w.trace for w, _ in first], profile, pol, EngineConfig(), replicas=R,
                               base_router=cfg.base_router, residual_life=wl.residual_life, capacity=cap,
                               estimates=[x for _, x in first], scored=[(w.scored_start, w.scored_stop)
                                                                         for w, _ in first])
@@ -296,7 +310,7 @@ class TokenBatchClusterEnv(gym.Env):
     ## Arguments
     ``ClusterEnvConfig``'s fields: suite ("seed-200"), split ("train"), profile ("stress-512"),
     replicas (4), rho ((0.8, 1.5)), window (64), warmup (16), cooldown (16), policy ("fcfs"),
-    base_router ("round-robin"), seed (None), max_traces (None).
+    shed_margin (None), base_router ("round-robin"), seed (None), max_traces (None).
 
     ## Version History
     * v0: first version.
