@@ -94,3 +94,25 @@ def test_bench_cli_pd_bad_input_is_one_line(argv, msg, tmp_path, capsys):
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_a_pd_tpot_guard_row_is_compared_with_its_own_pd_row():
+    """A P/D row with the tpot-guard rule is paired with the same P/D row without it (the report's
+    tpot-guard table reads that row's TPOT-only misses)."""
+    from tokenbatch_env.report import guard_lines
+    rep = ev.run_benchmark(ev.BenchConfig(**{**PD, "policies": ("fcfs",)}, tpot_guard=(0.0, 0.0)))
+    entry = rep.data["loads"][0]
+    rows = {r["label"]: r for r in entry["rows"]}
+    g = "fcfs+tpot-guard [P/D 1:2, first token at prefill]"
+    base = "fcfs [P/D 1:2, first token at prefill]"
+    assert base in rows[g]["vs"]
+    line = next(x for x in guard_lines(entry) if x[0] == g)
+    assert line[-1] == f"{rows[base]['tpot_only_missed']} -> {rows[g]['tpot_only_missed']}"
+
+
+def test_bench_cli_decode_router_is_checked_by_its_flag(tmp_path, capsys):
+    out = tmp_path / "r"
+    rc = cli.main(["bench", "--max-traces", "1", "--loads", "1.2", "--no-upper-bound", "--out", str(out),
+                   "--replicas", "3", "--pd", "1:2", "--decode-router", "nope"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--decode-router: unknown router 'nope'" in err and not out.exists()

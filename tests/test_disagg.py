@@ -192,7 +192,8 @@ def test_simulate_cli_pd_is_simulate_pd(fta, tmp_path, capsys):
         assert [int(r[col]) for r in rows] == want[col].tolist(), col
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "P/D       2 prefill (replicas 0-1, router jsq) + 3 decode (router least-kv" in text
+    assert ("P/D       2 prefill (replicas 0-1, router jsq) + 3 decode (replicas 2-4 overall, numbered 0-2 in "
+            "decode_replica; router least-kv") in text
     assert f"first token at {fta}: token 1 at the end of the" in text
 
 

@@ -149,8 +149,8 @@ def test_plan_cli_pd_prints_both_conventions_and_writes_the_split_plot(tmp_path,
             str(out), "--quiet"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "first_token_at prefill: token 1 at the end of the last prefill iteration on P" in text
-    assert "first_token_at decode: token 1 at the end of the first iteration on D" in text
+    assert "first token at prefill: token 1 at the end of the last prefill iteration on P" in text
+    assert "first token at decode: token 1 at the end of the first iteration on D" in text
     assert "KV over rdma (50 GB/s" in text and "fewest GPUs, first token at prefill" in text
     assert (out / "plan_pd.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((out / "plan.json").read_text())
@@ -165,7 +165,7 @@ def test_plan_cli_pd_prints_both_conventions_and_writes_the_split_plot(tmp_path,
     (["--kv-link", "rdma"], "--kv-link: a --pd setting; add --pd"),
     (["--pd", "--pd-trials", "0"], "--pd-trials: must be >= 1, got 0"),
     (["--pd", "--pd-gpus", "1"], "--pd-gpus: must be >= 2, got 1"),
-    (["--pd", "--pd-gpus", "9"], "--pd-gpus: each a GPU count in [2, --max-replicas 8], got 9"),
+    (["--pd", "--pd-gpus", "10"], "--pd-gpus: each a GPU count in [2, --max-replicas + 1 = 9], got 10"),
     (["--pd", "--pd-gpus", ","], "--pd-gpus: give GPU counts"),
     (["--pd", "--kv-link", "wifi"], "unknown KV link 'wifi'; valid: nvlink, rdma, none"),
     (["--pd", "--decode-router", "nope"], "--decode-router: unknown router 'nope'"),

@@ -80,7 +80,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "docs/design.md section 13), the rows' router in front of the prefill replicas, twice: "
                         "'[P/D Rp:Rd, first token at prefill]' (DistServe, Splitwise) and '... at decode' (vLLM)")
     g.add_argument("--kv-link", default=None, help="with --pd: the KV link, nvlink, rdma or none (default nvlink)")
-    g.add_argument("--decode-router", default=None, help="with --pd: the decode router (default least-kv)")
+    g.add_argument("--decode-router", default=None,
+                   help="with --pd: the decode router (default least-kv; tokenbatch simulate --help lists the routers)")
     from .engine.flags import add_budget_flags, add_engine_flags
     add_engine_flags(p)
     add_budget_flags(p, bench=True)
@@ -168,6 +169,10 @@ def cluster_kwargs(args) -> dict:
         if args.kv_link is not None:
             kw["kv_link"] = args.kv_link
         if args.decode_router is not None:
+            from .engine.cluster import ROUTER_NAMES
+            if args.decode_router not in ROUTER_NAMES:
+                raise ConfigError(f"--decode-router: unknown router {args.decode_router!r}; valid: "
+                                  f"{', '.join(ROUTER_NAMES)}")
             kw["decode_router"] = args.decode_router
     return kw
 

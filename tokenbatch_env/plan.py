@@ -105,8 +105,9 @@ class PlanConfig:
         if self.max_replicas < 2:
             raise ConfigError("--pd: --max-replicas must be >= 2 (a split needs a prefill and a decode replica)")
         for g in self.pd_gpus:
-            if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or not 2 <= g <= self.max_replicas:
-                raise ConfigError(f"--pd-gpus: each a GPU count in [2, --max-replicas {self.max_replicas}], got {g!r}")
+            if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or not 2 <= g <= self.max_replicas + 1:
+                raise ConfigError(f"--pd-gpus: each a GPU count in [2, --max-replicas + 1 = {self.max_replicas + 1}], "
+                                  f"got {g!r}")
 
     def usd_per_year(self, replicas: int) -> float:
         """What ``replicas`` replicas cost a year at ``gpu_price_usd`` per GPU-hour."""

@@ -48,14 +48,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print only a JSON list of rows {router, policy, replicas, goodput, usd_per_year, ...}")
     p.add_argument("--pd", action="store_true",
-                   help="also prefill/decode disaggregation: per GPU count the Rp:Rd splits beside the colocated "
+                   help="(no value) also prefill/decode disaggregation: per GPU count the Rp:Rd splits, both "
+                        "first-token conventions, beside the colocated "
                         "cluster with its levers tuned on as many trials (docs/design.md section 13); writes "
                         "plan_pd.png")
     p.add_argument("--pd-trials", default="8", metavar="T",
                    help="--pd: splits (and colocated lever settings) tried per GPU count (default 8)")
     p.add_argument("--pd-gpus", default=None, metavar="G1,G2,...",
-                   help="--pd: GPU counts evaluated besides the search's (e.g. 8)")
-    p.add_argument("--decode-router", default="least-kv", help="--pd: the decode router (default least-kv)")
+                   help="--pd: GPU counts evaluated besides the search's (e.g. 8; at most --max-replicas + 1)")
+    p.add_argument("--decode-router", default="least-kv",
+                   help="--pd: the decode router (default least-kv; tokenbatch simulate --help lists the routers)")
     p.add_argument("--kv-link", default="nvlink", help="--pd: the KV link: nvlink, rdma or none (default nvlink)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (on stderr)")
     add_engine_flags(p)

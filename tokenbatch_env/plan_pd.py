@@ -195,7 +195,8 @@ def plan_pd(cfg, profile, row, est, rl, ok, mapper, progress: bool = False) -> d
         fewest[f]["non_monotone"] = non_monotone([seen[g]["best"][f]["goodput"] >= cfg.target for g in sorted(seen)])
     link = resolve_kv_link(cfg.kv_link)
     return {"router": row.router, "policy": row.policy, "shed": row.shed, "row": row.label,
-            "decode_router": cfg.decode_router, "kv_link": dataclasses.asdict(link), "trials": cfg.pd_trials,
+            "decode_router": cfg.decode_router, "kv_link": dataclasses.asdict(link), "kv_link_text": link.describe(),
+            "trials": cfg.pd_trials,
             "first_token_at": dict(FIRST_TOKEN_MEANING), "fewest": fewest,
             "by_gpus": [seen[g] for g in sorted(seen)]}
 
@@ -241,12 +242,12 @@ def pd_rows(plan: dict) -> list:
 def format_pd(plan: dict) -> str:
     """The console table of the P/D part."""
     pd = plan["pd"]
-    link = pd["kv_link"]
     lines = ["", f"P/D       {pd['row']} (the prefill router and replica policy), decode router {pd['decode_router']}, "
-                 f"KV over {link['name']} ({link['gb_per_s']:g} GB/s, {link['latency_us']:g} us); at each GPU count "
-                 f"the splits beside the colocated cluster with its levers tuned on as many trials"]
+                 f"KV over {pd['kv_link_text']}; at each GPU count the splits (at most {pd['trials']}, evenly "
+                 f"spaced: --pd-trials) beside the colocated cluster with its flags tuned on as many trials (the "
+                 f"first: the profile's flags)"]
     for f, m in pd["first_token_at"].items():
-        lines.append(f"          first_token_at {f}: {m}")
+        lines.append(f"          first token at {f}: {m}")
     lines += ["", f"{'GPUs':>4}  {'first token':<11} {'split':<6} {'goodput [95% CI]':<22} {'missed':<10}  "
                   f"{'colocated, tuned [CI]':<22} {'missed':<10}  {'gain [95% CI]':<25} splits (Rp:goodput)"]
     for e in pd["by_gpus"]:
@@ -266,7 +267,8 @@ def format_pd(plan: dict) -> str:
                  "chosen and each split's median wait from handoff to its KV on D: plan.json)")
     for f, fw in pd["fewest"].items():
         if fw["gpus"] is None:
-            lines.append(f"fewest GPUs, first token at {f}: not reached up to --max-replicas")
+            lines.append(f"fewest GPUs, first token at {f}: not reached up to --max-replicas (at most "
+                         f"{pd['trials']} splits tried per GPU count: --pd-trials)")
         else:
             lines.append(f"fewest GPUs, first token at {f}: {fw['gpus']} ({fw['split'][0]} prefill : {fw['split'][1]} "
                          f"decode)" + ("  NON-MONOTONE" if fw["non_monotone"] else ""))

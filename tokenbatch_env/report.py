@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .engine.levers import GUARD_SUFFIX
+from .engine.levers import without_guard
 
 JSON_NAME, MD_NAME, META_NAME = "report.json", "report.md", "run_meta.json"
 PNG_GOODPUT, PNG_TTFT = "goodput_vs_load.png", "ttft_cdf.png"
@@ -301,7 +301,7 @@ def guard_lines(entry: dict) -> list:
     for d in entry["rows"]:
         if "tpot_guard" not in d:
             continue
-        base = d["label"].removesuffix(GUARD_SUFFIX)
+        base = without_guard(d["label"])
         gain = d["vs"].get(base)
         before = next((x.get("tpot_only_missed", "-") for x in entry["rows"] if x["label"] == base), "-")
         lv = d.get("levers", {})

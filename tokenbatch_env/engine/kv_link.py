@@ -32,6 +32,12 @@ class KVLink:
         """Picoseconds to move one token's KV (the kernel's integer clock: ``C_XFER_PS_PER_TOKEN``)."""
         return int(round(kv_bytes_per_token / self.gb_per_s * 1000))
 
+    def describe(self) -> str:
+        """``nvlink (450 GB/s, 5 us)``; ``none (free)`` for a link without cost."""
+        if self.gb_per_s >= 1e20 and self.latency_us == 0:
+            return f"{self.name} (free)"
+        return f"{self.name} ({self.gb_per_s:g} GB/s, {self.latency_us:g} us)"
+
     @property
     def latency_ns(self) -> int:
         return int(round(self.latency_us * 1000))
@@ -59,4 +65,4 @@ def resolve_kv_link(link) -> KVLink:
         return link
     if isinstance(link, str) and link in KV_LINKS:
         return KV_LINKS[link]
-    raise ConfigError(f"unknown KV link {link!r}; valid: {', '.join(KV_LINKS)} or a KVLink")
+    raise ConfigError(f"unknown KV link {link!r}; valid: {', '.join(KV_LINKS)}")

@@ -21,6 +21,16 @@ FLAGS_SUFFIX = " (tuned vLLM flags)"
 PROFILE_FLAGS_SUFFIX = " (profile flags)"
 #: the label suffix of a row run with the tpot-guard budget rule (``<policy>[+shed][+tpot-guard]``)
 GUARD_SUFFIX = "+tpot-guard"
+#: where a P/D row's label adds its split (``evaluate.rows.pd_label``: ``<row> [P/D Rp:Rd, ...]``)
+PD_LABEL = " [P/D "
+
+
+def without_guard(label: str) -> str:
+    """The label of the row ``label`` (a ``+tpot-guard`` row's, P/D or not) without the rule."""
+    head, sep, tail = label.partition(PD_LABEL)
+    return head.removesuffix(GUARD_SUFFIX) + sep + tail
+
+
 #: the smallest token budget and max_num_seqs a lever may choose, and the smallest threshold
 LEVER_MIN_BUDGET, LEVER_MIN_SEQS, LEVER_MIN_THRESHOLD = 64, 8, 16
 

@@ -65,7 +65,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-link", default=None, help="with --pd: the KV link, nvlink, rdma or none (default nvlink)")
     g.add_argument("--first-token-at", default=None, choices=("prefill", "decode"),
                    help="with --pd: token 1 at the end of the last prefill iteration (prefill, the default: "
-                        "DistServe, Splitwise) or of the first decode iteration (decode: vLLM's P/D)")
+                        "DistServe, Splitwise) or of the first decode iteration (decode: vLLM's P/D); --records' "
+                        "TTFT and TPOT follow it, its decode_replica numbers the decode pool from 0")
     add_engine_flags(p)
     add_budget_flags(p)
 
@@ -294,7 +295,7 @@ def run(args) -> int:
             rp, rd, drouter, link, fta = cluster[3]
             s["cluster"]["pd"] = {"prefill_replicas": rp, "decode_replicas": rd,
                                   "decode_router": res.decode_router.label, "kv_link": dataclasses.asdict(link),
-                                  "first_token_at": fta,
+                                  "kv_link_text": link.describe(), "first_token_at": fta,
                                   "first_token_at_means": FIRST_TOKEN_MEANING[fta],
                                   "handed_off": int((res.handoff_ns >= 0).sum())}
     from ..util import canonical_json
@@ -341,10 +342,11 @@ def run(args) -> int:
               + (f"  metrics staleness {cl['metrics_staleness_ms']:g} ms" if cl["metrics_staleness_ms"] else ""))
         if "pd" in cl:
             pd = cl["pd"]
-            lk = pd["kv_link"]
-            print(f"P/D       {pd['prefill_replicas']} prefill (replicas 0-{pd['prefill_replicas'] - 1}, router "
-                  f"{cl['router']}) + {pd['decode_replicas']} decode (router {pd['decode_router']}, no prefix "
-                  f"caching); KV over {lk['name']} ({lk['gb_per_s']:g} GB/s, {lk['latency_us']:g} us); "
+            rp = pd["prefill_replicas"]
+            which = "replica 0" if rp == 1 else f"replicas 0-{rp - 1}"
+            print(f"P/D       {rp} prefill ({which}, router {cl['router']}) + {pd['decode_replicas']} decode "
+                  f"(replicas {rp}-{cl['replicas'] - 1} overall, numbered 0-{pd['decode_replicas'] - 1} in "
+                  f"decode_replica; router {pd['decode_router']}, no prefix caching); KV over {pd['kv_link_text']}; "
                   f"{pd['handed_off']} handed off")
             print(f"          first token at {pd['first_token_at']}: {pd['first_token_at_means']}")
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..engine.levers import FLAGS_SUFFIX, LEVERS
+from ..engine.levers import FLAGS_SUFFIX, LEVERS, without_guard
 from ..errors import ConfigError
 from .cluster import bench_workload, cluster_block
 from .config import BASELINE_ROWS, GUARD_SUFFIX, PRIMARY_LOAD, PRIMARY_SPLIT, SHED_SUFFIX, BenchConfig
@@ -239,7 +239,7 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
             if r.guard:   # the rule's gain: against the same row without it
                 u, bmin = row_guard(r, cfg)
                 d["tpot_guard"] = {"u": u, "bmin": bmin}
-                vs += (r.label[:-len(GUARD_SUFFIX)],)
+                vs += (without_guard(r.label),)
             if base == "index" + SHED_SUFFIX + GUARD_SUFFIX:   # against every other shed row with the rule
                 vs += tuple(x.label for x in own if x.label.endswith(SHED_SUFFIX + GUARD_SUFFIX)
                             and x.label not in vs)

@@ -44,7 +44,7 @@ def bench_workload(cfg: BenchConfig, profile) -> Workload:
         link = resolve_kv_link(cfg.kv_link)
         wl.notes.append(f"P/D rows '[P/D {cfg.pd[0]}:{cfg.pd[1]}, ...]': {cfg.pd[0]} prefill + {cfg.pd[1]} decode "
                         f"replicas, the row's router in front of the prefill replicas, decode router "
-                        f"{cfg.decode_router}, KV over {link.name} ({link.gb_per_s:g} GB/s, {link.latency_us:g} us); "
+                        f"{cfg.decode_router}, KV over {link.describe()}; "
                         "'first token at prefill': token 1 at the end of the last prefill iteration (DistServe, "
                         "Splitwise: the transfer and the decode queue count in TPOT); 'first token at decode': at "
                         "the end of the first decode iteration (vLLM's P/D: they count in TTFT)")

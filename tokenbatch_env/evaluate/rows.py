@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..engine.levers import FLAGS_SUFFIX, PROFILE_FLAGS_SUFFIX, with_guard, with_levers
+from ..engine.levers import FLAGS_SUFFIX, PD_LABEL, PROFILE_FLAGS_SUFFIX, with_guard, with_levers
 from .config import GUARD_SUFFIX, PRIMARY_SUITE, SHED_SUFFIX, BenchConfig
 
 
@@ -101,7 +101,7 @@ def build_rows(cfg: BenchConfig) -> list:
 
 def pd_label(cfg: BenchConfig, label: str, first_token_at: str) -> str:
     """A P/D row's label: ``"<row> [P/D Rp:Rd, first token at <first_token_at>]"``."""
-    return f"{label} [P/D {cfg.pd[0]}:{cfg.pd[1]}, first token at {first_token_at}]"
+    return f"{label}{PD_LABEL}{cfg.pd[0]}:{cfg.pd[1]}, first token at {first_token_at}]"
 
 
 def pd_row(cfg: BenchConfig, r: Row, first_token_at: str) -> Row:
