@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -100,7 +99,9 @@ def run(routers, replicas: int, speedup: float, repeats: int, splits=(), pd_spee
 
 
 def main(argv=None) -> int:
+    from tokenbatch_env.config_cli import parse_split
     from tokenbatch_env.engine.cluster import ROUTER_NAMES
+    from tokenbatch_env.errors import ConfigError
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--routers", default=",".join(ROUTER_NAMES), help="comma list (default: all)")
@@ -124,10 +125,10 @@ def main(argv=None) -> int:
     for part in (p.strip() for p in args.pd.split(",")):
         if not part:
             continue
-        m = re.fullmatch(r"(\d+):(\d+)", part)
-        if not m or min(int(m[1]), int(m[2])) < 1:
-            ap.error(f"--pd: {part!r} is not a split Rp:Rd of integers >= 1")
-        splits.append((int(m[1]), int(m[2])))
+        try:
+            splits.append(parse_split(part))
+        except ConfigError as e:
+            ap.error(str(e))
     if not AZURE_CONV.exists():
         print(f"bench_cluster: {AZURE_CONV} not found (the Azure LLM 2023 conv trace is needed)", file=sys.stderr)
         return 2

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 
 from .errors import ConfigError
@@ -159,10 +158,8 @@ def cluster_kwargs(args) -> dict:
         raise ConfigError(f"{'--kv-link' if args.kv_link is not None else '--decode-router'}: a setting of P/D rows; "
                           "add --pd Rp:Rd")
     if args.pd is not None:
-        m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(args.pd))
-        if not m or min(int(m[1]), int(m[2])) < 1:
-            raise ConfigError(f"--pd: expected Rp:Rd, integers >= 1 (e.g. 3:5), got {args.pd!r}")
-        rp, rd = int(m[1]), int(m[2])
+        from .config_cli import parse_split
+        rp, rd = parse_split(args.pd)
         if R is None or R != rp + rd:
             raise ConfigError(f"--pd {rp}:{rd}: needs --replicas {rp + rd} (Rp + Rd)")
         kw["pd"] = (rp, rd)

@@ -191,6 +191,15 @@ def parse_int(text, flag: str, lo: Optional[int] = None, none: Optional[str] = N
     return v
 
 
+def parse_split(text, flag: str = "--pd") -> tuple:
+    """A prefill:decode split ``Rp:Rd`` (integers >= 1), with a one-line error naming ``flag``."""
+    import re
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(text))
+    if not m or min(int(m[1]), int(m[2])) < 1:
+        raise ConfigError(f"{flag}: expected Rp:Rd, integers >= 1 (e.g. 3:5), got {text!r}")
+    return int(m[1]), int(m[2])
+
+
 def check_names(items, valid, flag: str, kind: str, unknown=ConfigError) -> tuple:
     """``items`` as a tuple when each is one of ``valid``, at least one and no duplicates; else one
     ``ConfigError`` naming ``flag`` (``unknown``: the error class for a name not in ``valid``)."""

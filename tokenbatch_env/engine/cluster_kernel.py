@@ -260,6 +260,17 @@ def predicted_ttft(c, v, p, bs, cfg_rows):
 
 
 @njit
+def has_room(c, i, with_chain, cfg_rows, g_coff, g_room, u_next, n_req, arrival, chain_off, chain_val, hash_head):
+    """Replica c has room for request i's row, its chain (``with_chain``) and, under prefix caching,
+    its unique hash ids (``append_row`` appends it)."""
+    k = n_req[c]
+    nch = g_coff[i + 1] - g_coff[i] if with_chain else 0
+    if k + 1 > arrival.shape[1] or chain_off[c, k] + nch > chain_val.shape[1]:
+        return False
+    return not (cfg_rows[c, K.C_PREFIX] != 0 and u_next[c] + g_room[i] > hash_head.shape[1])
+
+
+@njit
 def append_row(c, i, t, with_chain, cfg_rows, g_prompt, g_out, g_capped, mml_of, g_prio, g_t1, g_t2, g_est, g_coff,
                g_cval, g_room, u_next, n_req, arrival, prompt, out_len, prio, capped, t1, t2, est, chain_off, chain_val,
                uniq_base, hash_head):
@@ -267,14 +278,14 @@ def append_row(c, i, t, with_chain, cfg_rows, g_prompt, g_out, g_capped, mml_of,
     output length and cap at c's context length), its prefix chain when ``with_chain`` and its unique
     block ids under prefix caching. Returns its row, or -1 when c's rows, chain ids or hash ids are
     full (the caller runs again with room for more)."""
+    if not has_room(c, i, with_chain, cfg_rows, g_coff, g_room, u_next, n_req, arrival, chain_off, chain_val,
+                    hash_head):
+        return -1
     k = n_req[c]
     lo = g_coff[i]
     nch = g_coff[i + 1] - lo if with_chain else 0
     o = chain_off[c, k]
     prefix_c = cfg_rows[c, K.C_PREFIX] != 0
-    if k + 1 > arrival.shape[1] or o + nch > chain_val.shape[1] or (
-            prefix_c and u_next[c] + g_room[i] > hash_head.shape[1]):
-        return -1
     arrival[c, k] = t
     prompt[c, k] = g_prompt[i]
     out_len[c, k] = g_out[mml_of[c], i]
@@ -437,5 +448,5 @@ def run_cluster_kernel(router, rpar, key0, key1, stale_ns, g_arrival, g_prompt, 
 
 
 guard_stale_cache([_mul32, _fmix32, stream_u32, _pick, choose, request_hits, pending_frees, in_flight, predicted_ttft,
-                   append_row, replica_view, router_counters, wants_hits, pool_views, advance_copies,
+                   has_room, append_row, replica_view, router_counters, wants_hits, pool_views, advance_copies,
                    run_cluster_kernel], tag="cluster")

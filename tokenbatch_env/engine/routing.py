@@ -126,7 +126,7 @@ class RoutingRun:
         self.cursor[e] = 0
         self.credited[e] = False
         run = self.run
-        self._check(RK.next_decision(e, R, self.router.spec.rid, self.pending, self.n_of, self.route, self.row,
+        self._check(RK.next_decision(e, R, self.pending, self.n_of, self.route, self.row,
                                      self.view, self.pred, self.mask, self.done, g[0], g[1], g[8], g[9], g[10],
                                      self.u_next, run.cfg, A.n_req, A.arrival, A.chain_off, A.chain_val, A.now,
                                      A.it, A.next_arr, A.n_ended, A.n_run, A.n_wait, A.n_swap, A.n_pend, A.n_free,

@@ -16,22 +16,12 @@ from __future__ import annotations
 
 from ._jit import guard_stale_cache, njit
 from . import kernel as K
-from .cluster_kernel import FOREVER, R_ROUND_ROBIN, advance_copies, append_row, choose, pool_views
+from .cluster_kernel import FOREVER, R_ROUND_ROBIN, advance_copies, append_row, choose, has_room, pool_views
 from .outcomes import request_outcome
 
 
 @njit
-def has_room(c, i, cfg_rows, g_coff, g_room, u_next, n_req, arrival, chain_off, chain_val, hash_head):
-    """Replica copy c has room for request i's row, chain and hash ids (``append_row`` would succeed)."""
-    k = n_req[c]
-    nch = g_coff[i + 1] - g_coff[i]
-    if k + 1 > arrival.shape[1] or chain_off[c, k] + nch > chain_val.shape[1]:
-        return False
-    return not (cfg_rows[c, K.C_PREFIX] != 0 and u_next[c] + g_room[i] > hash_head.shape[1])
-
-
-@njit
-def next_decision(e, R, base_router, a_next, n_of, route, row, view, pred, mask, done, g_arrival, g_prompt, g_coff,
+def next_decision(e, R, a_next, n_of, route, row, view, pred, mask, done, g_arrival, g_prompt, g_coff,
                   g_cval, g_room, u_next, cfg_rows, n_req, arrival, chain_off, chain_val, now, it, next_arr, n_ended,
                   n_run, n_wait, n_swap, n_pend, n_free, epoch, status, prompt, gen, computed, run_ids, wait_ids,
                   pend_ids, table, slot_of, held, ref, hold_kv, hash_head, active, claim, until_ns, kargs):
@@ -54,8 +44,8 @@ def next_decision(e, R, base_router, a_next, n_of, route, row, view, pred, mask,
                             view[e], pred[e], mask[e])
         if n_cand > 0:
             for j in range(R):
-                if mask[e, j] and not has_room(lo + j, a, cfg_rows, g_coff[e], g_room[e], u_next, n_req, arrival,
-                                               chain_off, chain_val, hash_head):
+                if mask[e, j] and not has_room(lo + j, a, True, cfg_rows, g_coff[e], g_room[e], u_next, n_req,
+                                               arrival, chain_off, chain_val, hash_head):
                     mask[e, j] = False
             return total
         route[e, a] = -1   # no replica serves its prompt: rejected at the router
@@ -106,7 +96,7 @@ def route_step(R, base_router, rpar, keys, acting, actions, replaced, rstate, a_
         route[e, i] = j
         row[e, i] = k
         a_next[e] = i + 1
-        d = next_decision(e, R, base_router, a_next, n_of, route, row, view, pred, mask, done, g_arrival, g_prompt,
+        d = next_decision(e, R, a_next, n_of, route, row, view, pred, mask, done, g_arrival, g_prompt,
                           g_coff, g_cval, g_room, u_next, cfg_rows, n_req, arrival, chain_off, chain_val, now, it,
                           next_arr, n_ended, n_run, n_wait, n_swap, n_pend, n_free, epoch, status, prompt, gen,
                           computed, run_ids, wait_ids, pend_ids, table, slot_of, held, ref, hold_kv, hash_head, active,
@@ -117,7 +107,7 @@ def route_step(R, base_router, rpar, keys, acting, actions, replaced, rstate, a_
     return total
 
 
-guard_stale_cache([has_room, next_decision, route_step], tag="routing")
+guard_stale_cache([next_decision, route_step], tag="routing")
 
 
 @njit

@@ -74,17 +74,14 @@ def configure(p: argparse.ArgumentParser) -> None:
 def _pd_args(args, R):
     """(Rp, Rd, decode router, link, first_token_at) of a P/D run, or None; bad values raise
     ``ConfigError`` naming the flag."""
-    import re
+    from ..config_cli import parse_split
     given = [f for f, v in (("--decode-router", args.decode_router), ("--kv-link", args.kv_link),
                             ("--first-token-at", args.first_token_at)) if v is not None]
     if args.pd is None:
         if given:
             raise ConfigError(f"{given[0]}: a setting of a P/D run; add --pd Rp:Rd")
         return None
-    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", args.pd)
-    if not m or min(int(m[1]), int(m[2])) < 1:
-        raise ConfigError(f"--pd: expected Rp:Rd, integers >= 1 (e.g. 3:5), got {args.pd!r}")
-    rp, rd = int(m[1]), int(m[2])
+    rp, rd = parse_split(args.pd)
     if rp + rd > MAX_REPLICAS:
         raise ConfigError(f"--pd {rp}:{rd}: at most {MAX_REPLICAS} replicas in all")
     if R is not None and R != rp + rd:
