@@ -31,7 +31,10 @@ COMMANDS = {
              "how many replicas (GPUs) a deployment needs, per router x policy (docs/design.md section 12)"),
     "tune": ("tokenbatch_env.tune_cli",
              "tune the index, shed margins, comparators and vLLM flags with Optuna (needs the tune extra)"),
-    "train": ("tokenbatch_env.agents.train", "train a PPO agent on TokenBatch-v0 (needs the rl extra)"),
+    "train": ("tokenbatch_env.agents.train", "train a PPO agent on TokenBatch-v0 (needs the rl extra; --env cluster: "
+                                             "train-router)"),
+    "train-router": ("tokenbatch_env.agents.train_router",
+                     "train a PPO or MaskablePPO router on TokenBatchCluster-v0 (needs the rl extra)"),
     "evaluate-agent": ("tokenbatch_env.agents.evaluate",
                        "judge a trained agent on the test split with the evaluator (needs the rl extra)"),
 }
@@ -70,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     _freeze_at_exit()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    if command == "train":   # (``train --env cluster`` is ``train-router``, as agents/train_ppo.py's)
+        from .agents.env_choice import split_env_choice
+        kind, rest = split_env_choice(argv[argv.index("train") + 1:])
+        if kind == "cluster":
+            argv, command = argv[:argv.index("train")] + ["train-router"] + rest, "train-router"
+        elif kind is not None:
+            argv = argv[:argv.index("train") + 1] + rest
     try:
         parser = build_parser(command if command in COMMANDS else None)
         args = parser.parse_args(argv)

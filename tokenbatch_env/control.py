@@ -126,3 +126,55 @@ def policy_spec(label: str, mode: str, base, base_margin, k: int, decision_inter
         return ctrl
 
     return ControlSpec(label, mode, base, base_margin, k, decision_interval_ms, make, evidence, guard)
+
+
+# ------------------------------------------------------------------------------ routers
+@dataclasses.dataclass(frozen=True)
+class RouterAgent:
+    """A trained router (TokenBatchCluster-v0) as a row of the benchmark in cluster mode
+    (docs/design.md section 12, "Routing env"). ``env``: the ``envs.ClusterEnvConfig`` it was trained
+    on; its replicas, base router and replica policy (policy, shed margin, index, levers, T_ref) are
+    the row's. ``make()`` builds ``predict(obs [E, D], masks [E, R]) -> replicas [E]`` (a masked
+    choice: the base router's, counted). ``evidence``: what identifies the agent (the evidence id)."""
+
+    label: str
+    env: Any
+    make: Callable = dataclasses.field(compare=False, repr=False)
+    evidence: tuple = ()
+
+
+class RoutedRuns:
+    """``run_routed``'s replays: ``records(i)`` and ``replica_stats(i)`` of copy i as a
+    ``ClusterResult``'s (the stats with ``replaced``: the agent's masked choices, and ``routed``:
+    its decisions)."""
+
+    def __init__(self, results: list, replaced, decisions):
+        self.results, self.replaced, self.decisions = results, replaced, decisions
+
+    def records(self, copy: int = 0) -> dict:
+        return self.results[copy].records()
+
+    def replica_stats(self, copy: int = 0) -> dict:
+        return {**self.results[copy].replica_stats(), "replaced": int(self.replaced[copy]),
+                "decisions": int(self.decisions[copy])}
+
+
+def run_routed(traces, profile, policy, config, agent: RouterAgent, *, estimates=None,
+               residual_life=None) -> RoutedRuns:
+    """Replay ``traces`` (one cluster each, stepped together) with ``agent`` routing every arrival
+    (``engine.routing.RoutingRun``, the env's dynamics; the observation ``envs.cluster_env.observe_cluster``,
+    the env's): each replica runs ``policy`` at ``config``."""
+    from .engine.routing import RoutingRun
+    from .envs.cluster_env import observe_cluster
+    env = agent.env
+    run = RoutingRun(list(traces), profile, policy, config, replicas=env.replicas, base_router=env.base_router,
+                     estimates=estimates, residual_life=residual_life)
+    predict = agent.make()
+    decisions = np.zeros(len(traces), np.int64)
+    while not run.done.all():
+        acting = ~run.done
+        obs = observe_cluster(run)
+        a = np.asarray(predict(obs, run.mask.copy()), np.int64).reshape(-1)
+        run.step(np.where(acting, a, -1), acting)
+        decisions += acting
+    return RoutedRuns([run.result(e) for e in range(len(traces))], run.replaced.copy(), decisions)

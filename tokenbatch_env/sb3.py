@@ -30,10 +30,141 @@ _CLASS = None
 _EXTRACTOR = None
 
 
+_SCORERS: dict = {}
+
+#: the routing agents' algorithms (``tokenbatch train-router --algo``)
+ROUTER_ALGOS = ("ppo", "maskable-ppo")
+
+
 def __getattr__(name):  # the lazily built classes, importable by name (so saved models unpickle)
     if name == "RequestSetExtractor":
         return request_set_extractor_class()
+    if name in ("ReplicaScorerPolicy", "MaskableReplicaScorerPolicy"):
+        return replica_scorer_policy_class(name.startswith("Maskable"))
     raise AttributeError(name)
+
+
+def router_algo_class(algo: str):
+    """The SB3 algorithm of a router agent: PPO or sb3-contrib's MaskablePPO."""
+    if algo == "maskable-ppo":
+        from sb3_contrib import MaskablePPO
+        return MaskablePPO
+    from stable_baselines3 import PPO
+    return PPO
+
+
+def replica_scorer_policy_class(maskable: bool = False):
+    """``ReplicaScorerPolicy`` (``MaskableReplicaScorerPolicy`` for MaskablePPO): an actor-critic
+    policy for TokenBatchCluster-v0 whose actor scores every replica with one shared MLP, so that
+    it treats the replicas alike (permuting them permutes the action's probabilities). Replica c's
+    score reads its 11 features, their mean over the replicas and the request's 4; the logits are the
+    scores, less ``prior`` (learned, from its initial value) x the replica's outstanding feature:
+    least-outstanding's preference, a start the actor refines. The critic is an MLP on the whole observation (``net_arch``'s ``vf``; the actor's ``pi``
+    must be empty: its input is the observation). ``replicas``: R; ``hidden``: the scorer's width."""
+    if maskable in _SCORERS:
+        return _SCORERS[maskable]
+    import torch
+    from torch import nn
+
+    from .envs.cluster_env import REPLICA_FEATURES, REQUEST_FEATURES
+    if maskable:
+        from sb3_contrib.common.maskable.policies import MaskableActorCriticPolicy as Base
+    else:
+        from stable_baselines3.common.policies import ActorCriticPolicy as Base
+    F, Q = len(REPLICA_FEATURES), len(REQUEST_FEATURES)
+
+    OUT = REPLICA_FEATURES.index("outstanding")
+
+    class ReplicaScores(nn.Module):
+        def __init__(self, replicas: int, hidden: int, prior: float):
+            super().__init__()
+            self.R = int(replicas)
+            self.net = nn.Sequential(nn.Linear(2 * F + Q, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                     nn.Linear(hidden, 1))
+            self.prior = nn.Parameter(torch.tensor(float(prior)))
+
+        def forward(self, x):
+            rep = x[:, :self.R * F].reshape(-1, self.R, F)
+            ctx = torch.cat([rep.mean(dim=1), x[:, self.R * F:]], dim=1).unsqueeze(1).expand(-1, self.R, -1)
+            # (the prior: least-outstanding's preference, -prior x the replica's outstanding feature)
+            return self.net(torch.cat([rep, ctx], dim=2)).squeeze(-1) - self.prior * rep[..., OUT]
+
+    class Policy(Base):
+        def __init__(self, *args, replicas: int = 4, hidden: int = 64, prior: float = 0.0, **kwargs):
+            self.scorer_replicas, self.scorer_hidden, self.scorer_prior = int(replicas), int(hidden), float(prior)
+            super().__init__(*args, **kwargs)
+
+        def _build(self, lr_schedule) -> None:
+            super()._build(lr_schedule)
+            if self.mlp_extractor.latent_dim_pi != self.scorer_replicas * F + Q:
+                raise ValueError(f"{type(self).__name__}: the actor's input must be the observation "
+                                 f"({self.scorer_replicas * F + Q} features; net_arch pi=[]), got "
+                                 f"{self.mlp_extractor.latent_dim_pi}")
+            self.action_net = ReplicaScores(self.scorer_replicas, self.scorer_hidden, self.scorer_prior)
+            self.optimizer = self.optimizer_class(self.parameters(), lr=lr_schedule(1), **self.optimizer_kwargs)
+
+        def _get_constructor_parameters(self) -> dict:
+            return {**super()._get_constructor_parameters(), "replicas": self.scorer_replicas,
+                    "hidden": self.scorer_hidden, "prior": self.scorer_prior}
+
+    name = "MaskableReplicaScorerPolicy" if maskable else "ReplicaScorerPolicy"
+    Policy.__module__, Policy.__qualname__, Policy.__name__ = __name__, name, name
+    _SCORERS[maskable] = Policy
+    return Policy
+
+
+def load_router_agent(model_path: str, algo: str, vecnormalize_path: Optional[str] = None,
+                      observation_space=None, action_space=None):
+    """A saved router agent (``tokenbatch train-router``) as ``predict(obs [E, D], masks [E, R]) ->
+    replicas [E]`` (deterministic: the most probable replica; MaskablePPO's among the mask), with
+    the saved observation normalisation. One torch thread."""
+    import pickle
+
+    import torch
+    torch.set_num_threads(1)
+    cls = router_algo_class(algo)
+    custom = {"policy_class": replica_scorer_policy_class(algo == "maskable-ppo")} \
+        if _saved_policy_is_scorer(model_path) else {}
+    if observation_space is not None:
+        custom.update(observation_space=observation_space, action_space=action_space)
+    from .errors import ConfigError
+    try:
+        model = cls.load(model_path, device="cpu", custom_objects=custom)
+    except Exception as e:  # noqa: BLE001 - a corrupt zip, or weights of another env's spaces
+        raise ConfigError(f"{model_path}: cannot load the {algo} model ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    norm = None
+    if vecnormalize_path is not None:
+        try:
+            with open(vecnormalize_path, "rb") as f:
+                norm = pickle.load(f)
+        except Exception as e:  # noqa: BLE001 - a corrupt or foreign pickle
+            raise ConfigError(f"{vecnormalize_path}: cannot load the normalisation statistics "
+                              f"({type(e).__name__}: {e})") from None
+        norm.training = False
+    maskable = algo == "maskable-ppo"
+
+    def predict(obs, masks):
+        x = np.asarray(obs, np.float32)
+        if norm is not None:
+            x = norm.normalize_obs(x)
+        kw = {"action_masks": np.asarray(masks, bool)} if maskable else {}
+        actions, _ = model.predict(x, deterministic=True, **kw)
+        return np.asarray(actions, np.int64)
+
+    return predict
+
+
+def _saved_policy_is_scorer(model_path: str) -> bool:
+    """Whether a saved model's policy class is a replica scorer (read from its zip's ``data``)."""
+    import json
+    import zipfile
+    try:
+        with zipfile.ZipFile(model_path) as z:
+            data = json.loads(z.read("data"))
+    except Exception:  # noqa: BLE001 - not ours to diagnose here: the load says what is wrong
+        return False
+    return "ReplicaScorerPolicy" in json.dumps(data.get("policy_class", ""))
 
 
 def _unbatch_all(infos: dict, n: int, only: Optional[np.ndarray] = None) -> list:

@@ -85,6 +85,9 @@ class EvaluateAgentConfig:
     out: Optional[str] = option(None, "output directory (default <model dir>/test)")
     pool: bool = option(False, "with several --model: also their mean goodput per trace as one agent, paired "
                         "the same way", flags=("--pool",), sets=True)
+    routers: Optional[tuple[str, ...]] = option(
+        None, "router agents (tokenbatch train-router): the routers they are judged against, comma-separated "
+        "(default: every router)", metavar="A,B,...")
     progress: bool = option(True, "no progress bar", flags=("--no-progress",), sets=False)
 
     def __post_init__(self):
@@ -118,7 +121,24 @@ def config_from_args(args) -> EvaluateAgentConfig:
 
 
 def run(args, prog: str = "tokenbatch") -> int:
-    res = evaluate_agents(config_from_args(args), prog)
+    cfg = config_from_args(args)
+    from .load import is_router_agent
+    routers = [is_router_agent(m) for m in cfg.model]
+    if any(routers):
+        if not all(routers):
+            from ..errors import ConfigError
+            raise ConfigError("--model: router agents (tokenbatch train-router) and scheduling agents are judged "
+                              "apart: give one kind")
+        res = evaluate_routers(cfg, prog)
+        print(res["report"].summary_text())
+        print(res["markdown"])
+        print(f"wrote {res['out']}/ (report.json, report.md, goodput_vs_load.png, ttft_cdf.png, router_vs.md, "
+              "router_vs.json)")
+        return 0
+    if cfg.routers is not None:
+        from ..errors import ConfigError
+        raise ConfigError("--routers: for router agents (tokenbatch train-router)")
+    res = evaluate_agents(cfg, prog)
     print(res["report"].summary_text())
     print(res["markdown"])
     print(f"wrote {res['out']}/ (report.json, report.md, goodput_vs_load.png, ttft_cdf.png, agent_vs.md, "
@@ -242,3 +262,99 @@ def agent_markdown(rows: list, eid: str) -> str:
                      f"{r['other_goodput']:.4f} | {r['diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] | "
                      f"{r['win_rate']:.2f} | {verdict} |")
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------ routers
+def evaluate_routers(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict:
+    """Judge router agents (``tokenbatch train-router``) with the benchmark in cluster mode: every
+    router of ``cfg.routers`` (default all) behind the replica policy the agents were trained with
+    (their env's policy, shed margin, index parameters, levers and T_ref, on every row), each router
+    with its tuned parameters when ``cfg.params`` (a cluster tuning file) has them for that row; the
+    agents as rows of their own (``control.run_routed``). Writes the report and router_vs.json / .md:
+    each agent (and with ``pool`` their mean per unit) against the same replica row behind every
+    router, paired. Returns {"report", "rows", "markdown", "out"}."""
+    from .._io import atomic_path
+    from ..engine.cluster import ROUTER_NAMES
+    from ..errors import ConfigError
+    from ..evaluate import BenchConfig, run_benchmark
+    from ..evaluate.config import SHED_SUFFIX
+    from ..params import RoutedRow, load_routed
+    from ..policies import IndexParams
+    from ..report import check_report_out
+    from .load import agent_labels, router_agent
+
+    labels = agent_labels(cfg.model) if len(cfg.model) > 1 else [None]
+    agents = [router_agent(m, label=lab) for m, lab in zip(cfg.model, labels)]
+    env = agents[0].env
+    same = ("replicas", "profile", "policy", "shed_margin", "index", "levers", "t_ref_ms")
+    for a in agents[1:]:
+        diff = [f for f in same if getattr(a.env, f) != getattr(env, f)]
+        if diff:
+            raise ConfigError(f"--model: {a.label} was trained with another {', '.join(diff)} than {agents[0].label}; "
+                              "router agents judged together share their replicas and replica policy")
+    routers = tuple(cfg.routers) if cfg.routers is not None else \
+        (("round-robin",) + tuple(r for r in ROUTER_NAMES if r != "round-robin"))
+    from ..config_cli import check_names
+    check_names(routers, ROUTER_NAMES, "--routers", "router")
+    plain = env.policy + (SHED_SUFFIX if env.shed_margin is not None else "")
+    index = IndexParams(**dict(env.index)) if env.index is not None else None
+    routed = ()
+    if cfg.params:   # each router's own tuned parameters for this row; the replica values are the agents'
+        found = load_routed(cfg.params)
+        if found is None:
+            raise ConfigError(f"--params {cfg.params}: not a cluster tuning file (no 'cluster' rows)")
+        tuned = dict(found["routed"])
+        routed = tuple((f"{r} x {plain}", RoutedRow(index, env.shed_margin, env.levers,
+                                                    tuned[f"{r} x {plain}"].router_params))
+                       for r in routers if f"{r} x {plain}" in tuned and tuned[f"{r} x {plain}"].router_params)
+    m0 = Path(cfg.model[0])
+    out = Path(cfg.out) if cfg.out else (m0 if m0.is_dir() else m0.parent) / "test"
+    check_report_out(out, "--out")
+    kw = {}
+    if env.shed_margin is not None:
+        kw["shed_margins"] = ((env.policy, float(env.shed_margin)),)
+    if env.levers:
+        kw["levers"] = ((plain, env.levers),)
+    if index is not None:
+        kw["index_params"] = index
+    bench = BenchConfig(suite=cfg.suite or env.suite, split=cfg.split, profile=env.profile, policies=(env.policy,),
+                        shed=env.shed_margin is not None, loads=cfg.loads, max_traces=cfg.max_traces,
+                        bootstrap_b=cfg.bootstrap_b, bootstrap_seed=cfg.seed, upper_bound=False,
+                        progress=cfg.progress, replicas=env.replicas, routers=routers, routed=routed,
+                        router_agents=tuple(agents), t_ref_ms=env.t_ref_ms, **kw)
+    if env.suite == bench.suite and env.split == bench.split:
+        print(f"{prog}: warning: the agents were trained on {env.suite}/{env.split}, the split they are judged on: "
+              "not held out", file=sys.stderr)
+    report = run_benchmark(bench)
+    report.write(out)
+    agent_rows_ = [f"{a.label} x {plain}" for a in agents]
+    comparators = [f"{r} x {plain}" if len(routers) > 1 else plain for r in routers]
+    rows = versus_rows(report.data, agent_rows_, comparators)
+    if cfg.pool and len(agents) > 1:
+        rows += versus_rows(report.data, agent_rows_, comparators, pooled=True)
+    with atomic_path(out / "router_vs.json") as tmp:
+        Path(tmp).write_text(json.dumps({"evidence_id": report.evidence_id, "rows": rows}, indent=1) + "\n")
+    md = agent_markdown(rows, report.evidence_id).replace("# Agent vs comparators", "# Router agents vs routers")
+    with atomic_path(out / "router_vs.md") as tmp:
+        Path(tmp).write_text(md)
+    return {"report": report, "rows": rows, "markdown": md, "out": out}
+
+
+def versus_rows(data: dict, labels, comparators, pooled: bool = False) -> list:
+    """Per load: each agent row of ``labels`` (with ``pooled``, their mean goodput per unit as one
+    agent, ``POOLED``) against each row of ``comparators``, paired with the report's bootstrap."""
+    from ..metrics import paired_difference, win_rate
+    bs = data["evidence_inputs"]["bootstrap"]
+    out = []
+    for load in data["loads"]:
+        rows = {r["label"]: r for r in load["rows"]}
+        mine = [(f"{POOLED} ({len(labels)})", np.mean([rows[lab]["goodput_per_unit"] for lab in labels], axis=0))] \
+            if pooled else [(lab, np.asarray(rows[lab]["goodput_per_unit"], np.float64)) for lab in labels]
+        for name, g in mine:
+            for b in comparators:
+                other = np.asarray(rows[b]["goodput_per_unit"], np.float64)
+                m, lo, hi = paired_difference(g, other, B=bs["B"], seed=bs["seed"], block=bs["block"])
+                out.append({"rho": load["rho"], "agent": name, "vs": b, "agent_goodput": float(g.mean()),
+                            "other_goodput": float(other.mean()), "diff": m, "ci": [lo, hi],
+                            "win_rate": win_rate(g, other)})
+    return out

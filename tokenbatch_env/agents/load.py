@@ -16,7 +16,7 @@ from .._io import sha256_file
 from ..control import ControlSpec, policy_spec
 from ..errors import ConfigError
 
-__all__ = ["agent_files", "agent_labels", "agent_spec", "agent_warnings"]
+__all__ = ["agent_files", "agent_labels", "agent_spec", "agent_warnings", "is_router_agent", "router_agent"]
 
 
 def agent_files(model_path: str, option: str = "--model", env_config: Optional[str] = None,
@@ -169,3 +169,45 @@ def agent_spec(model_path: str, label: Optional[str] = None, option: str = "--mo
 
     return policy_spec(label or f"ppo:{d.name}", mode, base, base_margin, env_cfg.k, env_cfg.decision_interval_ms,
                        load, digests, shed_action=env_cfg.shed_action, guard=core.base_guard)
+
+
+# ------------------------------------------------------------------------------ routers
+def is_router_agent(model_path: str) -> bool:
+    """Whether ``model_path`` (an agent directory or a model.zip in one) is a router
+    (``tokenbatch train-router``: config.json's ``env["kind"]`` is ``"cluster"``)."""
+    p = Path(model_path)
+    cfg_file = (p.parent if p.suffix == ".zip" else p) / "config.json"
+    try:
+        env = json.loads(cfg_file.read_text()).get("env")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False
+    return isinstance(env, dict) and env.get("kind") == "cluster"
+
+
+def router_agent(model_path: str, label: Optional[str] = None, option: str = "--model"):
+    """A trained router (``tokenbatch train-router``'s directory) as a ``control.RouterAgent``: its
+    files checked as ``agent_files`` checks them, its env (``envs.ClusterEnvConfig``) rebuilt from
+    config.json, the model loaded lazily (``sb3.load_router_agent``) when its row runs."""
+    from ..control import RouterAgent
+    from ..envs.cluster_env import OBS_HIGH, ClusterEnvConfig, obs_dim
+
+    model, norm, env_kw, model_sha, norm_sha, _ = agent_files(model_path, option)
+    doc = json.loads((model.parent / "config.json").read_text())
+    algo = doc.get("algo")
+    from ..sb3 import ROUTER_ALGOS
+    if algo not in ROUTER_ALGOS:
+        raise ConfigError(f"{option} {model_path}: config.json names no router algorithm ({', '.join(ROUTER_ALGOS)}), "
+                          f"got {algo!r}")
+    fields = {f.name for f in dataclasses.fields(ClusterEnvConfig)}
+    env = ClusterEnvConfig(**{k: tuple(v) if k == "rho" else v for k, v in env_kw.items() if k in fields})
+    import gymnasium as gym
+    import numpy as np
+    obs_space = gym.spaces.Box(0.0, OBS_HIGH, (obs_dim(env.replicas),), np.float32)
+    act_space = gym.spaces.Discrete(env.replicas)
+
+    def make():
+        from ..sb3 import load_router_agent
+        return load_router_agent(str(model), algo, None if norm is None else str(norm), obs_space, act_space)
+
+    evidence = (("model_sha256", model_sha), ("vecnormalize_sha256", norm_sha), ("algo", algo))
+    return RouterAgent(label or f"ppo:{model.parent.name}", env, make, evidence)

@@ -27,6 +27,7 @@ EPILOG = """\
     {cmd} --policy set --timesteps 500000 --base-params runs/tune/best_params.json
     {cmd} --action-mode weights --out runs/ppo-weights
     {cmd} --no-shed-action                 # the shed margin stays theta*'s
+    {cmd} --env cluster ...                # a router on TokenBatchCluster-v0 (its options: --env cluster --help)
 
 The native vector env (one engine batch, no subprocesses) runs through the SB3 adapter
 (tokenbatch_env.sb3) with VecMonitor and, by default, VecNormalize (observations only; saved with
@@ -163,6 +164,14 @@ class TrainConfig:
             out["base_params"] = str(Path(out["base_params"]).resolve())
         return out
 
+    def saved_env(self) -> dict:
+        """config.json's ``"env"``: ``env_kwargs``."""
+        return self.env_kwargs()
+
+    def base_file(self) -> Optional[str]:
+        """The base parameters file (its digest is saved with the agent), resolved, or None."""
+        return self.env_kwargs()["base_params"]
+
     def to_dict(self) -> dict:
         """The run as JSON values: PPO's settings and ``"env"`` (the env's options, as given)."""
         d = {f.name: list(v) if isinstance(v, tuple) else v
@@ -215,8 +224,19 @@ def run(args, evaluate_cmd: str = "tokenbatch evaluate-agent") -> int:
 
 
 def main(argv=None, prog: str = "train_ppo.py", cmd: str = "python agents/train_ppo.py") -> int:
-    """The standalone entry (agents/train_ppo.py): errors are one line prefixed with ``prog``, exit 2."""
+    """The standalone entry (agents/train_ppo.py): errors are one line prefixed with ``prog``, exit 2.
+    ``--env cluster`` trains a router instead (``agents.train_router``)."""
     from ..config_cli import standalone_main
+    from ..errors import ConfigError
+    from .env_choice import split_env_choice
+    try:
+        kind, argv = split_env_choice(list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as e:
+        sys.stderr.write(f"{prog}: error: {e}\n")
+        return 2
+    if kind == "cluster":
+        from . import train_router
+        return train_router.main(argv, prog, f"{cmd} --env cluster")
     return standalone_main(build_parser(prog, cmd), run, argv, prog, "python agents/evaluate_agent.py")
 
 
@@ -291,8 +311,8 @@ def save_agent(model, venv, cfg: TrainConfig, directory: Path, extra: Optional[d
              "vecnormalize.pkl": sha256_file(norm_file) if norm is not None else None}
     # the base parameters' digest: the actions are residuals around them, so evaluation refuses a
     # changed file (``agents.load.agent_files``)
-    base = cfg.env_kwargs()["base_params"]
-    doc = {"train": cfg.to_dict(), "env": cfg.env_kwargs(), **(extra or {}), "files": files,
+    base = cfg.base_file()
+    doc = {"train": cfg.to_dict(), "env": cfg.saved_env(), **(extra or {}), "files": files,
            "base_params_sha256": None if base is None else sha256_file(base)}
     write_text_atomic(directory / "config.json", json.dumps(doc, indent=1, default=str) + "\n")
     if norm is None:

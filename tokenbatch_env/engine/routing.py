@@ -50,6 +50,8 @@ class RoutingRun:
         cap = routing_capacity(traces, self._resolved) if capacity is None else tuple(capacity)
         N, chains, rooms, n_uniq, top_chain, top_room, n_mml = cap
         self.capacity = cap
+        self.block_size = self._resolved[0].block_size
+        self.usable_blocks = max(1, self._resolved[0].usable_blocks)   # (a replica's KV pool: the view's scale)
         sizes = [max(1, min(tot, int(room * -(-tot // R)) + top + ROW_SLACK)) for tot, top in (
             (N, 0), (chains, top_chain), (rooms, top_room))]
         probe = Trace.build(arrival_ns=np.zeros(max(1, N), np.int64), prompt_tokens=np.ones(max(1, N), np.int64),

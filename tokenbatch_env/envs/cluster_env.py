@@ -39,7 +39,10 @@ class ClusterEnvConfig:
     R scored requests with ``warmup`` x R before and ``cooldown`` x R after, every one routed by the
     agent, only the scored ones rewarded. Each replica runs ``policy`` (a deployable policy of the
     registry; ``shed_margin``: its common shed rule, None: none) on ``profile``, with the workload's
-    length estimates and T_ref; a masked action is ``base_router``'s choice."""
+    length estimates and T_ref (``t_ref_ms``: a tuned parameters file's fixed T_ref); ``index``: the
+    index's parameters when ``policy`` is ``index`` (IndexParams fields; None: its defaults);
+    ``levers``: vLLM's flags on every replica (``{flag: value}`` of ``engine.levers.LEVERS``; a tuned
+    row's, docs/design.md section 11). A masked action is ``base_router``'s choice."""
 
     suite: str = "seed-200"
     split: str = "train"
@@ -54,9 +57,26 @@ class ClusterEnvConfig:
     base_router: str = "round-robin"
     seed: Optional[int] = None
     max_traces: Optional[int] = None
+    index: Any = None
+    levers: Any = ()
+    t_ref_ms: Optional[float] = None
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        from ..engine.levers import check_levers
+        from ..policies import IndexParams, PolicyError
+        set_("levers", check_levers(dict(self.levers) if isinstance(self.levers, (tuple, list)) else self.levers,
+                                    "levers"))
+        if self.index is not None:
+            try:
+                ip = IndexParams.from_dict(dict(self.index))
+            except (PolicyError, TypeError, ValueError) as e:
+                raise ConfigError(f"index: {e}") from None
+            if self.policy != "index":
+                raise ConfigError(f"index: the index's parameters go with policy 'index', not {self.policy!r}")
+            set_("index", tuple(sorted(dataclasses.asdict(ip).items())))
+        if self.t_ref_ms is not None and not (is_num(self.t_ref_ms) and 0 < float(self.t_ref_ms) < math.inf):
+            raise ConfigError(f"t_ref_ms: None or a positive number of ms, got {self.t_ref_ms!r}")
         for f in ("suite", "split", "profile", "policy", "base_router"):
             if not isinstance(getattr(self, f), str) or not getattr(self, f):
                 raise ConfigError(f"{f}: must be a non-empty string, got {getattr(self, f)!r}")
@@ -95,6 +115,19 @@ class ClusterEnvConfig:
     def episode_requests(self) -> int:
         return (self.window + self.warmup + self.cooldown) * self.replicas
 
+    def engine(self):
+        """Every replica's ``EngineConfig``: the defaults with ``levers`` set."""
+        from ..engine.levers import with_levers
+        from ..engine.state import EngineConfig
+        return with_levers(EngineConfig(), self.levers)
+
+    def replica_policy(self, t_ref_ms: float):
+        """Every replica's ``EnginePolicy`` (``t_ref_ms``: the workload's, unless ``self.t_ref_ms``)."""
+        from ..policies import IndexParams, engine_policy
+        params = IndexParams(**dict(self.index)) if self.index is not None else None
+        return engine_policy(self.policy, params=params, shed_margin=self.shed_margin,
+                             t_ref_ms=self.t_ref_ms if self.t_ref_ms is not None else t_ref_ms)
+
 
 def obs_dim(replicas: int) -> int:
     return replicas * len(REPLICA_FEATURES) + len(REQUEST_FEATURES)
@@ -131,6 +164,8 @@ class TokenBatchClusterVectorEnv(gym.vector.VectorEnv):
         self.config = cfg = config
         E, R = int(num_envs), cfg.replicas
         self.num_envs = E
+        # (the load is the workload's at the profile's flags, as the benchmark's; the replicas run at
+        # the config's levers on top)
         profile = EngineConfig().resolve(load_profile(cfg.profile))
         self.workload = wl = prepare_workload(WorkloadSpec(suite=cfg.suite, split=cfg.split, replicas=R,
                                                            max_traces=cfg.max_traces), profile)
@@ -140,13 +175,12 @@ class TokenBatchClusterVectorEnv(gym.vector.VectorEnv):
             raise ConfigError(f"no trace of {cfg.suite}/{cfg.split} holds an episode of {need} requests "
                               f"((window + warmup + cooldown) x replicas); lower them")
         self._est = wl.estimates(False)
-        _, resolved = resolve_copies([profile] * R, EngineConfig(), R)
+        engine = cfg.engine()
+        _, resolved = resolve_copies([profile] * R, engine, R)
         self._rngs = [np.random.default_rng(None if cfg.seed is None else [cfg.seed, i]) for i in range(E)]
         first = [self._draw(e) for e in range(E)]
         cap = routing_capacity([wl.units[u] for u in self._units], resolved, need)
-        from ..policies import engine_policy
-        pol = engine_policy(cfg.policy, shed_margin=cfg.shed_margin, t_ref_ms=wl.t_ref_ms)
-        self.run = RoutingRun([w.trace for w, _ in first], profile, pol, EngineConfig(), replicas=R,
+        self.run = RoutingRun([w.trace for w, _ in first], profile, cfg.replica_policy(wl.t_ref_ms), engine, replicas=R,
                               base_router=cfg.base_router, residual_life=wl.residual_life, capacity=cap,
                               estimates=[x for _, x in first], scored=[(w.scored_start, w.scored_stop)
                                                                         for w, _ in first])
@@ -156,8 +190,6 @@ class TokenBatchClusterVectorEnv(gym.vector.VectorEnv):
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, E)
         self._needs_reset = np.zeros(E, bool)
         self._ret = np.zeros(E, np.int64)
-        self._bs = profile.block_size
-        self._usable = max(1, profile.usable_blocks)
 
     # -------------------------------------------------------------- episodes
     def _draw(self, e: int) -> tuple:
@@ -237,30 +269,37 @@ class TokenBatchClusterVectorEnv(gym.vector.VectorEnv):
 
     # -------------------------------------------------------------- observation
     def _obs(self) -> np.ndarray:
-        run, R = self.run, self.config.replicas
-        v = run.view.astype(np.float64)
-        E = v.shape[0]
-        f = np.empty((E, R, len(REPLICA_FEATURES)))
-        f[..., 0] = np.log1p(v[..., CK.V_RUN]) / LOG_COUNT
-        f[..., 1] = np.log1p(v[..., CK.V_WAIT]) / LOG_COUNT
-        f[..., 2] = v[..., CK.V_FREE] / self._usable
-        f[..., 3] = np.log1p(v[..., CK.V_QUEUED]) / LOG_TOKENS
-        f[..., 4] = np.log1p(np.maximum(v[..., CK.V_OUT], 0)) / LOG_COUNT
-        f[..., 5] = np.log1p(v[..., CK.V_REM] / 1e6) / LOG_MS
-        i = np.minimum(run.pending, run.route.shape[1] - 1)
-        rows = np.arange(E)
-        prompt = run.g[1][rows, i].astype(np.float64)
-        f[..., 6] = np.minimum(v[..., CK.V_HITS] * self._bs / np.maximum(prompt, 1)[:, None], 1.0)
-        f[..., 7] = np.log1p(v[..., CK.V_SINCE_N]) / LOG_COUNT
-        f[..., 8] = np.log1p(v[..., CK.V_SINCE_TOK]) / LOG_TOKENS
-        f[..., 9] = np.log1p(run.pred / 1e6) / LOG_MS
-        f[..., 10] = run.mask
-        est = run.g[7][rows, i]
-        req = np.stack([np.log1p(prompt) / LOG_TOKENS, np.log1p(np.nan_to_num(est, nan=0.0)) / LOG_TOKENS,
-                        np.log1p(run.g[5][rows, i] / 1e6) / LOG_MS, np.log1p(run.g[6][rows, i] / 1e6) / LOG_MS], 1)
-        out = np.concatenate([f.reshape(E, -1), req], 1)
-        out[run.done] = 0.0
-        return np.clip(out, 0.0, OBS_HIGH).astype(np.float32)
+        return observe_cluster(self.run)
+
+
+def observe_cluster(run) -> np.ndarray:
+    """The observation of every cluster of ``run`` (an ``engine.routing.RoutingRun``) at its pending
+    arrival, [E, 11 R + 4] (``TokenBatchClusterEnv``'s Observation Space; zeros once a cluster is
+    done): the env's and the evaluator's (``control.run_routed``) one implementation."""
+    R = run.replicas
+    v = run.view.astype(np.float64)
+    E = v.shape[0]
+    f = np.empty((E, R, len(REPLICA_FEATURES)))
+    f[..., 0] = np.log1p(v[..., CK.V_RUN]) / LOG_COUNT
+    f[..., 1] = np.log1p(v[..., CK.V_WAIT]) / LOG_COUNT
+    f[..., 2] = v[..., CK.V_FREE] / run.usable_blocks
+    f[..., 3] = np.log1p(v[..., CK.V_QUEUED]) / LOG_TOKENS
+    f[..., 4] = np.log1p(np.maximum(v[..., CK.V_OUT], 0)) / LOG_COUNT
+    f[..., 5] = np.log1p(v[..., CK.V_REM] / 1e6) / LOG_MS
+    i = np.minimum(run.pending, run.route.shape[1] - 1)
+    rows = np.arange(E)
+    prompt = run.g[1][rows, i].astype(np.float64)
+    f[..., 6] = np.minimum(v[..., CK.V_HITS] * run.block_size / np.maximum(prompt, 1)[:, None], 1.0)
+    f[..., 7] = np.log1p(v[..., CK.V_SINCE_N]) / LOG_COUNT
+    f[..., 8] = np.log1p(v[..., CK.V_SINCE_TOK]) / LOG_TOKENS
+    f[..., 9] = np.log1p(run.pred / 1e6) / LOG_MS
+    f[..., 10] = run.mask
+    est = run.g[7][rows, i]
+    req = np.stack([np.log1p(prompt) / LOG_TOKENS, np.log1p(np.nan_to_num(est, nan=0.0)) / LOG_TOKENS,
+                    np.log1p(run.g[5][rows, i] / 1e6) / LOG_MS, np.log1p(run.g[6][rows, i] / 1e6) / LOG_MS], 1)
+    out = np.concatenate([f.reshape(E, -1), req], 1)
+    out[run.done] = 0.0
+    return np.clip(out, 0.0, OBS_HIGH).astype(np.float32)
 
 
 def make_cluster_vector_env(num_envs: int = 1, **kwargs) -> TokenBatchClusterVectorEnv:

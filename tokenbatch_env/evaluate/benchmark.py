@@ -245,6 +245,8 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                             and x.label not in vs)
             if r.router is not None and r.router != cfg.routers[0]:   # the router's gain: the same row behind the first
                 vs += (routed_label(cfg, cfg.routers[0], base),)
+            if r.router_agent is not None:   # a trained router: against the same row behind every router
+                vs += tuple(routed_label(cfg, rt, base) for rt in cfg.routers[1:])
             if r.levers:
                 d["levers"] = dict(r.levers)
             if r.levers and r.twin:   # the levers' gain: against the same row at the profile's flags

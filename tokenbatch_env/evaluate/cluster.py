@@ -60,6 +60,8 @@ def cluster_block(stats: list, cfg: BenchConfig, router: str, row=None) -> dict:
             "utilisation": [float(x) for x in np.mean([s["utilisation"] for s in stats], axis=0)],
             "imbalance": float(np.mean([s["imbalance"] for s in stats])),
             "prefix_hit_rate": h / q if q > 0 else 0.0,
+            **({"replaced_share": sum(s["replaced"] for s in stats) / max(1, sum(s["decisions"] for s in stats))}
+               if stats and "replaced" in stats[0] else {}),
             **({"pd": {"prefill_replicas": row.pd[0], "decode_replicas": row.pd[1], "decode_router": cfg.decode_router,
                        "kv_link": cfg.kv_link, "first_token_at": row.first_token_at}}
                if row is not None and row.pd else {})}

@@ -131,6 +131,7 @@ class BenchConfig:
     routers: tuple = (DEFAULT_ROUTER,)          # cluster mode: each row once per router (engine.cluster.ROUTER_NAMES)
     metrics_staleness_ms: float = 0.0           # cluster mode: the routers read the replicas' state this long ago
     routed: tuple = ()                          # cluster mode: (("<router> x <row>", RoutedRow), ...) tuned per row
+    router_agents: tuple = ()                   # cluster mode: control.RouterAgent rows (trained routers)
     pd: tuple = ()                              # cluster mode: (Rp, Rd), Rp + Rd = R: P/D rows too (design s. 13)
     kv_link: str = "nvlink"                     # P/D rows: the KV link (engine.kv_link.KV_LINKS)
     decode_router: str = "least-kv"             # P/D rows: the decode router
@@ -256,14 +257,16 @@ class BenchConfig:
             raise ConfigError(f"metrics_staleness_ms: must be a finite number of ms >= 0, got {st!r}")
         set_("metrics_staleness_ms", float(st))
         if R == 1:   # the single engine, exactly as without these fields
-            if routers != (DEFAULT_ROUTER,) or self.metrics_staleness_ms != 0.0 or self.routed or self.pd:
-                raise ConfigError("routers, metrics_staleness_ms, routed rows and pd: a cluster's settings, with "
-                                  "replicas R > 1 (--replicas R)")
+            if routers != (DEFAULT_ROUTER,) or self.metrics_staleness_ms != 0.0 or self.routed or self.pd \
+                    or self.router_agents:
+                raise ConfigError("routers, metrics_staleness_ms, routed rows, pd and router agents: a cluster's "
+                                  "settings, with replicas R > 1 (--replicas R)")
             if (self.kv_link, self.decode_router) != ("nvlink", "least-kv"):
                 raise ConfigError("kv_link and decode_router: settings of P/D rows (pd, --pd Rp:Rd)")
             return
         self._check_pd(set_)
         self._check_routed(set_)
+        self._check_router_agents(set_, routers)
         if self.schedule is not None or self.controllers:
             raise ConfigError("controller rows (--schedule, agents) are not supported in cluster mode "
                               "(replicas > 1) yet")
@@ -272,6 +275,27 @@ class BenchConfig:
         if self.upper_bound:
             raise ConfigError("upper_bound: the upper bound is a single engine's; not supported in cluster mode "
                               "(replicas > 1) yet (give upper_bound=False)")
+
+    def _check_router_agents(self, set_, routers: tuple) -> None:
+        """``router_agents``: ``control.RouterAgent`` objects with unique labels that are not routers'
+        names, each trained on clusters of ``replicas`` replicas; not with P/D rows or staleness (the
+        routing env has neither)."""
+        from ..control import RouterAgent
+        agents = tuple(self.router_agents)
+        if any(not isinstance(a, RouterAgent) for a in agents):
+            raise ConfigError("router_agents must be control.RouterAgent objects")
+        labels = [a.label for a in agents]
+        from ..engine.cluster import ROUTER_NAMES
+        if len(set(labels)) != len(labels) or set(labels) & set(ROUTER_NAMES) or any(" x " in x for x in labels):
+            raise ConfigError(f"router_agents: labels must be unique, differ from the routers' names and hold no "
+                              f"' x ', got {labels}")
+        for a in agents:
+            if a.env.replicas != self.replicas:
+                raise ConfigError(f"router agent {a.label}: trained on clusters of {a.env.replicas} replicas, "
+                                  f"not {self.replicas} (--replicas)")
+        if agents and (self.pd or self.metrics_staleness_ms):
+            raise ConfigError("router agents: not with P/D rows or metrics staleness (the routing env has neither)")
+        set_("router_agents", agents)
 
     def _check_pd(self, set_) -> None:
         """``pd`` (Rp, Rd) >= 1 each with Rp + Rd = ``replicas``, its link and decode router known; P/D

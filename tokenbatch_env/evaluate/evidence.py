@@ -35,6 +35,8 @@ def evidence_inputs(cfg: BenchConfig, wl, profile, rows: list) -> dict:
             d["router"] = r.router
             if r.router_params:
                 d["router_params"] = dict(r.router_params)
+            if r.router_agent is not None:
+                d["router_agent"] = {"env": dataclasses.asdict(r.router_agent.env), **dict(r.router_agent.evidence)}
         if r.pd:
             d["pd"] = {"prefill_replicas": r.pd[0], "decode_replicas": r.pd[1], "first_token_at": r.first_token_at,
                        "decode_router": cfg.decode_router, "kv_link": cfg.kv_link}

@@ -29,6 +29,7 @@ class Row:
     router_params: tuple = ()        # cluster mode: its router's tuned parameters (BenchConfig.routed)
     pd: tuple = ()                   # a P/D row: (Rp, Rd) (BenchConfig.pd; docs/design.md section 13)
     first_token_at: Optional[str] = None   # a P/D row: where its first token counts (prefill, decode)
+    router_agent: object = None      # cluster mode: a trained router (control.RouterAgent) as its router
 
 
 def routed_label(cfg: BenchConfig, router: Optional[str], label: str) -> str:
@@ -39,7 +40,7 @@ def routed_label(cfg: BenchConfig, router: Optional[str], label: str) -> str:
 
 def plain_label(row: Row, cfg: BenchConfig) -> str:
     """A row's label without its router (``routed_label``'s inverse)."""
-    prefix = routed_label(cfg, row.router, "")
+    prefix = f"{row.router} x " if row.router_agent is not None else routed_label(cfg, row.router, "")
     return row.label[len(prefix):] if prefix and row.label.startswith(prefix) else row.label
 
 
@@ -96,7 +97,21 @@ def build_rows(cfg: BenchConfig) -> list:
     if cfg.pd:   # each routed row again on the split, the router in front of its prefill replicas
         from ..engine.disagg import FIRST_TOKEN_AT
         rows += [pd_row(cfg, r, f) for r in rows if r.policy != CONTROLLED for f in FIRST_TOKEN_AT]
+    rows += [router_agent_row(a) for a in cfg.router_agents]
     return rows
+
+
+def router_agent_row(agent) -> Row:
+    """A trained router's row: ``"<agent> x <replica row>"``, its replicas running the replica
+    policy it was trained with (its env's policy, shed margin, index and levers)."""
+    env = agent.env
+    plain = env.policy + (SHED_SUFFIX if env.shed_margin is not None else "")
+    index = None
+    if env.index is not None:
+        from ..policies import IndexParams
+        index = IndexParams(**dict(env.index))
+    return Row(f"{agent.label} x {plain}", env.policy, env.shed_margin, added=True, levers=env.levers,
+               index_params=index, router=agent.label, router_agent=agent)
 
 
 def pd_label(cfg: BenchConfig, label: str, first_token_at: str) -> str:
@@ -215,6 +230,10 @@ def run_cluster_row(row: Row, wl, traces: list, est: list, profile, cfg: BenchCo
     from ..engine.cluster import simulate_cluster
     engine = row_engine(row, cfg)
     guard = row_guard(row, cfg) if row.guard else None
+    if row.router_agent is not None:   # (a trained router: the routing env's dynamics and observation)
+        from ..control import run_routed
+        return run_routed(traces, profile, pol, engine, row.router_agent, estimates=est,
+                          residual_life=wl.residual_life)
     from ..engine.cluster import Router
     router = Router(row.router, **dict(row.router_params))
     if row.pd:   # (docs/design.md section 13: the row's router in front of the prefill replicas)

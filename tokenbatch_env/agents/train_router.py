@@ -1,0 +1,360 @@
+"""`tokenbatch train-router` (and ``agents/train_ppo.py --env cluster``): train a PPO or MaskablePPO
+router on TokenBatchCluster-v0 (docs/design.md section 12, "Routing env") as a challenger to the
+tuned routers.
+
+``RouterTrainConfig`` is the whole run (its fields are the command's options, ``config_cli``);
+``train_router`` runs it. See ``EPILOG`` (the command's ``--help``) for what it writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..config_cli import option
+from ..envs.cluster_env import ClusterEnvConfig
+
+DESCRIPTION = ("Train a PPO or MaskablePPO router (stable-baselines3, sb3-contrib) on TokenBatchCluster-v0 as a "
+               "challenger to the tuned routers.")
+
+EPILOG = """\
+    {cmd}                                   # 4 replicas of stress-512, MaskablePPO, small budget
+    {cmd} --suite azure-conv-like --profile llama3-8b-h100 --replicas 8 --rho 1.2 \\
+        --params runs/tune-router/best_params.json --replica-row "round-robin x index+shed" \\
+        --timesteps 2000000 --seed 0 --out runs/router-s0
+
+Every replica runs the replica policy: --replica-policy and --shed-margin, or with --params (a
+``tokenbatch tune --replicas R`` best_params.json) the tuned row --replica-row names (its policy,
+shed margin, index parameters and vLLM flags, and the file's T_ref), as the comparators do. The
+native vector env (one engine batch) runs through the SB3 adapter (tokenbatch_env.sb3) with
+VecMonitor and, by default, VecNormalize (observations only; saved with the model). The network
+(--net) is the replica scorer (one MLP scores every replica from its features, their mean and the
+request's: it treats the replicas alike) or an MLP on the whole observation. PPO's masked choices are
+the base router's (counted); MaskablePPO samples only allowed replicas. Every --eval-every timesteps
+the current policy (its most probable replica) routes the VALIDATION split's windows by the
+evaluator's own replay (tokenbatch_env.control.run_routed); the best is kept in <out>/best/
+(model.zip, vecnormalize.pkl, config.json) and the final policy in <out>/final/.
+<out>/train_metrics.json has the validation curve and the base router's validation goodput. Judge
+on TEST against every router with {evaluate} --model <out>/best --params FILE.
+"""
+
+
+def _parse_loads(text, flag: str) -> tuple:
+    from ..util import parse_loads
+    return parse_loads(text, flag[2:])
+
+
+def _parse_rho(text, flag: str) -> tuple:
+    v = _parse_loads(text, flag)
+    return (v[0], v[0]) if len(v) == 1 else v
+
+
+#: the routing env's fields that are options (``config_cli``; their checks are ``ClusterEnvConfig``'s)
+ENV_OPTIONS = {
+    "suite": {"help": "suite name or spec .json; episodes are windows of its --split"},
+    "split": {"help": "split whose windows are the episodes"},
+    "profile": {"help": "engine profile of every replica (tokenbatch profiles list)"},
+    "replicas": {"help": "replicas R per cluster (the action: one of R)"},
+    "rho": {"help": "training cluster loads low,high (drawn per episode), or one value", "parse": _parse_rho,
+            "type": tuple[float, ...]},
+    "window": {"help": "scored requests per replica per episode (W x R scored)"},
+    "warmup": {"help": "requests per replica routed before the window, not scored"},
+    "cooldown": {"help": "requests per replica routed after the window, not scored"},
+    "policy": {"help": "the replicas' policy (without --params)", "flags": ("--replica-policy",)},
+    "shed_margin": {"help": "its shed margin (without --params; default none: no shedding)", "none": "none"},
+    "base_router": {"help": "the router whose choice replaces a masked action"},
+    "seed": {"help": "seed of PPO and the env"},
+}
+
+
+def _default_env():
+    return ClusterEnvConfig(seed=0)
+
+
+#: config.json's ``env["kind"]`` of a router agent
+ROUTER_KIND = "cluster"
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterTrainConfig:
+    """The whole router training run (saved as config.json beside the model): the routing env's
+    ``ClusterEnvConfig`` (``env``; the fields in ``ENV_OPTIONS`` are options, the rest set by
+    ``params`` and ``replica_row``) and the algorithm's settings."""
+
+    env: ClusterEnvConfig = dataclasses.field(default_factory=_default_env, metadata={
+        "options": ENV_OPTIONS, "group": "the routing env (ClusterEnvConfig)"})
+    params: Optional[str] = option(None, "tuned parameters JSON of a cluster tuning run (tokenbatch tune "
+                                   "--replicas R): the replicas run its row --replica-row", metavar="FILE")
+    replica_row: Optional[str] = option(None, "with --params: the tuned row every replica runs, e.g. "
+                                        "'round-robin x index+shed'", metavar="ROW")
+    algo: str = option("maskable-ppo", "ppo or maskable-ppo (sb3-contrib)")
+    net: str = option("scorer", "scorer (one MLP scores each replica) or mlp (SB3 MlpPolicy)")
+    hidden: int = option(64, "the scorer's width", min=1)
+    prior: float = option(0.0, "the scorer's initial weight on least-outstanding's preference (learned; 0: none)")
+    n_envs: int = option(256, "clusters (one engine batch)")
+    timesteps: int = option(100_000, "training env-steps (routing decisions)")
+    n_steps: int = option(64, "rollout length per cluster: batch = n_envs * n_steps")
+    batch_size: int = option(4096, "minibatch size")
+    n_epochs: int = option(4, "epochs per rollout")
+    learning_rate: float = option(3e-4, "Adam learning rate")
+    gamma: float = option(0.99, "discount per routing decision")
+    gae_lambda: float = option(0.95, "GAE lambda")
+    clip_range: float = option(0.2, "clip range")
+    ent_coef: float = option(0.0, "entropy coefficient")
+    net_arch: tuple[int, ...] = option((64, 64), "hidden widths of the critic (and of the mlp actor)", min=1)
+    normalize: bool = option(True, "VecNormalize the observations (saved with the model)")
+    eval_every: int = option(250_000, "timesteps between validation replays (0 = only at the end)")
+    val_split: str = option("validation", "split the validation replays judge the policy on")
+    eval_traces: int = option(20, "validation traces replayed (the first N)")
+    eval_loads: tuple[float, ...] = option((1.2,), "validation loads rho, comma-separated", parse=_parse_loads)
+    out: str = option("runs/router", "output directory")
+    progress: bool = option(True, "a progress bar on stderr")
+
+    def __post_init__(self):
+        from ..errors import ConfigError
+        if not isinstance(self.env, ClusterEnvConfig):
+            raise ConfigError(f"env: must be a ClusterEnvConfig, got {type(self.env).__name__}")
+        if self.env.seed is None:
+            raise ConfigError("seed: training needs an integer seed (the algorithm's and the env's), got None")
+        from ..sb3 import ROUTER_ALGOS
+        if self.algo not in ROUTER_ALGOS:
+            raise ConfigError(f"algo: one of {', '.join(ROUTER_ALGOS)}, got {self.algo!r}")
+        if self.net not in ("scorer", "mlp"):
+            raise ConfigError(f"net: scorer or mlp, got {self.net!r}")
+        for f in ("n_envs", "timesteps", "n_steps", "batch_size", "n_epochs", "eval_traces", "hidden"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{f}: must be an integer >= 1, got {v!r}")
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ConfigError(f"eval_every: must be an integer >= 0, got {self.eval_every!r}")
+        for f, lo, hi in (("learning_rate", 0.0, math.inf), ("gamma", 0.0, 1.0), ("gae_lambda", 0.0, 1.0),
+                          ("clip_range", 0.0, math.inf)):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v <= hi):
+                raise ConfigError(f"{f}: must be a number > {lo:g}" + ("" if hi == math.inf else f" and <= {hi:g}")
+                                  + f", got {v!r}")
+        for f in ("ent_coef", "prior"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"{f}: must be a finite number, got {v!r}")
+        if (self.params is None) != (self.replica_row is None):
+            raise ConfigError("--params and --replica-row go together (the tuned row every replica runs)")
+        if self.params is not None:
+            if self.env.policy != ClusterEnvConfig.policy or self.env.shed_margin is not None:
+                raise ConfigError("--replica-policy and --shed-margin: the replica row of --params sets them")
+            object.__setattr__(self, "env", replica_env(self.env, self.params, self.replica_row))
+
+    def to_dict(self) -> dict:
+        """The run as JSON values: the settings and ``"env"`` (every ClusterEnvConfig field, resolved)."""
+        d = {f.name: list(v) if isinstance(v, tuple) else v
+             for f in dataclasses.fields(self) if f.name != "env" for v in [getattr(self, f.name)]}
+        return {"env": env_dict(self.env), **d}
+
+    def saved_env(self) -> dict:
+        """config.json's ``"env"``: every ``ClusterEnvConfig`` field (``env_dict``) and ``"kind":
+        "cluster"`` (what ``agents.load`` tells a router by)."""
+        return {"kind": ROUTER_KIND, **env_dict(self.env)}
+
+    def base_file(self) -> Optional[str]:
+        """The parameters file the replica row came from (its digest is saved with the agent)."""
+        return None if self.params is None else str(Path(self.params).resolve())
+
+
+def env_dict(env: ClusterEnvConfig) -> dict:
+    """A ``ClusterEnvConfig`` as JSON values (``ClusterEnvConfig(**env_dict(c)) == c``)."""
+    d = dataclasses.asdict(env)
+    d["rho"] = list(env.rho)
+    d["levers"] = dict(env.levers)
+    d["index"] = None if env.index is None else dict(env.index)
+    return d
+
+
+def replica_env(env: ClusterEnvConfig, params: str, row: str) -> ClusterEnvConfig:
+    """``env`` with every replica running the tuned row ``row`` (``"<router> x <row>"``) of the cluster
+    tuning file ``params``: its policy, shed margin, index parameters and levers, and the file's T_ref."""
+    from ..errors import ConfigError
+    from ..evaluate.config import SHED_SUFFIX
+    from ..params import load_params_file, load_routed
+    routed = load_routed(params)
+    if routed is None:
+        raise ConfigError(f"--params {params}: not a cluster tuning file (no 'cluster' rows; tokenbatch tune "
+                          "--replicas R writes one)")
+    rows = dict(routed["routed"])
+    if row not in rows:
+        raise ConfigError(f"--replica-row {row!r}: not a row of {params}; its rows: {', '.join(sorted(rows))}")
+    if routed["replicas"] != env.replicas:
+        raise ConfigError(f"--replica-row {row!r} was tuned on {routed['replicas']} replicas, not --replicas "
+                          f"{env.replicas}")
+    rr = rows[row]
+    plain = row.partition(" x ")[2]
+    if not plain.endswith(SHED_SUFFIX):
+        raise ConfigError(f"--replica-row {row!r}: a tuned +shed row (index+shed, <baseline>+shed) is a replica "
+                          "policy; the tuned-flags rows are not yet")
+    policy = plain.removesuffix(SHED_SUFFIX)
+    index_params, _ = load_params_file(params)
+    index = rr.index_params if rr.index_params is not None else (index_params if policy == "index" else None)
+    doc = json.loads(Path(params).read_text())
+    t_ref = (doc.get("meta") or {}).get("t_ref_ms") if (doc.get("meta") or {}).get("t_ref_mode") == "fixed" else None
+    return dataclasses.replace(env, policy=policy, shed_margin=float(rr.shed_margin),
+                               index=None if index is None else dataclasses.asdict(index),
+                               levers=dict(rr.levers), t_ref_ms=t_ref)
+
+
+# ------------------------------------------------------------------------------ CLI
+def configure(p: argparse.ArgumentParser, cmd: str = "tokenbatch train-router",
+              evaluate: str = "tokenbatch evaluate-agent") -> None:
+    from ..config_cli import configure_command
+    configure_command(p, RouterTrainConfig, DESCRIPTION, EPILOG.format(cmd=cmd, evaluate=evaluate))
+
+
+def build_parser(prog: str = "train_ppo.py", cmd: str = "python agents/train_ppo.py --env cluster"):
+    p = argparse.ArgumentParser(prog=prog)
+    configure(p, cmd, "python agents/evaluate_agent.py")
+    return p
+
+
+def run(args, evaluate_cmd: str = "tokenbatch evaluate-agent") -> int:
+    from ..config_cli import config_from_args
+    cfg = config_from_args(RouterTrainConfig, args)
+    m = train_router(cfg)
+    v = m["validation"]
+    print(f"trained {m['timesteps']} routing decisions in {m['train_wall_s']} s "
+          f"({m['env_steps_per_s_end_to_end']} env-steps/s end to end)")
+    print(f"validation goodput ({v['split']}, rho {v['loads']}, {v['traces']} traces): best agent "
+          f"{v['best_agent']:.4f}  final {v['final_agent']:.4f}  {cfg.env.base_router} {v['base_router']:.4f}")
+    print(f"saved: {Path(cfg.out) / 'best'} (best), {Path(cfg.out) / 'final'}; judge on TEST with "
+          f"{evaluate_cmd} --model {Path(cfg.out) / 'best'}" + (f" --params {cfg.params}" if cfg.params else ""))
+    return 0
+
+
+def main(argv=None, prog: str = "train_ppo.py", cmd: str = "python agents/train_ppo.py --env cluster") -> int:
+    from ..config_cli import standalone_main
+    return standalone_main(build_parser(prog, cmd), run, argv, prog, "python agents/evaluate_agent.py")
+
+
+# ------------------------------------------------------------------------------ validation
+class RouterValidator:
+    """Routes the validation split's copies (every load) with a predict function through the
+    evaluator's replay (``control.run_routed``); goodput = mean over copies of met / scored."""
+
+    def __init__(self, cfg: RouterTrainConfig):
+        from ..engine.profiles import load_profile
+        from ..evaluate import BenchConfig
+        from ..evaluate.cluster import bench_workload
+        env = cfg.env
+        bc = BenchConfig(suite=env.suite, split=cfg.val_split, profile=env.profile, loads=cfg.eval_loads,
+                         max_traces=cfg.eval_traces, upper_bound=False, replicas=env.replicas,
+                         routers=(env.base_router,))
+        self.env = env
+        self.profile = bc.engine.resolve(load_profile(env.profile))
+        self.wl = bench_workload(bc, self.profile)
+        self.traces = [t for rho in cfg.eval_loads for t in self.wl.at(rho)]
+        self.est = self.wl.estimates(False) * len(cfg.eval_loads)
+        self.scored = list(self.wl.scored) * len(cfg.eval_loads)
+
+    def goodput(self, predict) -> float:
+        from ..control import RouterAgent, run_routed
+        env = self.env
+        res = run_routed(self.traces, self.profile, env.replica_policy(self.wl.t_ref_ms), env.engine(),
+                         RouterAgent("agent", env, lambda: predict), estimates=self.est,
+                         residual_life=self.wl.residual_life)
+        return float(sum(res.records(i)["met"][m].mean() for i, m in enumerate(self.scored)) / len(self.scored))
+
+
+def base_router_predict(obs, masks):
+    """The base router's choice for every cluster (action -1)."""
+    import numpy as np
+    return np.full(len(obs), -1, np.int64)
+
+
+# ------------------------------------------------------------------------------ training
+def train_router(cfg: RouterTrainConfig) -> dict:
+    import numpy as np
+    import torch
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from .._io import check_writable, write_text_atomic
+    from ..sb3 import make_sb3_cluster_vec_env, replica_scorer_policy_class, router_algo_class
+    from .train import progress_callback, save_agent
+
+    torch.set_num_threads(1)
+    out = Path(cfg.out)
+    check_writable(out, "--out", directory=True)
+    t_start = time.time()
+    venv = make_sb3_cluster_vec_env(cfg.n_envs, monitor=True, **dataclasses.asdict(cfg.env))
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.normalize:
+        venv = VecNormalize(venv, norm_obs=True, norm_reward=False, gamma=cfg.gamma)
+    maskable = cfg.algo == "maskable-ppo"
+    if cfg.net == "scorer":
+        policy = replica_scorer_policy_class(maskable)
+        policy_kwargs = {"net_arch": {"pi": [], "vf": list(cfg.net_arch)}, "replicas": cfg.env.replicas,
+                         "hidden": cfg.hidden, "prior": cfg.prior}
+    else:
+        policy, policy_kwargs = "MlpPolicy", {"net_arch": list(cfg.net_arch)}
+    model = router_algo_class(cfg.algo)(
+        policy, venv, n_steps=cfg.n_steps, batch_size=min(cfg.batch_size, cfg.n_envs * cfg.n_steps),
+        n_epochs=cfg.n_epochs, learning_rate=cfg.learning_rate, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda,
+        clip_range=cfg.clip_range, ent_coef=cfg.ent_coef, policy_kwargs=policy_kwargs, device="cpu",
+        seed=cfg.env.seed, verbose=0, tensorboard_log=str(out / "tb"))
+    val = RouterValidator(cfg)
+    base_g = val.goodput(base_router_predict)
+    curve = []
+    state = {"best": -1.0, "next_eval": cfg.eval_every or None}
+
+    def predict_now(obs, masks):
+        x = np.asarray(obs, np.float32)
+        if cfg.normalize:
+            x = venv.normalize_obs(x)
+        kw = {"action_masks": np.asarray(masks, bool)} if maskable else {}
+        return np.asarray(model.predict(x, deterministic=True, **kw)[0], np.int64)
+
+    def evaluate_now(step: int, logger=None) -> float:
+        g = val.goodput(predict_now)
+        curve.append({"timesteps": step, "wall_s": round(time.time() - t_start, 1), "val_goodput": g})
+        if logger is not None:
+            logger.record("val/goodput", g)
+            logger.record("val/base_router_goodput", base_g)
+        if g > state["best"]:
+            state["best"] = g
+            save_agent(model, venv, cfg, out / "best", {"val_goodput": g, "timesteps": step, "algo": cfg.algo})
+        return g
+
+    class Callback(BaseCallback):
+        def _on_training_start(self) -> None:
+            if cfg.eval_every:
+                evaluate_now(0, self.logger)
+
+        def _on_step(self) -> bool:
+            for info in self.locals.get("infos", []):
+                if "episode_goodput" in info:
+                    self.logger.record_mean("episode/goodput", info["episode_goodput"])
+                if "replaced" in info:
+                    self.logger.record_mean("episode/replaced", float(info["replaced"]))
+            if state["next_eval"] is not None and self.num_timesteps >= state["next_eval"]:
+                evaluate_now(self.num_timesteps, self.logger)
+                state["next_eval"] += cfg.eval_every
+            return True
+
+    callbacks = [Callback()] + ([progress_callback()] if cfg.progress else [])
+    model.learn(total_timesteps=cfg.timesteps, callback=callbacks)
+    train_s = time.time() - t_start
+    final_g = evaluate_now(model.num_timesteps)
+    save_agent(model, venv, cfg, out / "final", {"val_goodput": final_g, "timesteps": model.num_timesteps,
+                                                 "algo": cfg.algo})
+    metrics = {"config": cfg.to_dict(), "timesteps": model.num_timesteps,
+               "wall_s": round(time.time() - t_start, 1), "train_wall_s": round(train_s, 1),
+               "env_steps_per_s_end_to_end": round(model.num_timesteps / train_s, 1),
+               "validation": {"split": cfg.val_split, "loads": list(cfg.eval_loads), "traces": cfg.eval_traces,
+                              "base_router": base_g, "best_agent": state["best"], "final_agent": final_g,
+                              "curve": curve}}
+    write_text_atomic(out / "train_metrics.json", json.dumps(metrics, indent=1) + "\n")
+    venv.close()
+    return metrics
