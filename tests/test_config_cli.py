@@ -221,7 +221,7 @@ SCRIPT_FLAGS = {
     "agents/evaluate_agent.py": (
         "tokenbatch_env.agents.evaluate",
         "-h --help --model --params --suite --split --loads --max-traces --bootstrap-b --seed --out --pool "
-        "--no-progress --env-config --vecnormalize"),
+        "--no-progress --env-config --vecnormalize --routers"),
 }
 
 

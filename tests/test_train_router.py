@@ -3,7 +3,6 @@
 symmetry, and the evaluator's router-agent rows (``control.run_routed``): a router agent that always
 defers to its base router is that router's row, unit for unit."""
 
-import dataclasses
 import json
 
 import numpy as np
@@ -14,8 +13,8 @@ pytest.importorskip("sb3_contrib")
 torch = pytest.importorskip("torch")
 pytest.importorskip("tensorboard")
 
+from tokenbatch_env.agents import env_choice as train_ppo  # noqa: E402  (agents/train_ppo.py's main)
 from tokenbatch_env.agents import evaluate as evaluate_agent  # noqa: E402
-from tokenbatch_env.agents import train as train_ppo  # noqa: E402
 
 TINY = ["--env", "cluster", "--replicas", "2", "--window", "8", "--warmup", "2", "--cooldown", "2", "--n-envs", "4",
         "--timesteps", "256", "--n-steps", "32", "--batch-size", "64", "--n-epochs", "1", "--eval-every", "128",
@@ -116,7 +115,8 @@ def test_evaluate_agent_judges_router_agents_against_every_router(trained, tmp_p
     assert pa["router_params"] == {"alpha": 1.5, "beta": 4.0}
     vs = json.loads((tmp_path / "a" / "router_vs.json").read_text())["rows"]
     assert {(v["agent"], v["vs"]) for v in vs} == {
-        (a, f"{r} x edf+shed") for a in ("ppo:maskable-ppo/best", "ppo:ppo/best", "mean of agents (2)")
+        (a, f"{r} x edf+shed") for a in ("ppo:maskable-ppo/best x edf+shed", "ppo:ppo/best x edf+shed",
+                                         "mean of agents (2)")
         for r in ("round-robin", "prefix-affinity", "jsq")}
     pooled = [v for v in vs if v["agent"].startswith("mean")]
     mean = np.mean([rows[f"{a} x edf+shed"]["goodput_per_unit"] for a in ("ppo:maskable-ppo/best", "ppo:ppo/best")],
@@ -157,11 +157,22 @@ def test_bad_router_training_input_is_one_line(tmp_path, capsys):
 
 
 def test_tokenbatch_train_env_cluster_is_train_router(capsys):
+    import subprocess
+    import sys
+    from pathlib import Path
+
     from tokenbatch_env import cli
     with pytest.raises(SystemExit):
         cli.main(["train", "--env", "cluster", "--help"])
     out = capsys.readouterr().out
     assert "--replica-row" in out and "--algo" in out and "usage: tokenbatch train-router" in out
+    script = Path(__file__).resolve().parents[1] / "agents" / "train_ppo.py"
+    r = subprocess.run([sys.executable, str(script), "--env", "cluster", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: train_ppo.py ") and "--replica-row" in r.stdout
+    r = subprocess.run([sys.executable, str(script), "--env", "cluster", "--algo", "x"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr == "train_ppo.py: error: algo: one of ppo, maskable-ppo, got 'x'\n"
 
 
 def test_replica_scorer_treats_the_replicas_alike():
@@ -182,4 +193,4 @@ def test_replica_scorer_treats_the_replicas_alike():
         with torch.no_grad():
             a, b = pol.action_net(x), pol.action_net(xp)
         assert torch.allclose(a[:, perm], b, atol=1e-6)
-        assert dataclasses.is_dataclass(pol) is False and float(pol.action_net.prior) == 2.0
+        assert float(pol.action_net.prior.detach()) == 2.0

@@ -73,14 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     _freeze_at_exit()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    if command == "train":   # (``train --env cluster`` is ``train-router``, as agents/train_ppo.py's)
-        from .agents.env_choice import split_env_choice
-        kind, rest = split_env_choice(argv[argv.index("train") + 1:])
-        if kind == "cluster":
-            argv, command = argv[:argv.index("train")] + ["train-router"] + rest, "train-router"
-        elif kind is not None:
-            argv = argv[:argv.index("train") + 1] + rest
     try:
+        if command == "train":   # (``train --env cluster`` is ``train-router``, as agents/train_ppo.py's)
+            from .agents.env_choice import split_env_choice
+            at = argv.index("train")
+            kind, rest = split_env_choice(argv[at + 1:])
+            if kind == "cluster":
+                argv, command = argv[:at] + ["train-router"] + rest, "train-router"
+            elif kind is not None:
+                argv = argv[:at + 1] + rest
         parser = build_parser(command if command in COMMANDS else None)
         args = parser.parse_args(argv)
         if getattr(args, "_run", None) is None:

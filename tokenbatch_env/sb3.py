@@ -59,8 +59,9 @@ def replica_scorer_policy_class(maskable: bool = False):
     it treats the replicas alike (permuting them permutes the action's probabilities). Replica c's
     score reads its 11 features, their mean over the replicas and the request's 4; the logits are the
     scores, less ``prior`` (learned, from its initial value) x the replica's outstanding feature:
-    least-outstanding's preference, a start the actor refines. The critic is an MLP on the whole observation (``net_arch``'s ``vf``; the actor's ``pi``
-    must be empty: its input is the observation). ``replicas``: R; ``hidden``: the scorer's width."""
+    least-outstanding's preference, a start the actor refines. The critic is an MLP on the whole
+    observation (``net_arch``'s ``vf``; the actor's ``pi`` must be empty: its input is the
+    observation). ``replicas``: R; ``hidden``: the scorer's width."""
     if maskable in _SCORERS:
         return _SCORERS[maskable]
     import torch

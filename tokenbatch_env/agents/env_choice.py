@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from ..errors import ConfigError
 
 #: the envs a PPO agent trains on
@@ -27,3 +29,18 @@ def split_env_choice(argv: list) -> tuple:
     if kind is not None and kind not in ENV_CHOICES:
         raise ConfigError(f"--env: one of {', '.join(ENV_CHOICES)}, got {kind!r}")
     return kind, rest
+
+
+def main(argv=None, prog: str = "train_ppo.py", cmd: str = "python agents/train_ppo.py") -> int:
+    """agents/train_ppo.py: ``--env cluster`` trains a router (``train_router.main``), otherwise
+    TokenBatch-v0/v1's trainer (``train.main``); errors are one line prefixed with ``prog``, exit 2."""
+    try:
+        kind, argv = split_env_choice(list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as e:
+        sys.stderr.write(f"{prog}: error: {e}\n")
+        return 2
+    if kind == "cluster":
+        from . import train_router
+        return train_router.main(argv, prog, f"{cmd} --env cluster")
+    from . import train
+    return train.main(argv, prog, cmd)

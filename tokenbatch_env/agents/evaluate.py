@@ -49,6 +49,14 @@ also hold their mean: per trace, the agents' mean goodput, paired against each c
 report's bootstrap (a CI over traces for these agents as a group; it does not sample new seeds).
 
     {cmd} --pool --model runs/s0/best --model runs/s1/best --model runs/s2/best
+
+A router agent (tokenbatch train-router; told by its config.json) is judged in cluster mode: every
+router of --routers (default all) behind the replica policy it was trained with, on every row (with
+--params, a cluster tuning file, each router's tuned parameters for that row), the agent as the row
+'<agent> x <row>' routing every arrival; router_vs.md / router_vs.json hold its paired differences
+against the same row behind each router (with --pool, also the agents' mean per unit).
+
+    {cmd} --pool --model runs/router-s0/best --model runs/router-s1/best --params runs/tune/best_params.json
 """
 
 

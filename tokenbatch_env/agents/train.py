@@ -224,19 +224,9 @@ def run(args, evaluate_cmd: str = "tokenbatch evaluate-agent") -> int:
 
 
 def main(argv=None, prog: str = "train_ppo.py", cmd: str = "python agents/train_ppo.py") -> int:
-    """The standalone entry (agents/train_ppo.py): errors are one line prefixed with ``prog``, exit 2.
-    ``--env cluster`` trains a router instead (``agents.train_router``)."""
+    """The standalone entry of the TokenBatch-v0/v1 trainer: errors are one line prefixed with
+    ``prog``, exit 2 (agents/train_ppo.py calls ``env_choice.main``, which also has ``--env cluster``)."""
     from ..config_cli import standalone_main
-    from ..errors import ConfigError
-    from .env_choice import split_env_choice
-    try:
-        kind, argv = split_env_choice(list(sys.argv[1:] if argv is None else argv))
-    except ConfigError as e:
-        sys.stderr.write(f"{prog}: error: {e}\n")
-        return 2
-    if kind == "cluster":
-        from . import train_router
-        return train_router.main(argv, prog, f"{cmd} --env cluster")
     return standalone_main(build_parser(prog, cmd), run, argv, prog, "python agents/evaluate_agent.py")
 
 

@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -96,14 +95,15 @@ class RouterTrainConfig:
     algo: str = option("maskable-ppo", "ppo or maskable-ppo (sb3-contrib)")
     net: str = option("scorer", "scorer (one MLP scores each replica) or mlp (SB3 MlpPolicy)")
     hidden: int = option(64, "the scorer's width", min=1)
-    prior: float = option(0.0, "the scorer's initial weight on least-outstanding's preference (learned; 0: none)")
+    prior: float = option(3.0, "the scorer's initial weight on least-outstanding's preference (learned; 0: none)")
     n_envs: int = option(256, "clusters (one engine batch)")
     timesteps: int = option(100_000, "training env-steps (routing decisions)")
     n_steps: int = option(64, "rollout length per cluster: batch = n_envs * n_steps")
     batch_size: int = option(4096, "minibatch size")
     n_epochs: int = option(4, "epochs per rollout")
     learning_rate: float = option(3e-4, "Adam learning rate")
-    gamma: float = option(0.99, "discount per routing decision")
+    gamma: float = option(0.999, "discount per routing decision (a request's reward comes as it ends, "
+                                        "hundreds of decisions after it was routed)")
     gae_lambda: float = option(0.95, "GAE lambda")
     clip_range: float = option(0.2, "clip range")
     ent_coef: float = option(0.0, "entropy coefficient")
