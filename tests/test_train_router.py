@@ -115,12 +115,11 @@ def test_evaluate_agent_judges_router_agents_against_every_router(trained, tmp_p
     assert pa["router_params"] == {"alpha": 1.5, "beta": 4.0}
     vs = json.loads((tmp_path / "a" / "router_vs.json").read_text())["rows"]
     assert {(v["agent"], v["vs"]) for v in vs} == {
-        (a, f"{r} x edf+shed") for a in ("ppo:maskable-ppo/best x edf+shed", "ppo:ppo/best x edf+shed",
+        (a, f"{r} x edf+shed") for a in ("maskable-ppo:best x edf+shed", "ppo:best x edf+shed",
                                          "mean of agents (2)")
         for r in ("round-robin", "prefix-affinity", "jsq")}
     pooled = [v for v in vs if v["agent"].startswith("mean")]
-    mean = np.mean([rows[f"{a} x edf+shed"]["goodput_per_unit"] for a in ("ppo:maskable-ppo/best", "ppo:ppo/best")],
-                   axis=0)
+    mean = np.mean([rows[f"{a} x edf+shed"]["goodput_per_unit"] for a in ("maskable-ppo:best", "ppo:best")], axis=0)
     assert pooled[0]["agent_goodput"] == pytest.approx(float(mean.mean()))
 
 
@@ -143,7 +142,7 @@ def test_bad_router_training_input_is_one_line(tmp_path, capsys):
              (["--params", str(params)], "--params and --replica-row go together"),
              (["--params", str(params), "--replica-row", "jsq x edf+shed"], "not a row of"),
              (["--params", str(params), "--replica-row", "round-robin x edf+shed", "--replicas", "3"],
-              "tuned on 2 replicas"),
+              "tuned on 2 replicas: give --replicas 2"),
              (["--params", str(params), "--replica-row", "round-robin x edf+shed", "--replica-policy", "sjf"],
               "the replica row of --params sets them"),
              (["--net", "transformer"], "net: scorer or mlp")]
@@ -194,3 +193,23 @@ def test_replica_scorer_treats_the_replicas_alike():
             a, b = pol.action_net(x), pol.action_net(xp)
         assert torch.allclose(a[:, perm], b, atol=1e-6)
         assert float(pol.action_net.prior.detach()) == 2.0
+
+
+def test_a_pd_router_trains_and_is_judged_on_its_split(tmp_path):
+    """``--pd Rp:Rd``: the agent routes to the prefill replicas; evaluate-agent judges it against the
+    same split behind every router."""
+    out = tmp_path / "pd"
+    assert train_ppo.main(["--env", "cluster", "--replicas", "3", "--pd", "2:1", "--first-token-at", "decode",
+                           "--replica-policy", "sjf", "--shed-margin", "0.5", "--window", "8", "--warmup", "2",
+                           "--cooldown", "2", "--n-envs", "4", "--timesteps", "128", "--n-steps", "32",
+                           "--batch-size", "64", "--n-epochs", "1", "--eval-every", "0", "--eval-traces", "2",
+                           "--no-progress", "--out", str(out)]) == 0
+    env = json.loads((out / "best" / "config.json").read_text())["env"]
+    assert (env["pd"], env["first_token_at"]) == ([2, 1], "decode")
+    assert evaluate_agent.main(["--model", str(out / "best"), "--routers", "round-robin,jsq", "--loads", "1.2",
+                                "--max-traces", "2", "--bootstrap-b", "100", "--no-progress",
+                                "--out", str(tmp_path / "ev")]) == 0
+    vs = json.loads((tmp_path / "ev" / "router_vs.json").read_text())["rows"]
+    label = "sjf+shed [P/D 2:1, first token at decode]"
+    assert {(v["agent"], v["vs"]) for v in vs} == {(f"maskable-ppo:best x {label}", f"{r} x {label}")
+                                                   for r in ("round-robin", "jsq")}

@@ -163,12 +163,19 @@ def run_routed(traces, profile, policy, config, agent: RouterAgent, *, estimates
                residual_life=None) -> RoutedRuns:
     """Replay ``traces`` (one cluster each, stepped together) with ``agent`` routing every arrival
     (``engine.routing.RoutingRun``, the env's dynamics; the observation ``envs.cluster_env.observe_cluster``,
-    the env's): each replica runs ``policy`` at ``config``."""
-    from .engine.routing import RoutingRun
+    the env's): each replica runs ``policy`` at ``config``; a P/D agent's (``env.pd``) on
+    ``engine.routing.PDRoutingRun``, its records with the first token where ``env.first_token_at`` says."""
+    from .engine.routing import PDRoutingRun, RoutingRun
     from .envs.cluster_env import observe_cluster
     env = agent.env
-    run = RoutingRun(list(traces), profile, policy, config, replicas=env.replicas, base_router=env.base_router,
-                     estimates=estimates, residual_life=residual_life)
+    if env.pd:   # (a P/D cluster: the agent routes to the prefill replicas)
+        run = PDRoutingRun(list(traces), profile, policy, config, prefill_replicas=env.pd[0],
+                           decode_replicas=env.pd[1], base_router=env.base_router, decode_router=env.decode_router,
+                           kv_link=env.kv_link, first_token_at=env.first_token_at, estimates=estimates,
+                           residual_life=residual_life)
+    else:
+        run = RoutingRun(list(traces), profile, policy, config, replicas=env.replicas, base_router=env.base_router,
+                         estimates=estimates, residual_life=residual_life)
     predict = agent.make()
     decisions = np.zeros(len(traces), np.int64)
     while not run.done.all():

@@ -51,10 +51,13 @@ report's bootstrap (a CI over traces for these agents as a group; it does not sa
     {cmd} --pool --model runs/s0/best --model runs/s1/best --model runs/s2/best
 
 A router agent (tokenbatch train-router; told by its config.json) is judged in cluster mode: every
-router of --routers (default all) behind the replica policy it was trained with, on every row (with
---params, a cluster tuning file, each router's tuned parameters for that row), the agent as the row
-'<agent> x <row>' routing every arrival; router_vs.md / router_vs.json hold its paired differences
-against the same row behind each router (with --pool, also the agents' mean per unit).
+router of --routers (default all) behind the replica row it was trained with (its policy, shed
+margin, index parameters and vLLM flags, from its config.json; a P/D agent's split too), the agent
+as the row '<algo>:<dir> x <row>' routing every arrival. --params (the cluster tuning file the row
+came from) adds each router's own tuned parameters (prefix-affinity's alpha, beta) and the other
+baselines' margins; the replica row stays the agents'. router_vs.md / router_vs.json hold the
+agent's paired differences against the same row behind each router (with --pool, also the agents'
+mean per unit).
 
     {cmd} --pool --model runs/router-s0/best --model runs/router-s1/best --params runs/tune/best_params.json
 """
@@ -286,15 +289,17 @@ def evaluate_routers(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict
     from ..errors import ConfigError
     from ..evaluate import BenchConfig, run_benchmark
     from ..evaluate.config import SHED_SUFFIX
-    from ..params import RoutedRow, load_routed
+    from ..params import RoutedRow, load_params_file, load_routed
     from ..policies import IndexParams
     from ..report import check_report_out
-    from .load import agent_labels, router_agent
+    from .load import agent_labels, router_agent, router_algo
 
-    labels = agent_labels(cfg.model) if len(cfg.model) > 1 else [None]
+    algos = [router_algo(m) for m in cfg.model]
+    labels = agent_labels(cfg.model, [f"{a}:" for a in algos])
     agents = [router_agent(m, label=lab) for m, lab in zip(cfg.model, labels)]
     env = agents[0].env
-    same = ("replicas", "profile", "policy", "shed_margin", "index", "levers", "t_ref_ms")
+    same = ("replicas", "profile", "policy", "shed_margin", "index", "levers", "t_ref_ms", "pd", "decode_router",
+            "kv_link", "first_token_at")
     for a in agents[1:]:
         diff = [f for f in same if getattr(a.env, f) != getattr(env, f)]
         if diff:
@@ -306,25 +311,32 @@ def evaluate_routers(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict
     check_names(routers, ROUTER_NAMES, "--routers", "router")
     plain = env.policy + (SHED_SUFFIX if env.shed_margin is not None else "")
     index = IndexParams(**dict(env.index)) if env.index is not None else None
-    routed = ()
+    routed, kw = (), {}
     if cfg.params:   # each router's own tuned parameters for this row; the replica values are the agents'
         found = load_routed(cfg.params)
         if found is None:
-            raise ConfigError(f"--params {cfg.params}: not a cluster tuning file (no 'cluster' rows)")
+            raise ConfigError(f"--params {cfg.params}: not a cluster tuning file (no 'cluster' rows; tokenbatch tune "
+                              "--replicas R writes one)")
+        if found["replicas"] != env.replicas:
+            raise ConfigError(f"--params {cfg.params}: tuned on clusters of {found['replicas']} replicas, the agents "
+                              f"were trained on {env.replicas}")
         tuned = dict(found["routed"])
         routed = tuple((f"{r} x {plain}", RoutedRow(index, env.shed_margin, env.levers,
                                                     tuned[f"{r} x {plain}"].router_params))
                        for r in routers if f"{r} x {plain}" in tuned and tuned[f"{r} x {plain}"].router_params)
+        kw.update(shed_margins=load_params_file(cfg.params)[1], params_source=cfg.params)
     m0 = Path(cfg.model[0])
     out = Path(cfg.out) if cfg.out else (m0 if m0.is_dir() else m0.parent) / "test"
     check_report_out(out, "--out")
-    kw = {}
-    if env.shed_margin is not None:
-        kw["shed_margins"] = ((env.policy, float(env.shed_margin)),)
+    if env.shed_margin is not None:   # (the agents' replica row, on every router's row)
+        kw["shed_margins"] = tuple((p, m) for p, m in kw.get("shed_margins", ()) if p != env.policy) + (
+            (env.policy, float(env.shed_margin)),)
     if env.levers:
         kw["levers"] = ((plain, env.levers),)
     if index is not None:
         kw["index_params"] = index
+    if env.pd:   # (the agents' split: every row again on it, the router in front of the prefill replicas)
+        kw.update(pd=env.pd, decode_router=env.decode_router, kv_link=env.kv_link)
     bench = BenchConfig(suite=cfg.suite or env.suite, split=cfg.split, profile=env.profile, policies=(env.policy,),
                         shed=env.shed_margin is not None, loads=cfg.loads, max_traces=cfg.max_traces,
                         bootstrap_b=cfg.bootstrap_b, bootstrap_seed=cfg.seed, upper_bound=False,
@@ -335,8 +347,12 @@ def evaluate_routers(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict
               "not held out", file=sys.stderr)
     report = run_benchmark(bench)
     report.write(out)
-    agent_rows_ = [f"{a.label} x {plain}" for a in agents]
+    from ..evaluate.rows import router_agent_plain
+    row = router_agent_plain(env)
+    agent_rows_ = [f"{a.label} x {row}" for a in agents]
     comparators = [f"{r} x {plain}" if len(routers) > 1 else plain for r in routers]
+    if env.pd:
+        comparators = [c + row[len(plain):] for c in comparators]
     rows = versus_rows(report.data, agent_rows_, comparators)
     if cfg.pool and len(agents) > 1:
         rows += versus_rows(report.data, agent_rows_, comparators, pooled=True)
@@ -364,5 +380,6 @@ def versus_rows(data: dict, labels, comparators, pooled: bool = False) -> list:
                 m, lo, hi = paired_difference(g, other, B=bs["B"], seed=bs["seed"], block=bs["block"])
                 out.append({"rho": load["rho"], "agent": name, "vs": b, "agent_goodput": float(g.mean()),
                             "other_goodput": float(other.mean()), "diff": m, "ci": [lo, hi],
-                            "win_rate": win_rate(g, other)})
+                            "win_rate": win_rate(g, other),
+                            "verdict": "better" if lo > 0 else ("worse" if hi < 0 else "not resolved")})
     return out

@@ -16,7 +16,8 @@ from .._io import sha256_file
 from ..control import ControlSpec, policy_spec
 from ..errors import ConfigError
 
-__all__ = ["agent_files", "agent_labels", "agent_spec", "agent_warnings", "is_router_agent", "router_agent"]
+__all__ = ["agent_files", "agent_labels", "agent_spec", "agent_warnings", "is_router_agent", "router_agent",
+           "router_algo"]
 
 
 def agent_files(model_path: str, option: str = "--model", env_config: Optional[str] = None,
@@ -126,17 +127,19 @@ def agent_warnings(env_kw: dict, label: str, suite: str, split: str, profile: st
     return out
 
 
-def agent_labels(paths) -> list:
+def agent_labels(paths, prefixes=None) -> list:
     """Leaderboard labels of agents given by path: ``ppo:<dir>``, or ``ppo:<parent>/<dir>`` for all
-    when two would share one (``<run>/best`` of two runs); ``ConfigError`` for the same agent twice."""
+    when two would share one (``<run>/best`` of two runs); ``prefixes``: each agent's instead of
+    ``ppo:``; ``ConfigError`` for the same agent twice."""
     dirs = [(Path(p).parent if Path(p).suffix == ".zip" else Path(p)).resolve() for p in paths]
+    pre = list(prefixes) if prefixes is not None else ["ppo:"] * len(dirs)
     if len(set(dirs)) < len(dirs):
         raise ConfigError(f"agents: the same agent given twice: {[str(p) for p in paths]}")
-    labels = [f"ppo:{d.name}" for d in dirs]
+    labels = [f"{x}{d.name}" for x, d in zip(pre, dirs)]
     if len(set(labels)) < len(labels):
-        labels = [f"ppo:{d.parent.name}/{d.name}" for d in dirs]
+        labels = [f"{x}{d.parent.name}/{d.name}" for x, d in zip(pre, dirs)]
     if len(set(labels)) < len(labels):
-        labels = [f"ppo:{d}" for d in dirs]
+        labels = [f"{x}{d}" for x, d in zip(pre, dirs)]
     return labels
 
 
@@ -184,6 +187,16 @@ def is_router_agent(model_path: str) -> bool:
     return isinstance(env, dict) and env.get("kind") == "cluster"
 
 
+def router_algo(model_path: str) -> Optional[str]:
+    """A router agent's algorithm (config.json's ``algo``), or None when it names none."""
+    p = Path(model_path)
+    try:
+        algo = json.loads(((p.parent if p.suffix == ".zip" else p) / "config.json").read_text()).get("algo")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+    return algo if isinstance(algo, str) else None
+
+
 def router_agent(model_path: str, label: Optional[str] = None, option: str = "--model"):
     """A trained router (``tokenbatch train-router``'s directory) as a ``control.RouterAgent``: its
     files checked as ``agent_files`` checks them, its env (``envs.ClusterEnvConfig``) rebuilt from
@@ -199,15 +212,15 @@ def router_agent(model_path: str, label: Optional[str] = None, option: str = "--
         raise ConfigError(f"{option} {model_path}: config.json names no router algorithm ({', '.join(ROUTER_ALGOS)}), "
                           f"got {algo!r}")
     fields = {f.name for f in dataclasses.fields(ClusterEnvConfig)}
-    env = ClusterEnvConfig(**{k: tuple(v) if k == "rho" else v for k, v in env_kw.items() if k in fields})
+    env = ClusterEnvConfig(**{k: tuple(v) if k in ("rho", "pd") else v for k, v in env_kw.items() if k in fields})
     import gymnasium as gym
     import numpy as np
-    obs_space = gym.spaces.Box(0.0, OBS_HIGH, (obs_dim(env.replicas),), np.float32)
-    act_space = gym.spaces.Discrete(env.replicas)
+    obs_space = gym.spaces.Box(0.0, OBS_HIGH, (obs_dim(env.actions),), np.float32)
+    act_space = gym.spaces.Discrete(env.actions)
 
     def make():
         from ..sb3 import load_router_agent
         return load_router_agent(str(model), algo, None if norm is None else str(norm), obs_space, act_space)
 
     evidence = (("model_sha256", model_sha), ("vecnormalize_sha256", norm_sha), ("algo", algo))
-    return RouterAgent(label or f"ppo:{model.parent.name}", env, make, evidence)
+    return RouterAgent(label or f"{algo}:{model.parent.name}", env, make, evidence)

@@ -49,6 +49,11 @@ def _parse_loads(text, flag: str) -> tuple:
     return parse_loads(text, flag[2:])
 
 
+def _parse_split(text, flag: str) -> tuple:
+    from ..config_cli import parse_split
+    return parse_split(text, flag)
+
+
 def _parse_rho(text, flag: str) -> tuple:
     v = _parse_loads(text, flag)
     return (v[0], v[0]) if len(v) == 1 else v
@@ -68,6 +73,12 @@ ENV_OPTIONS = {
     "policy": {"help": "the replicas' policy (without --params)", "flags": ("--replica-policy",)},
     "shed_margin": {"help": "its shed margin (without --params; default none: no shedding)", "none": "none"},
     "base_router": {"help": "the router whose choice replaces a masked action"},
+    "pd": {"help": "a P/D cluster: Rp prefill + Rd decode replicas (Rp + Rd = --replicas); the agent routes to the "
+                   "prefill replicas (docs/design.md section 13)", "parse": _parse_split, "type": str,
+           "metavar": "Rp:Rd"},
+    "decode_router": {"help": "with --pd: the router of the handoffs to the decode replicas"},
+    "kv_link": {"help": "with --pd: the KV link (nvlink, rdma, none)"},
+    "first_token_at": {"help": "with --pd: where a request's first token counts (prefill, decode)"},
     "seed": {"help": "seed of PPO and the env"},
 }
 
@@ -125,6 +136,8 @@ class RouterTrainConfig:
         from ..sb3 import ROUTER_ALGOS
         if self.algo not in ROUTER_ALGOS:
             raise ConfigError(f"algo: one of {', '.join(ROUTER_ALGOS)}, got {self.algo!r}")
+        if self.env.replicas < 2:
+            raise ConfigError(f"replicas: a router chooses among at least 2 replicas, got {self.env.replicas}")
         if self.net not in ("scorer", "mlp"):
             raise ConfigError(f"net: scorer or mlp, got {self.net!r}")
         for f in ("n_envs", "timesteps", "n_steps", "batch_size", "n_epochs", "eval_traces", "hidden"):
@@ -172,6 +185,7 @@ def env_dict(env: ClusterEnvConfig) -> dict:
     d["rho"] = list(env.rho)
     d["levers"] = dict(env.levers)
     d["index"] = None if env.index is None else dict(env.index)
+    d["pd"] = list(env.pd)
     return d
 
 
@@ -189,8 +203,8 @@ def replica_env(env: ClusterEnvConfig, params: str, row: str) -> ClusterEnvConfi
     if row not in rows:
         raise ConfigError(f"--replica-row {row!r}: not a row of {params}; its rows: {', '.join(sorted(rows))}")
     if routed["replicas"] != env.replicas:
-        raise ConfigError(f"--replica-row {row!r} was tuned on {routed['replicas']} replicas, not --replicas "
-                          f"{env.replicas}")
+        raise ConfigError(f"--replica-row {row!r} was tuned on {routed['replicas']} replicas: give --replicas "
+                          f"{routed['replicas']} (now {env.replicas})")
     rr = rows[row]
     plain = row.partition(" x ")[2]
     if not plain.endswith(SHED_SUFFIX):
@@ -295,7 +309,7 @@ def train_router(cfg: RouterTrainConfig) -> dict:
     maskable = cfg.algo == "maskable-ppo"
     if cfg.net == "scorer":
         policy = replica_scorer_policy_class(maskable)
-        policy_kwargs = {"net_arch": {"pi": [], "vf": list(cfg.net_arch)}, "replicas": cfg.env.replicas,
+        policy_kwargs = {"net_arch": {"pi": [], "vf": list(cfg.net_arch)}, "replicas": cfg.env.actions,
                          "hidden": cfg.hidden, "prior": cfg.prior}
     else:
         policy, policy_kwargs = "MlpPolicy", {"net_arch": list(cfg.net_arch)}

@@ -173,31 +173,44 @@ def simulate_pd(trace: Trace, profile: Union[str, Profile] = "stress-512", polic
 
 
 def _run_pd(trace, profile, policy, configs, rp, rd, link, guard, residual_life, est, table, sizes, hold, key, Rp):
-    N, R = len(trace), len(configs)
-    g_arrival, g_prompt, g_out, g_capped, g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, n_uniq = table
-    run, mml_of, active, claim, until, kargs = replica_batch(
-        trace, [profile] * R, policy, configs, guard, residual_life, est, table, sizes,
-        link_free=np.zeros((R, Rp), np.int64), hold_blk=np.zeros((R, 1, hold), np.int32))
-    for c in range(Rp, R):   # the decode replicas price the transfers over their links
-        run.cfg[c, K.C_XFER_PS_PER_TOKEN] = link.ps_per_token(run.profiles[c].kv_bytes_per_token)
-        run.cfg[c, K.C_XFER_LAT_NS] = link.latency_ns
-    A = run.arrays
-    A.epoch[:, K.EP_BLOCKED] = -1
-    route_p, row_p, route_d, row_d, handoff = (np.full(N, -1, np.int64) for _ in range(5))
-    gid = np.full((R, A.arrival.shape[1]), -1, np.int64)
-    total = DK.run_pd_kernel(
-        Rp, rp.spec.rid, rd.spec.rid, router_params(rp), router_params(rd), key[0], key[1], g_arrival, g_prompt, g_out,
-        g_capped, mml_of, g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, np.full(R, n_uniq, np.int64), route_p,
-        row_p, route_d, row_d, gid, handoff, np.full(max(1, N), -1, np.int64), np.zeros(1, np.int64),
-        np.zeros(R, np.int64),
-        np.zeros((max(1, N), 3), np.int64),
-        np.zeros(1, np.int64), np.zeros((max(1, N), 3), np.int64), np.zeros(1, np.int64),
-        np.zeros((R, CK.N_VIEW), np.int64), np.zeros(R, np.int64), np.zeros(R, np.bool_), np.zeros(1, np.int64),
-        np.zeros(1, np.int64),
-        run.cfg, A.n_req, A.arrival, A.prompt, A.out_len, A.prio, A.capped, A.t1, A.t2, A.est, A.with_kv, A.kv_src,
-        A.hold_kv, A.chain_off, A.chain_val, A.uniq_base, A.now, A.it, A.next_arr, A.n_ended, A.n_run, A.n_wait,
-        A.n_swap, A.n_pend, A.n_xfer, A.xfer_ids, A.kv_ready, A.n_free, A.status, A.end_state, A.finish, A.gen,
-        A.computed, A.run_ids, A.wait_ids, A.pend_ids, A.table, A.slot_of, A.held, A.n_cached, A.ref, A.bhash,
-        A.fq_prev, A.fq_next, A.hash_head, A.epoch, A.sched_r, A.hold_blk, A.hold_at, A.hold_ids, A.n_hold,
-        A.hold_top, active, claim, until, *kargs)
-    return total, run, (route_p, row_p, route_d, row_d, handoff), kargs
+    st = PDState(trace, profile, policy, configs, rp, rd, link, guard, residual_life, est, table, sizes, hold, key, Rp)
+    total = DK.run_pd_kernel(False, np.array([0, DK.NO_ACTION, 0], np.int64), *st.args)
+    return total, st.run, st.out, st.kargs
+
+
+class PDState:
+    """One P/D cluster's state for ``disagg_kernel.run_pd_kernel``: the engine batch (``run``), the
+    loop's arguments after ``ext`` and ``a_io`` (``args``), its outputs (``out``: route_p, row_p,
+    route_d, row_d, handoff), the prefill router's scratch (``view``, ``pred``, ``cand``: the view at a
+    ``DECIDE``) and the engine kernel's arguments (``kargs``)."""
+
+    def __init__(self, trace, profile, policy, configs, rp, rd, link, guard, residual_life, est, table, sizes, hold,
+                 key, Rp):
+        N, R = len(trace), len(configs)
+        g_arrival, g_prompt, g_out, g_capped, g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, n_uniq = table
+        run, mml_of, active, claim, until, kargs = replica_batch(
+            trace, [profile] * R, policy, configs, guard, residual_life, est, table, sizes,
+            link_free=np.zeros((R, Rp), np.int64), hold_blk=np.zeros((R, 1, hold), np.int32))
+        for c in range(Rp, R):   # the decode replicas price the transfers over their links
+            run.cfg[c, K.C_XFER_PS_PER_TOKEN] = link.ps_per_token(run.profiles[c].kv_bytes_per_token)
+            run.cfg[c, K.C_XFER_LAT_NS] = link.latency_ns
+        A = run.arrays
+        A.epoch[:, K.EP_BLOCKED] = -1
+        self.out = route_p, row_p, route_d, row_d, handoff = tuple(np.full(N, -1, np.int64) for _ in range(5))
+        gid = np.full((R, A.arrival.shape[1]), -1, np.int64)
+        self.view, self.pred = np.zeros((R, CK.N_VIEW), np.int64), np.zeros(R, np.int64)
+        self.cand = np.zeros(R, np.bool_)
+        self.run, self.kargs = run, kargs
+        self.args = (
+            Rp, rp.spec.rid, rd.spec.rid, router_params(rp), router_params(rd), key[0], key[1], g_arrival, g_prompt,
+            g_out, g_capped, mml_of, g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, np.full(R, n_uniq, np.int64),
+            route_p, row_p, route_d, row_d, gid, handoff, np.full(max(1, N), -1, np.int64), np.zeros(1, np.int64),
+            np.zeros(R, np.int64), np.zeros((max(1, N), 3), np.int64), np.zeros(1, np.int64),
+            np.zeros((max(1, N), 3), np.int64), np.zeros(1, np.int64), self.view, self.pred, self.cand,
+            np.zeros(1, np.int64), np.zeros(1, np.int64),
+            run.cfg, A.n_req, A.arrival, A.prompt, A.out_len, A.prio, A.capped, A.t1, A.t2, A.est, A.with_kv, A.kv_src,
+            A.hold_kv, A.chain_off, A.chain_val, A.uniq_base, A.now, A.it, A.next_arr, A.n_ended, A.n_run, A.n_wait,
+            A.n_swap, A.n_pend, A.n_xfer, A.xfer_ids, A.kv_ready, A.n_free, A.status, A.end_state, A.finish, A.gen,
+            A.computed, A.run_ids, A.wait_ids, A.pend_ids, A.table, A.slot_of, A.held, A.n_cached, A.ref, A.bhash,
+            A.fq_prev, A.fq_next, A.hash_head, A.epoch, A.sched_r, A.hold_blk, A.hold_at, A.hold_ids, A.n_hold,
+            A.hold_top, active, claim, until, *kargs)

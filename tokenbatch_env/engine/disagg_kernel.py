@@ -27,10 +27,17 @@ from __future__ import annotations
 
 from ._jit import guard_stale_cache, njit
 from . import kernel as K
-from .cluster_kernel import FOREVER, R_LEAST_PREDICTED_TTFT, append_row, choose, pool_views, wants_hits
+from .cluster_kernel import FOREVER, R_LEAST_PREDICTED_TTFT, R_ROUND_ROBIN, append_row, choose, pool_views, wants_hits
 
 # event heaps: (time, tie key, request) rows
 H_T, H_K, H_I = range(3)
+# external prefill routing (``ext``; docs/design.md section 13, "Routing from outside"): ``a_io`` holds the
+# next arrival, the caller's action for the pending one (NO_ACTION: none yet) and the actions replaced
+IO_NEXT, IO_ACTION, IO_REPLACED = range(3)
+NO_ACTION = -(1 << 40)
+#: ``run_pd_kernel``'s return when an arrival waits for the caller's action (``view``, ``pred``, ``cand``
+#: of the prefill pool hold the router's view at its instant)
+DECIDE = -10
 
 
 @njit
@@ -93,9 +100,9 @@ def next_start(c, cfg_rows, now, it, n_req, n_ended, next_arr, arrival, n_run, n
 
 
 @njit
-def run_pd_kernel(Rp, p_router, d_router, rpar_p, rpar_d, key0, key1, g_arrival, g_prompt, g_out, g_capped, mml_of,
-                  g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, u_next, route_p, row_p, route_d, row_d, gid,
-                  handoff, seq, n_seq, adm, hq, n_hq, rq, n_rq, view, pred, cand, rstate_p, rstate_d,
+def run_pd_kernel(ext, a_io, Rp, p_router, d_router, rpar_p, rpar_d, key0, key1, g_arrival, g_prompt, g_out,
+                  g_capped, mml_of, g_prio, g_t1, g_t2, g_est, g_coff, g_cval, g_room, u_next, route_p, row_p, route_d,
+                  row_d, gid, handoff, seq, n_seq, adm, hq, n_hq, rq, n_rq, view, pred, cand, rstate_p, rstate_d,
                   cfg_rows, n_req, arrival, prompt, out_len, prio, capped, t1, t2, est, with_kv, kv_src, hold_kv,
                   chain_off, chain_val, uniq_base, now, it, next_arr, n_ended, n_run, n_wait, n_swap, n_pend, n_xfer,
                   xfer_ids, kv_ready, n_free, status, end_state, finish, gen, computed, run_ids, wait_ids, pend_ids,
@@ -107,13 +114,18 @@ def run_pd_kernel(Rp, p_router, d_router, rpar_p, rpar_d, key0, key1, g_arrival,
     ``row_d[i]``: where request i ran (-1: not there); ``handoff[i]`` the handoff's instant (-1: none);
     ``gid[c, k]`` the request in row k of copy c; ``adm[d]`` the next row of D copy d whose admission
     is not yet seen. Returns the iterations run, or a negative code: -1 a NaN score, -2 no progress,
-    -3 a replica's rows, chain ids or hash ids full, ``kernel.HOLD_FULL`` a hold store full."""
+    -3 a replica's rows, chain ids or hash ids full, ``kernel.HOLD_FULL`` a hold store full. With
+    ``ext`` the caller routes the arrivals to P: at an arrival some P replica serves, without an action
+    in ``a_io[IO_ACTION]`` the loop stops with ``DECIDE`` (the next arrival in ``a_io[IO_NEXT]``; every
+    state in the arrays, so the next call resumes there), with one it routes it there (outside the
+    candidates or < 0: ``p_router``'s choice, counted in ``a_io[IO_REPLACED]``; round-robin's pointer
+    follows the routed replica)."""
     R = n_req.shape[0]
     Rd = R - Rp
     N = g_arrival.shape[0]
     bs = cfg_rows[0, K.C_BS]
     total = 0
-    a = 0   # the next arrival
+    a = a_io[IO_NEXT]   # the next arrival
     while True:
         # the next iteration of each pool: the least start, then the lowest index
         s_d = FOREVER
@@ -179,17 +191,34 @@ def run_pd_kernel(Rp, p_router, d_router, rpar_p, rpar_d, key0, key1, g_arrival,
                 row_d[i] = k
                 gid[c, k] = i
                 continue
-            # an arrival: the prefill router picks a P replica
+            # an arrival: the prefill router (or the caller) picks a P replica
             i = a
-            a += 1
             p = g_prompt[i]
-            n_cand = pool_views(0, Rp, t_ev, p_router == R_LEAST_PREDICTED_TTFT, wants_hits(p_router), p, i, bs,
-                                g_coff, g_cval, cfg_rows, now, it, next_arr, n_run, n_wait, n_swap, n_pend, n_free,
-                                epoch, status, prompt, gen, computed, run_ids, wait_ids, pend_ids, table, slot_of, held,
-                                ref, hold_kv, hash_head, n_req, n_ended, view, pred, cand)
+            want_q = ext or p_router == R_LEAST_PREDICTED_TTFT   # (outside the call: numba's bytecode)
+            want_h = ext or wants_hits(p_router)
+            n_cand = pool_views(0, Rp, t_ev, want_q, want_h, p, i, bs, g_coff, g_cval, cfg_rows, now, it, next_arr,
+                                n_run, n_wait, n_swap, n_pend, n_free, epoch, status, prompt, gen, computed, run_ids,
+                                wait_ids, pend_ids, table, slot_of, held, ref, hold_kv, hash_head, n_req, n_ended, view,
+                                pred, cand)
             if n_cand == 0:
+                a += 1
                 continue   # (rejected at the router: route_p[i] stays -1)
-            c = choose(p_router, rpar_p, key0, key1, i, cand[:Rp], n_cand, view[:Rp], rstate_p, pred[:Rp])
+            if ext:
+                j = a_io[IO_ACTION]
+                if j == NO_ACTION:
+                    a_io[IO_NEXT] = a
+                    return DECIDE
+                a_io[IO_ACTION] = NO_ACTION
+                if j < 0 or j >= Rp or not cand[j]:
+                    c = choose(p_router, rpar_p, key0, key1, i, cand[:Rp], n_cand, view[:Rp], rstate_p, pred[:Rp])
+                    a_io[IO_REPLACED] += 1
+                else:
+                    c = j
+                    if p_router == R_ROUND_ROBIN:   # (its pointer follows the routed replica)
+                        rstate_p[0] = (c + 1) % Rp
+            else:
+                c = choose(p_router, rpar_p, key0, key1, i, cand[:Rp], n_cand, view[:Rp], rstate_p, pred[:Rp])
+            a += 1
             k = append_row(c, i, t_ev, True, cfg_rows, g_prompt, g_out, g_capped, mml_of, g_prio, g_t1, g_t2, g_est,
                            g_coff, g_cval, g_room, u_next, n_req, arrival, prompt, out_len, prio, capped, t1, t2, est,
                            chain_off, chain_val, uniq_base, hash_head)
@@ -203,6 +232,7 @@ def run_pd_kernel(Rp, p_router, d_router, rpar_p, rpar_d, key0, key1, g_arrival,
             gid[c, k] = i
             continue
         if c_min < 0:
+            a_io[IO_NEXT] = a
             break   # nothing left to run or deliver
         # one iteration of c_min (the kernel runs the iteration starting at s_min and stops)
         c = c_min

@@ -186,6 +186,166 @@ class RoutingRun:
                              engine, -1)
 
 
+class PDRoutingRun:
+    """E prefill/decode clusters (docs/design.md section 13) whose arrivals a caller routes to the
+    prefill pool, one at a time: ``RoutingRun``'s interface (``pending``, ``view``, ``pred``, ``mask``,
+    ``done``, ``replaced``, ``step``, ``credit``, ``load``, ``result``; ``replicas`` is the prefill
+    pool's Rp, the action a prefill replica). Each cluster is its own ``disagg.PDState``, run by
+    ``disagg_kernel.run_pd_kernel`` with external routing, which stops at every arrival a prefill
+    replica serves; handoffs go to D by ``decode_router``. Each replica's rows hold the whole trace (no
+    mask for room). Routed as the base router routes (every action -1), each cluster equals
+    ``simulate_pd`` of its trace, record for record. ``credit`` counts a cluster's scored requests met
+    once, when it is done (a handed-off request's outcome is known only on D)."""
+
+    def __init__(self, traces: Sequence[Trace], profile: Union[str, Profile] = "stress-512",
+                 policy: Union[str, EnginePolicy] = "fcfs", config: Optional[EngineConfig] = None, *,
+                 prefill_replicas: int = 1, decode_replicas: int = 1, base_router: Union[str, Router] = "round-robin",
+                 decode_router: Union[str, Router] = "least-kv", kv_link="nvlink", first_token_at: str = "prefill",
+                 estimates: Optional[Sequence[np.ndarray]] = None, residual_life: Optional[np.ndarray] = None,
+                 scored: Optional[Sequence[tuple]] = None):
+        from .disagg import check_first_token_at
+        from .kv_link import resolve_kv_link
+        if not traces or not all(isinstance(t, Trace) for t in traces):
+            raise ConfigError("PDRoutingRun routes a non-empty list of Traces, one per cluster")
+        for name, v in (("prefill_replicas", prefill_replicas), ("decode_replicas", decode_replicas)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        E, Rp, Rd = len(traces), int(prefill_replicas), int(decode_replicas)
+        self.replicas, self.decode_replicas = Rp, Rd
+        self.router, self.decode_router = resolve_router(base_router), resolve_router(decode_router)
+        self.kv_link = resolve_kv_link(kv_link)
+        self.first_token_at = check_first_token_at(first_token_at)
+        self.profile, self.policy, self.residual_life = profile, policy, residual_life
+        base = EngineConfig() if config is None else config
+        self.configs = [base] * Rp + [dataclasses.replace(base, prefix_caching=False)] * Rd
+        _, self._resolved = resolve_copies([profile] * (Rp + Rd), self.configs, Rp + Rd)
+        self.block_size = self._resolved[0].block_size
+        self.usable_blocks = max(1, self._resolved[0].usable_blocks)
+        N = max(len(t) for t in traces)
+        self.g = tuple(np.zeros((E, N), dt) for dt in (np.int64,) * 7) + (np.full((E, N), np.nan),)
+        self.route = np.full((E, N), -1, np.int64)
+        self.pending = np.zeros(E, np.int64)
+        self.view = np.zeros((E, Rp, CK.N_VIEW), np.int64)
+        self.pred = np.zeros((E, Rp), np.int64)
+        self.mask = np.zeros((E, Rp), np.bool_)
+        self.done = np.zeros(E, np.bool_)
+        self.replaced = np.zeros(E, np.int64)
+        self.s0, self.s1 = np.zeros(E, np.int64), np.zeros(E, np.int64)
+        self.credited = np.zeros(E, np.bool_)
+        self.n_iterations = 0
+        self.states: list = [None] * E
+        self._io = [None] * E
+        self._hold = [0] * E
+        self._actions: list = [[] for _ in range(E)]
+        self._setup: list = [None] * E
+        for e, t in enumerate(traces):
+            self.load(e, t, None if estimates is None else estimates[e], None if scored is None else scored[e])
+
+    def load(self, e: int, trace: Trace, estimates: Optional[np.ndarray] = None,
+             scored: Optional[tuple] = None) -> None:
+        """Put ``trace`` on cluster e, its replicas as new, and run it to its first decision."""
+        n = len(trace)
+        if n > self.route.shape[1]:
+            raise ConfigError(f"cluster {e}: a trace of {n} requests beyond the run's {self.route.shape[1]}")
+        Rp = self.replicas
+        trace, key, est_all, table, share, _ = cluster_table(trace, self._resolved, estimates,
+                                                             min(Rp, self.decode_replicas))
+        sizes = [tot for tot, _ in share]   # (every replica's rows hold the whole trace: never full)
+        hold = 2 * max(p.usable_blocks for p in self._resolved)
+        self._setup[e] = (trace, key, est_all, table, sizes)
+        for dst, src in ((1, table[1]), (5, table[5]), (6, table[6]), (7, table[7])):
+            self.g[dst][e, :n] = src
+        self.route[e] = -1
+        self.done[e] = False
+        self.replaced[e] = 0
+        self.credited[e] = False
+        self.s0[e], self.s1[e] = (0, n) if scored is None else scored
+        self._actions[e] = []
+        self._start(e, hold)
+
+    def _start(self, e: int, hold: int) -> None:
+        from . import disagg_kernel as DK
+        from .disagg import PDState
+        trace, key, est_all, table, sizes = self._setup[e]
+        self.states[e] = PDState(trace, self.profile, self.policy, self.configs, self.router, self.decode_router,
+                                 self.kv_link, None, self.residual_life, est_all, table, sizes, hold, key,
+                                 self.replicas)
+        self._hold[e] = hold
+        self._io[e] = np.array([0, DK.NO_ACTION, 0], np.int64)
+        self._advance(e)
+
+    def _advance(self, e: int) -> None:
+        """Run cluster e to its next decision or its end (a full hold store: replayed from the start
+        with twice the store and the same actions)."""
+        from . import disagg_kernel as DK
+        st, io = self.states[e], self._io[e]
+        total = DK.run_pd_kernel(True, io, *st.args)
+        if total == K.HOLD_FULL:
+            actions = self._actions[e]
+            self._actions[e] = []
+            self._start(e, 2 * self._hold[e])
+            for a in actions:
+                self._route(e, a)
+            return
+        if total == DK.DECIDE:
+            Rp = self.replicas
+            self.pending[e] = io[DK.IO_NEXT]
+            self.view[e] = st.view[:Rp]
+            self.pred[e] = st.pred[:Rp]
+            self.mask[e] = st.cand[:Rp]
+            return
+        if total == -2:
+            raise RuntimeError("a replica made no progress; please report this trace")
+        if total == -3:
+            raise RuntimeError("a P/D replica's rows were full at full size; please report this trace")
+        self.n_iterations += K.checked_total(total, st.kargs)
+        self.done[e] = True
+        self.mask[e] = False
+
+    def _route(self, e: int, action: int) -> None:
+        from . import disagg_kernel as DK
+        io = self._io[e]
+        io[DK.IO_ACTION] = action
+        self._actions[e].append(action)
+        i = int(self.pending[e])
+        self._advance(e)
+        self.route[e, i] = self.states[e].out[0][i]
+        self.replaced[e] = io[DK.IO_REPLACED]
+
+    def step(self, actions, acting=None) -> None:
+        """Route each acting cluster's pending arrival to prefill replica ``actions[e]`` (-1 or one
+        outside the mask: the base router's choice, counted) and run it to its next decision."""
+        E = self.done.shape[0]
+        actions = np.asarray(actions, np.int64)
+        if actions.shape != (E,):
+            raise ConfigError(f"actions: expected shape ({E},), got {actions.shape}")
+        acting = np.ones(E, np.bool_) if acting is None else np.asarray(acting, np.bool_)
+        for e in np.flatnonzero(acting & ~self.done):
+            self._route(int(e), int(actions[e]))
+
+    def credit(self, clusters=None) -> np.ndarray:
+        """Per cluster: its scored requests met, once, in the call after it is done (else 0)."""
+        E = self.done.shape[0]
+        out = np.zeros(E, np.int64)
+        which = np.arange(E) if clusters is None else np.asarray(clusters, np.int64)
+        for e in which:
+            if self.done[e] and not self.credited[e]:
+                met = self.result(int(e)).records()["met"]
+                out[e] = int(met[self.s0[e]:self.s1[e]].sum())
+                self.credited[e] = True
+        return out
+
+    def result(self, e: int):
+        """Cluster e as ``simulate_pd`` returns a replay (a ``disagg.PDResult``)."""
+        from .disagg import PDResult
+        st = self.states[e]
+        trace = self._setup[e][0]
+        route_p, row_p, route_d, row_d, handoff = st.out
+        return PDResult(trace, st.run.profiles, st.run.configs, st.run.policy.name, self.router, self.decode_router,
+                        self.kv_link, self.replicas, route_p, row_p, route_d, row_d, handoff, st.run.result(),
+                        self.n_iterations, self.first_token_at)
+
+
 def routing_capacity(traces: Sequence[Trace], resolved: Sequence[Profile], window: Optional[int] = None) -> tuple:
     """What a ``RoutingRun`` must hold to replay any of ``traces``, or with ``window`` any ``window``
     consecutive requests of one, on a cluster of ``resolved`` replica profiles: (requests, chain ids,
@@ -204,4 +364,4 @@ def routing_capacity(traces: Sequence[Trace], resolved: Sequence[Profile], windo
             tabs[0][2].shape[0])
 
 
-__all__ = ["RoutingRun", "routing_capacity"]
+__all__ = ["PDRoutingRun", "RoutingRun", "routing_capacity"]

@@ -60,6 +60,10 @@ class ClusterEnvConfig:
     index: Any = None
     levers: Any = ()
     t_ref_ms: Optional[float] = None
+    pd: Any = ()
+    decode_router: str = "least-kv"
+    kv_link: str = "nvlink"
+    first_token_at: str = "prefill"
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -77,6 +81,7 @@ class ClusterEnvConfig:
             set_("index", tuple(sorted(dataclasses.asdict(ip).items())))
         if self.t_ref_ms is not None and not (is_num(self.t_ref_ms) and 0 < float(self.t_ref_ms) < math.inf):
             raise ConfigError(f"t_ref_ms: None or a positive number of ms, got {self.t_ref_ms!r}")
+        self._check_pd(set_)
         for f in ("suite", "split", "profile", "policy", "base_router"):
             if not isinstance(getattr(self, f), str) or not getattr(self, f):
                 raise ConfigError(f"{f}: must be a non-empty string, got {getattr(self, f)!r}")
@@ -110,6 +115,32 @@ class ClusterEnvConfig:
             raise ConfigError(f"seed: must be None or an integer >= 0, got {self.seed!r}")
         if self.max_traces is not None and (not is_int(self.max_traces) or self.max_traces < 1):
             raise ConfigError(f"max_traces: must be None or an integer >= 1, got {self.max_traces!r}")
+
+    def _check_pd(self, set_) -> None:
+        """``pd``: () or (Rp, Rd), integers >= 1 adding up to ``replicas``; its decode router, link and
+        first-token convention known (and left at their defaults without ``pd``)."""
+        if not self.pd:
+            if (self.decode_router, self.kv_link, self.first_token_at) != ("least-kv", "nvlink", "prefill"):
+                raise ConfigError("decode_router, kv_link and first_token_at: settings of a P/D cluster (pd)")
+            set_("pd", ())
+            return
+        pd = tuple(self.pd) if isinstance(self.pd, (tuple, list)) else None
+        if pd is None or len(pd) != 2 or not all(is_int(x) and x >= 1 for x in pd) or sum(pd) != self.replicas:
+            raise ConfigError(f"pd: (prefill replicas, decode replicas), integers >= 1 adding up to replicas "
+                              f"{self.replicas}, got {self.pd!r}")
+        set_("pd", (int(pd[0]), int(pd[1])))
+        from ..engine.cluster import ROUTER_NAMES
+        from ..engine.disagg import check_first_token_at
+        from ..engine.kv_link import resolve_kv_link
+        if self.decode_router not in ROUTER_NAMES:
+            raise ConfigError(f"decode_router: unknown router {self.decode_router!r}; valid: {', '.join(ROUTER_NAMES)}")
+        resolve_kv_link(self.kv_link)
+        check_first_token_at(self.first_token_at)
+
+    @property
+    def actions(self) -> int:
+        """The action's range: the replicas, or a P/D cluster's prefill replicas."""
+        return self.pd[0] if self.pd else self.replicas
 
     @property
     def episode_requests(self) -> int:
@@ -179,13 +210,20 @@ class TokenBatchClusterVectorEnv(gym.vector.VectorEnv):
         _, resolved = resolve_copies([profile] * R, engine, R)
         self._rngs = [np.random.default_rng(None if cfg.seed is None else [cfg.seed, i]) for i in range(E)]
         first = [self._draw(e) for e in range(E)]
-        cap = routing_capacity([wl.units[u] for u in self._units], resolved, need)
-        self.run = RoutingRun([w.trace for w, _ in first], profile, cfg.replica_policy(wl.t_ref_ms), engine, replicas=R,
-                              base_router=cfg.base_router, residual_life=wl.residual_life, capacity=cap,
-                              estimates=[x for _, x in first], scored=[(w.scored_start, w.scored_stop)
-                                                                        for w, _ in first])
-        self.single_observation_space = spaces.Box(0.0, OBS_HIGH, (obs_dim(R),), np.float32)
-        self.single_action_space = spaces.Discrete(R)
+        kw = dict(base_router=cfg.base_router, residual_life=wl.residual_life, estimates=[x for _, x in first],
+                  scored=[(w.scored_start, w.scored_stop) for w, _ in first])
+        if cfg.pd:
+            from ..engine.routing import PDRoutingRun
+            self.run = PDRoutingRun([w.trace for w, _ in first], profile, cfg.replica_policy(wl.t_ref_ms), engine,
+                                    prefill_replicas=cfg.pd[0], decode_replicas=cfg.pd[1],
+                                    decode_router=cfg.decode_router, kv_link=cfg.kv_link,
+                                    first_token_at=cfg.first_token_at, **kw)
+        else:
+            cap = routing_capacity([wl.units[u] for u in self._units], resolved, need)
+            self.run = RoutingRun([w.trace for w, _ in first], profile, cfg.replica_policy(wl.t_ref_ms), engine,
+                                  replicas=R, capacity=cap, **kw)
+        self.single_observation_space = spaces.Box(0.0, OBS_HIGH, (obs_dim(cfg.actions),), np.float32)
+        self.single_action_space = spaces.Discrete(cfg.actions)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, E)
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, E)
         self._needs_reset = np.zeros(E, bool)
@@ -233,7 +271,7 @@ class TokenBatchClusterVectorEnv(gym.vector.VectorEnv):
         if a.dtype.kind == "f" and a.shape == (E,) and np.isfinite(a).all() and (a == np.round(a)).all():
             a = a.astype(np.int64)   # (whole numbers as floats: what SB3's adapter passes)
         if a.shape != (E,) or a.dtype.kind not in "iu":
-            raise ConfigError(f"actions: expected {E} integers in [0, {self.config.replicas}), got {actions!r}")
+            raise ConfigError(f"actions: expected {E} integers in [0, {self.config.actions}), got {actions!r}")
         starting = self._needs_reset.copy()
         run = self.run
         before = run.replaced.copy()
@@ -321,7 +359,9 @@ class TokenBatchClusterEnv(gym.Env):
     ``Discrete(R)``: the replica the pending arrival goes to. ``action_masks()`` gives the allowed
     replicas (those that serve the prompt, ``max_model_len`` > prompt, and have room for its row),
     for MaskablePPO; a masked action is replaced by ``base_router``'s choice and counted in
-    ``info["replaced"]``.
+    ``info["replaced"]``. A P/D cluster (``pd`` = (Rp, Rd), docs/design.md section 13):
+    ``Discrete(Rp)``, the prefill replica; each handoff goes to a decode replica by ``decode_router``,
+    its KV over ``kv_link``.
 
     ## Observation Space
     ``Box(0, 4, (11 R + 4,), float32)``: per replica, the router's view of section 12 at the arrival's
@@ -331,11 +371,14 @@ class TokenBatchClusterEnv(gym.Env):
     prompt tokens routed since the boundary, least-predicted-ttft's predicted TTFT, and whether it may
     take the request; then the request's prompt tokens, estimated output tokens, TTFT and TPOT SLOs.
     Counts, tokens and times (ms) as log1p(x) / log1p(1024), log1p(2^20) and log1p(1e5), clipped to [0, 4].
+    A P/D cluster: the prefill replicas' views (11 Rp + 4).
 
     ## Rewards
     +1 per scored request that completes within both SLOs, at the step in which its end is seen (each
     cluster's requests are credited in arrival order as they end); warm-up and cool-down requests
-    are routed but not rewarded. An episode's rewards sum to its scored requests met.
+    are routed but not rewarded. An episode's rewards sum to its scored requests met. A P/D
+    cluster's are all given in its last step (a handed-off request's outcome is known on D), its
+    first token counted where ``first_token_at`` says.
 
     ## Starting State
     A window of a random trace of ``suite``/``split`` (``window`` x R scored requests, ``warmup`` x R
@@ -349,7 +392,9 @@ class TokenBatchClusterEnv(gym.Env):
     ## Arguments
     ``ClusterEnvConfig``'s fields: suite ("seed-200"), split ("train"), profile ("stress-512"),
     replicas (4), rho ((0.8, 1.5)), window (64), warmup (16), cooldown (16), policy ("fcfs"),
-    shed_margin (None), base_router ("round-robin"), seed (None), max_traces (None).
+    shed_margin (None), base_router ("round-robin"), seed (None), max_traces (None), index (None),
+    levers (()), t_ref_ms (None), pd (()), decode_router ("least-kv"), kv_link ("nvlink"),
+    first_token_at ("prefill").
 
     ## Version History
     * v0: first version.
@@ -371,7 +416,7 @@ class TokenBatchClusterEnv(gym.Env):
 
     def step(self, action):
         if not self.action_space.contains(action):
-            raise ConfigError(f"action: must be an integer in [0, {self.config.replicas}), got {action!r}")
+            raise ConfigError(f"action: must be an integer in [0, {self.config.actions}), got {action!r}")
         if self._vec.run.done[0]:
             raise ConfigError("step after the episode ended: call reset()")
         obs, r, term, trunc, infos = self._vec.step(np.array([int(action)]))

@@ -278,8 +278,8 @@ class BenchConfig:
 
     def _check_router_agents(self, set_, routers: tuple) -> None:
         """``router_agents``: ``control.RouterAgent`` objects with unique labels that are not routers'
-        names, each trained on clusters of ``replicas`` replicas; not with P/D rows or staleness (the
-        routing env has neither)."""
+        names, each trained on clusters of ``replicas`` replicas (a P/D agent on ``pd``'s split, link and
+        decode router); not with staleness (the routing env has none)."""
         from ..control import RouterAgent
         agents = tuple(self.router_agents)
         if any(not isinstance(a, RouterAgent) for a in agents):
@@ -293,8 +293,13 @@ class BenchConfig:
             if a.env.replicas != self.replicas:
                 raise ConfigError(f"router agent {a.label}: trained on clusters of {a.env.replicas} replicas, "
                                   f"not {self.replicas} (--replicas)")
-        if agents and (self.pd or self.metrics_staleness_ms):
-            raise ConfigError("router agents: not with P/D rows or metrics staleness (the routing env has neither)")
+            if a.env.pd and (tuple(self.pd), self.decode_router, self.kv_link) != (a.env.pd, a.env.decode_router,
+                                                                                 a.env.kv_link):
+                raise ConfigError(f"router agent {a.label}: trained on a P/D split {a.env.pd[0]}:{a.env.pd[1]} "
+                                  f"(decode router {a.env.decode_router}, KV link {a.env.kv_link}): the benchmark's "
+                                  "pd, decode_router and kv_link must be the same")
+        if agents and self.metrics_staleness_ms:
+            raise ConfigError("router agents: not with metrics staleness (the routing env has none)")
         set_("router_agents", agents)
 
     def _check_pd(self, set_) -> None:

@@ -105,13 +105,22 @@ def router_agent_row(agent) -> Row:
     """A trained router's row: ``"<agent> x <replica row>"``, its replicas running the replica
     policy it was trained with (its env's policy, shed margin, index and levers)."""
     env = agent.env
-    plain = env.policy + (SHED_SUFFIX if env.shed_margin is not None else "")
     index = None
     if env.index is not None:
         from ..policies import IndexParams
         index = IndexParams(**dict(env.index))
-    return Row(f"{agent.label} x {plain}", env.policy, env.shed_margin, added=True, levers=env.levers,
-               index_params=index, router=agent.label, router_agent=agent)
+    return Row(f"{agent.label} x {router_agent_plain(env)}", env.policy, env.shed_margin, added=True,
+               levers=env.levers, index_params=index, router=agent.label, router_agent=agent, pd=env.pd,
+               first_token_at=env.first_token_at if env.pd else None)
+
+
+def router_agent_plain(env) -> str:
+    """The row a router agent's replicas run, without a router (``index+shed``; a P/D agent's with
+    its split and convention, as ``pd_label`` names it)."""
+    plain = env.policy + (SHED_SUFFIX if env.shed_margin is not None else "")
+    if env.pd:
+        plain += f"{PD_LABEL}{env.pd[0]}:{env.pd[1]}, first token at {env.first_token_at}]"
+    return plain
 
 
 def pd_label(cfg: BenchConfig, label: str, first_token_at: str) -> str:
