@@ -72,7 +72,7 @@ def _eid(cfg):
     (dict(pd=(1, 2), decode_router="nope"), "decode_router: unknown router 'nope'"),
     (dict(pd=(1, 2), metrics_staleness_ms=2.0), "pd: metrics staleness is not supported for P/D rows"),
     (dict(pd=(), kv_link="rdma"), "kv_link and decode_router: settings of P/D rows"),
-    (dict(replicas=1, pd=(1, 2)), "routers, metrics_staleness_ms, routed rows, pd and router agents: a cluster's settings"),
+    (dict(replicas=1, pd=(1, 2)), "routers, metrics_staleness_ms, routed rows, pd and router agents: a cluster"),
 ])
 def test_pd_config_errors(kw, msg):
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):

@@ -267,4 +267,4 @@ def test_config_json_of_a_run_gives_its_options_back():
     cfg = TrainConfig(env=TokenBatchConfig(rho=(1.0, 1.5), seed=0), net_arch=(32,), timesteps=64)
     again = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg
-    assert _round_trip(TrainConfig, again) == ["--rho", "1.0,1.5", "--timesteps", "64", "--net-arch", "32"]
+    assert _round_trip(TrainConfig, again) == ["--timesteps", "64", "--net-arch", "32", "--rho", "1.0,1.5"]

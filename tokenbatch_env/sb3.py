@@ -119,30 +119,12 @@ def load_router_agent(model_path: str, algo: str, vecnormalize_path: Optional[st
     """A saved router agent (``tokenbatch train-router``) as ``predict(obs [E, D], masks [E, R]) ->
     replicas [E]`` (deterministic: the most probable replica; MaskablePPO's among the mask), with
     the saved observation normalisation. One torch thread."""
-    import pickle
-
     import torch
     torch.set_num_threads(1)
-    cls = router_algo_class(algo)
     custom = {"policy_class": replica_scorer_policy_class(algo == "maskable-ppo")} \
         if _saved_policy_is_scorer(model_path) else {}
-    if observation_space is not None:
-        custom.update(observation_space=observation_space, action_space=action_space)
-    from .errors import ConfigError
-    try:
-        model = cls.load(model_path, device="cpu", custom_objects=custom)
-    except Exception as e:  # noqa: BLE001 - a corrupt zip, or weights of another env's spaces
-        raise ConfigError(f"{model_path}: cannot load the {algo} model ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    norm = None
-    if vecnormalize_path is not None:
-        try:
-            with open(vecnormalize_path, "rb") as f:
-                norm = pickle.load(f)
-        except Exception as e:  # noqa: BLE001 - a corrupt or foreign pickle
-            raise ConfigError(f"{vecnormalize_path}: cannot load the normalisation statistics "
-                              f"({type(e).__name__}: {e})") from None
-        norm.training = False
+    model, norm = _load_saved(router_algo_class(algo), algo, model_path, vecnormalize_path, custom,
+                              observation_space, action_space)
     maskable = algo == "maskable-ppo"
 
     def predict(obs, masks):
@@ -390,21 +372,38 @@ def load_agent(model_path: str, vecnormalize_path: Optional[str] = None, observa
     """A saved PPO agent as ``predict(obs [n, D]) -> actions [n, A]`` (deterministic: the mean
     action), applying the saved observation normalisation (VecNormalize statistics) if given.
     One torch thread (several thrash on small machines)."""
-    import pickle
 
     import torch
     from stable_baselines3 import PPO
 
     torch.set_num_threads(1)
     request_set_extractor_class()
-    custom = {}
-    if observation_space is not None:
-        custom = {"observation_space": observation_space, "action_space": action_space}
+    model, norm = _load_saved(PPO, "PPO", model_path, vecnormalize_path, {}, observation_space, action_space)
+
+    def predict(obs):
+        x = np.asarray(obs, np.float32)
+        if norm is not None:
+            x = norm.normalize_obs(x)
+        actions, _ = model.predict(x, deterministic=True)
+        return np.asarray(actions, np.float64)
+
+    return predict
+
+
+def _load_saved(cls, name: str, model_path: str, vecnormalize_path: Optional[str], custom: dict, observation_space,
+                action_space) -> tuple:
+    """(model, VecNormalize or None): ``cls.load`` of a saved agent on the CPU (``custom``: SB3's
+    ``custom_objects``, with the spaces when given) and its observation statistics in evaluation mode;
+    a file that does not load is one ``ConfigError`` naming it."""
+    import pickle
+
     from .errors import ConfigError
+    if observation_space is not None:
+        custom = {**custom, "observation_space": observation_space, "action_space": action_space}
     try:
-        model = PPO.load(model_path, device="cpu", custom_objects=custom)
+        model = cls.load(model_path, device="cpu", custom_objects=custom)
     except Exception as e:  # noqa: BLE001 - a corrupt zip, or weights of another env's spaces
-        raise ConfigError(f"{model_path}: cannot load the PPO model ({type(e).__name__}: "
+        raise ConfigError(f"{model_path}: cannot load the {name} model ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''})") from None
     norm = None
     if vecnormalize_path is not None:
@@ -415,12 +414,4 @@ def load_agent(model_path: str, vecnormalize_path: Optional[str] = None, observa
             raise ConfigError(f"{vecnormalize_path}: cannot load the normalisation statistics "
                               f"({type(e).__name__}: {e})") from None
         norm.training = False
-
-    def predict(obs):
-        x = np.asarray(obs, np.float32)
-        if norm is not None:
-            x = norm.normalize_obs(x)
-        actions, _ = model.predict(x, deterministic=True)
-        return np.asarray(actions, np.float64)
-
-    return predict
+    return model, norm

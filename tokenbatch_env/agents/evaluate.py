@@ -140,20 +140,15 @@ def run(args, prog: str = "tokenbatch") -> int:
             from ..errors import ConfigError
             raise ConfigError("--model: router agents (tokenbatch train-router) and scheduling agents are judged "
                               "apart: give one kind")
-        res = evaluate_routers(cfg, prog)
-        print(res["report"].summary_text())
-        print(res["markdown"])
-        print(f"wrote {res['out']}/ (report.json, report.md, goodput_vs_load.png, ttft_cdf.png, router_vs.md, "
-              "router_vs.json)")
-        return 0
-    if cfg.routers is not None:
+    elif cfg.routers is not None:
         from ..errors import ConfigError
-        raise ConfigError("--routers: for router agents (tokenbatch train-router)")
-    res = evaluate_agents(cfg, prog)
+        raise ConfigError("--routers: for router agents (tokenbatch train-router); --model is a scheduling agent")
+    res = evaluate_routers(cfg, prog) if any(routers) else evaluate_agents(cfg, prog)
+    vs = "router_vs" if any(routers) else "agent_vs"
     print(res["report"].summary_text())
     print(res["markdown"])
-    print(f"wrote {res['out']}/ (report.json, report.md, goodput_vs_load.png, ttft_cdf.png, agent_vs.md, "
-          "agent_vs.json)")
+    print(f"wrote {res['out']}/ (report.json, report.md, run_meta.json, goodput_vs_load.png, ttft_cdf.png, {vs}.md, "
+          f"{vs}.json)")
     return 0
 
 

@@ -55,7 +55,7 @@ def _parse_loads(text, flag: str) -> tuple:
     return parse_loads(text, flag[2:])
 
 
-def _parse_rho(text, flag: str) -> tuple:
+def parse_rho(text, flag: str) -> tuple:
     """--rho: low,high (each episode draws rho uniformly), or one value for a constant load."""
     v = _parse_loads(text, flag)
     return (v[0], v[0]) if len(v) == 1 else v
@@ -68,7 +68,7 @@ ENV_OPTIONS = {
     "split": {"help": "split whose windows are the episodes"},
     "profile": {"help": "engine profile (tokenbatch profiles list)"},
     "rho": {"help": "training loads low,high: each episode draws rho uniformly (one value: a constant load)",
-            "parse": _parse_rho, "type": tuple[float, ...]},
+            "parse": parse_rho, "type": tuple[float, ...]},
     "action_mode": {"help": "index (residual around theta*) or weights"},
     "base_params": {"help": "tuned parameters JSON (tokenbatch tune's best_params.json): theta* / w* and the "
                             "margins the actions are residuals around (default: IndexParams defaults)"},
@@ -91,16 +91,40 @@ def _default_env():
     return TokenBatchConfig(seed=0)
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """The whole training run (saved as config.json beside the model): the training env's
-    ``TokenBatchConfig`` (``env``; the fields in ``ENV_OPTIONS`` are options) and PPO's settings.
-    Each field's ``help`` is its ``tokenbatch train`` / agents/train_ppo.py option's (``config_cli``)."""
+def check_ppo_settings(cfg, extra_ints=(), extra_finite=()) -> None:
+    """A training config's PPO settings, each in the range where it means what it says (checked
+    here, not by a traceback from torch after the first rollout, or not at all): counts >= 1
+    (``extra_ints`` too), ``eval_every`` >= 0, the learning rate and clip range > 0, gamma and GAE
+    lambda in [0, 1], the entropy coefficient (and ``extra_finite``) finite; a batch larger than the
+    rollout refused. ``TrainConfig``'s and ``train_router.RouterTrainConfig``'s."""
+    from ..errors import ConfigError
+    for f in ("n_envs", "timesteps", "n_steps", "batch_size", "n_epochs", "eval_traces", *extra_ints):
+        v = getattr(cfg, f)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{f}: must be an integer >= 1, got {v!r}")
+    if isinstance(cfg.eval_every, bool) or not isinstance(cfg.eval_every, int) or cfg.eval_every < 0:
+        raise ConfigError(f"eval_every: must be an integer >= 0, got {cfg.eval_every!r}")
+    for f, lo, hi, lo_open in (("learning_rate", 0.0, math.inf, True), ("gamma", 0.0, 1.0, False),
+                               ("gae_lambda", 0.0, 1.0, False), ("clip_range", 0.0, math.inf, True),
+                               ("ent_coef", -math.inf, math.inf, True),
+                               *((f, -math.inf, math.inf, True) for f in extra_finite)):
+        v = getattr(cfg, f)
+        ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+              and (v > lo if lo_open else v >= lo) and v <= hi)
+        if not ok:
+            rng = "a finite number" if lo == -math.inf else (
+                f"a number {'>' if lo_open else '>='} {lo:g}" + ("" if hi == math.inf else f" and <= {hi:g}"))
+            raise ConfigError(f"{f}: must be {rng}, got {v!r}")
+    if (cfg.n_envs * cfg.n_steps) % cfg.batch_size and cfg.batch_size > cfg.n_envs * cfg.n_steps:
+        raise ConfigError(f"batch_size {cfg.batch_size} exceeds the rollout n_envs * n_steps = "
+                          f"{cfg.n_envs * cfg.n_steps}")
 
-    env: TokenBatchConfig = dataclasses.field(default_factory=_default_env, metadata={
-        "options": ENV_OPTIONS, "group": "the training env (TokenBatchConfig)"})
-    val_split: str = option("validation", "split the validation replays judge the policy on")
-    policy: str = option("mlp", "mlp (SB3 MlpPolicy) or set (RequestSetExtractor)")
+
+@dataclasses.dataclass(frozen=True)
+class PPOSettings:
+    """The settings every training run has (``TrainConfig``'s, ``train_router.RouterTrainConfig``'s):
+    the rollouts, PPO's numbers, the validation replays. Each field's ``help`` is its option's."""
+
     n_envs: int = option(256, "env copies (one engine batch)")
     timesteps: int = option(100_000, "training env-steps")
     n_steps: int = option(32, "rollout length per env: batch = n_envs * n_steps")
@@ -111,14 +135,27 @@ class TrainConfig:
     gae_lambda: float = option(0.95, "GAE lambda")
     clip_range: float = option(0.2, "PPO clip range")
     ent_coef: float = option(0.0, "entropy coefficient")
-    log_std_init: float = option(-1.5, "initial log std of the Gaussian policy")
     net_arch: tuple[int, ...] = option((64, 64), "hidden layer widths, comma-separated", min=1)
     normalize: bool = option(True, "VecNormalize the observations (saved with the model)")
     eval_every: int = option(25_000, "timesteps between validation replays (0 = only at the end)")
+    val_split: str = option("validation", "split the validation replays judge the policy on")
     eval_traces: int = option(20, "validation traces replayed (the first N)")
     eval_loads: tuple[float, ...] = option((1.2,), "validation loads rho, comma-separated", parse=_parse_loads)
-    out: str = option("runs/ppo", "output directory")
     progress: bool = option(True, "a progress bar on stderr")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(PPOSettings):
+    """The whole training run (saved as config.json beside the model): the training env's
+    ``TokenBatchConfig`` (``env``; the fields in ``ENV_OPTIONS`` are options) and PPO's settings
+    (``PPOSettings``). Each field's ``help`` is its ``tokenbatch train`` / agents/train_ppo.py option's
+    (``config_cli``)."""
+
+    env: TokenBatchConfig = dataclasses.field(default_factory=_default_env, metadata={
+        "options": ENV_OPTIONS, "group": "the training env (TokenBatchConfig)"})
+    policy: str = option("mlp", "mlp (SB3 MlpPolicy) or set (RequestSetExtractor)")
+    log_std_init: float = option(-1.5, "initial log std of the Gaussian policy")
+    out: str = option("runs/ppo", "output directory")
 
     def __post_init__(self):
         from ..envs.config import TokenBatchConfig
@@ -129,28 +166,7 @@ class TrainConfig:
             raise ConfigError("seed: training needs an integer seed (PPO's and the env's), got None")
         if self.policy not in ("mlp", "set"):
             raise ConfigError(f"policy: mlp or set, got {self.policy!r}")
-        for f in ("n_envs", "timesteps", "n_steps", "batch_size", "n_epochs", "eval_traces"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{f}: must be an integer >= 1, got {v!r}")
-        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
-            raise ConfigError(f"eval_every: must be an integer >= 0, got {self.eval_every!r}")
-        # PPO's numbers, each in the range where it means what it says (checked here, not by a
-        # traceback from torch after the first rollout, or not at all)
-        for f, lo, hi, lo_open in (("learning_rate", 0.0, math.inf, True), ("gamma", 0.0, 1.0, False),
-                                   ("gae_lambda", 0.0, 1.0, False), ("clip_range", 0.0, math.inf, True),
-                                   ("ent_coef", -math.inf, math.inf, True),
-                                   ("log_std_init", -math.inf, math.inf, True)):
-            v = getattr(self, f)
-            ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-                  and (v > lo if lo_open else v >= lo) and v <= hi)
-            if not ok:
-                rng = "a finite number" if lo == -math.inf else (
-                    f"a number {'>' if lo_open else '>='} {lo:g}" + ("" if hi == math.inf else f" and <= {hi:g}"))
-                raise ConfigError(f"{f}: must be {rng}, got {v!r}")
-        if (self.n_envs * self.n_steps) % self.batch_size and self.batch_size > self.n_envs * self.n_steps:
-            raise ConfigError(f"batch_size {self.batch_size} exceeds the rollout n_envs * n_steps = "
-                              f"{self.n_envs * self.n_steps}")
+        check_ppo_settings(self, extra_finite=("log_std_init",))
         if self.env.base_params is not None and not Path(self.env.base_params).is_file():
             raise ConfigError(f"base_params: file {self.env.base_params!r} not found")
 
@@ -354,11 +370,46 @@ def progress_callback():
     return TqdmProgress()
 
 
+def learn_and_validate(model, venv, cfg, out: Path, evaluate_now, log_episode, t_start: float,
+                       saved: Optional[dict] = None) -> tuple:
+    """Both trainers' loop: ``model.learn`` for ``cfg.timesteps`` with a progress bar, each finished
+    episode's info logged (``log_episode(logger, info)``), ``evaluate_now(step, logger)`` at 0 steps
+    and every ``cfg.eval_every`` (0: none), then once more at the end and the final policy saved in
+    <out>/final (``saved``: more for its config.json). Returns (the final validation goodput, the
+    metrics' common part)."""
+    from stable_baselines3.common.callbacks import BaseCallback
+    state = {"next_eval": cfg.eval_every or None}
+
+    class Callback(BaseCallback):
+        def _on_training_start(self) -> None:
+            if cfg.eval_every:
+                evaluate_now(0, self.logger)
+
+        def _on_step(self) -> bool:
+            for info in self.locals.get("infos", []):
+                if "episode_goodput" in info:
+                    log_episode(self.logger, info)
+            if state["next_eval"] is not None and self.num_timesteps >= state["next_eval"]:
+                evaluate_now(self.num_timesteps, self.logger)
+                state["next_eval"] += cfg.eval_every
+            return True
+
+    callbacks = [Callback()] + ([progress_callback()] if cfg.progress else [])
+    model.learn(total_timesteps=cfg.timesteps, callback=callbacks)
+    train_s = time.time() - t_start
+    final_g = evaluate_now(model.num_timesteps)
+    save_agent(model, venv, cfg, out / "final", {"val_goodput": final_g, "timesteps": model.num_timesteps,
+                                                 **(saved or {})})
+    return final_g, {"config": cfg.to_dict(), "timesteps": model.num_timesteps,
+                     "wall_s": round(time.time() - t_start, 1), "train_wall_s": round(train_s, 1),
+                     "env_steps_per_s_end_to_end": round(model.num_timesteps / train_s, 1),
+                     "validation": {"split": cfg.val_split, "loads": list(cfg.eval_loads), "traces": cfg.eval_traces}}
+
+
 def train(cfg: TrainConfig) -> dict:
     import numpy as np
     import torch
     from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.vec_env import VecNormalize
 
     from .._io import check_writable
@@ -387,7 +438,7 @@ def train(cfg: TrainConfig) -> dict:
     val = Validator(cfg)
     refs = _references(cfg, val, core)
     curve = []
-    state = {"best": -1.0, "reached_edf_s": None, "next_eval": cfg.eval_every or None}
+    state = {"best": -1.0, "reached_edf_s": None}
 
     def evaluate_now(step: int, logger=None) -> float:
         g = val.agent(make_predict(model, venv), core)
@@ -403,36 +454,18 @@ def train(cfg: TrainConfig) -> dict:
             state["reached_edf_s"] = wall
         return g
 
-    class Callback(BaseCallback):
-        def _on_training_start(self) -> None:
-            if cfg.eval_every:
-                evaluate_now(0, self.logger)   # the initial policy (mean action ~ 0: about the base)
+    def log_episode(logger, info) -> None:
+        logger.record_mean("episode/goodput", info["episode_goodput"])
+        logger.record_mean("episode/shed", info["episode_shed"])
+        p99 = info["episode_ttft_p99_ms"]
+        if np.isfinite(p99):
+            logger.record_mean("episode/ttft_p99_ms", p99)
 
-        def _on_step(self) -> bool:
-            for info in self.locals.get("infos", []):
-                if "episode_goodput" in info:
-                    self.logger.record_mean("episode/goodput", info["episode_goodput"])
-                    self.logger.record_mean("episode/shed", info["episode_shed"])
-                    p99 = info["episode_ttft_p99_ms"]
-                    if np.isfinite(p99):
-                        self.logger.record_mean("episode/ttft_p99_ms", p99)
-            if state["next_eval"] is not None and self.num_timesteps >= state["next_eval"]:
-                evaluate_now(self.num_timesteps, self.logger)
-                state["next_eval"] += cfg.eval_every
-            return True
-
-    callbacks = [Callback()] + ([progress_callback()] if cfg.progress else [])
-    model.learn(total_timesteps=cfg.timesteps, callback=callbacks)
-    train_s = time.time() - t_start
-    final_g = evaluate_now(model.num_timesteps)
-    save_agent(model, venv, cfg, out / "final", {"val_goodput": final_g, "timesteps": model.num_timesteps})
-    metrics = {"config": cfg.to_dict(), "timesteps": model.num_timesteps,
-               "wall_s": round(time.time() - t_start, 1), "train_wall_s": round(train_s, 1),
-               "env_steps_per_s_end_to_end": round(model.num_timesteps / train_s, 1),
-               "validation": {"split": cfg.val_split, "loads": list(cfg.eval_loads), "traces": cfg.eval_traces,
-                              "edf+shed": refs["edf+shed"], "base": refs["base"],
-                              "best_agent": state["best"], "final_agent": final_g, "curve": curve},
-               "reached_edf_shed_at_wall_s": state["reached_edf_s"]}
+    # (at 0 steps the initial policy: mean action ~ 0, about the base)
+    final_g, metrics = learn_and_validate(model, venv, cfg, out, evaluate_now, log_episode, t_start)
+    metrics["validation"].update({"edf+shed": refs["edf+shed"], "base": refs["base"], "best_agent": state["best"],
+                                  "final_agent": final_g, "curve": curve})
+    metrics["reached_edf_shed_at_wall_s"] = state["reached_edf_s"]
     from .._io import write_text_atomic
     write_text_atomic(out / "train_metrics.json", json.dumps(metrics, indent=1) + "\n")
     venv.close()

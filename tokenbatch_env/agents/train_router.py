@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 from typing import Optional
 
 from ..config_cli import option
 from ..envs.cluster_env import ClusterEnvConfig
+from .train import PPOSettings, parse_rho as _parse_rho
 
 DESCRIPTION = ("Train a PPO or MaskablePPO router (stable-baselines3, sb3-contrib) on TokenBatchCluster-v0 as a "
                "challenger to the tuned routers.")
@@ -39,24 +39,19 @@ the base router's (counted); MaskablePPO samples only allowed replicas. Every --
 the current policy (its most probable replica) routes the VALIDATION split's windows by the
 evaluator's own replay (tokenbatch_env.control.run_routed); the best is kept in <out>/best/
 (model.zip, vecnormalize.pkl, config.json) and the final policy in <out>/final/.
-<out>/train_metrics.json has the validation curve and the base router's validation goodput. Judge
-on TEST against every router with {evaluate} --model <out>/best --params FILE.
+<out>/train_metrics.json has the validation curve and the base router's validation goodput;
+TensorBoard logs go to <out>/tb. Judge on TEST against every router with {evaluate} --model
+<out>/best --params FILE.
+
+Discounting: gamma is per routing decision, and a request's reward comes as it ends, hundreds of
+decisions after it was routed; at gamma 0.99 the policy sees almost none of it (a 300,000-step pilot
+on azure-conv-like collapsed from 0.78 to 0.44 validation goodput). The default is 0.999.
 """
-
-
-def _parse_loads(text, flag: str) -> tuple:
-    from ..util import parse_loads
-    return parse_loads(text, flag[2:])
 
 
 def _parse_split(text, flag: str) -> tuple:
     from ..config_cli import parse_split
     return parse_split(text, flag)
-
-
-def _parse_rho(text, flag: str) -> tuple:
-    v = _parse_loads(text, flag)
-    return (v[0], v[0]) if len(v) == 1 else v
 
 
 #: the routing env's fields that are options (``config_cli``; their checks are ``ClusterEnvConfig``'s)
@@ -92,11 +87,14 @@ ROUTER_KIND = "cluster"
 
 
 @dataclasses.dataclass(frozen=True)
-class RouterTrainConfig:
+class RouterTrainConfig(PPOSettings):
     """The whole router training run (saved as config.json beside the model): the routing env's
     ``ClusterEnvConfig`` (``env``; the fields in ``ENV_OPTIONS`` are options, the rest set by
-    ``params`` and ``replica_row``) and the algorithm's settings."""
+    ``params`` and ``replica_row``), the algorithm and the settings of ``PPOSettings`` (rollouts of
+    64 decisions per cluster, minibatches of 4,096 here)."""
 
+    n_steps: int = option(64, "rollout length per env: batch = n_envs * n_steps")
+    batch_size: int = option(4096, "PPO minibatch size")
     env: ClusterEnvConfig = dataclasses.field(default_factory=_default_env, metadata={
         "options": ENV_OPTIONS, "group": "the routing env (ClusterEnvConfig)"})
     params: Optional[str] = option(None, "tuned parameters JSON of a cluster tuning run (tokenbatch tune "
@@ -107,25 +105,7 @@ class RouterTrainConfig:
     net: str = option("scorer", "scorer (one MLP scores each replica) or mlp (SB3 MlpPolicy)")
     hidden: int = option(64, "the scorer's width", min=1)
     prior: float = option(3.0, "the scorer's initial weight on least-outstanding's preference (learned; 0: none)")
-    n_envs: int = option(256, "clusters (one engine batch)")
-    timesteps: int = option(100_000, "training env-steps (routing decisions)")
-    n_steps: int = option(64, "rollout length per cluster: batch = n_envs * n_steps")
-    batch_size: int = option(4096, "minibatch size")
-    n_epochs: int = option(4, "epochs per rollout")
-    learning_rate: float = option(3e-4, "Adam learning rate")
-    gamma: float = option(0.999, "discount per routing decision (a request's reward comes as it ends, "
-                                        "hundreds of decisions after it was routed)")
-    gae_lambda: float = option(0.95, "GAE lambda")
-    clip_range: float = option(0.2, "clip range")
-    ent_coef: float = option(0.0, "entropy coefficient")
-    net_arch: tuple[int, ...] = option((64, 64), "hidden widths of the critic (and of the mlp actor)", min=1)
-    normalize: bool = option(True, "VecNormalize the observations (saved with the model)")
-    eval_every: int = option(250_000, "timesteps between validation replays (0 = only at the end)")
-    val_split: str = option("validation", "split the validation replays judge the policy on")
-    eval_traces: int = option(20, "validation traces replayed (the first N)")
-    eval_loads: tuple[float, ...] = option((1.2,), "validation loads rho, comma-separated", parse=_parse_loads)
     out: str = option("runs/router", "output directory")
-    progress: bool = option(True, "a progress bar on stderr")
 
     def __post_init__(self):
         from ..errors import ConfigError
@@ -140,22 +120,8 @@ class RouterTrainConfig:
             raise ConfigError(f"replicas: a router chooses among at least 2 replicas, got {self.env.replicas}")
         if self.net not in ("scorer", "mlp"):
             raise ConfigError(f"net: scorer or mlp, got {self.net!r}")
-        for f in ("n_envs", "timesteps", "n_steps", "batch_size", "n_epochs", "eval_traces", "hidden"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{f}: must be an integer >= 1, got {v!r}")
-        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
-            raise ConfigError(f"eval_every: must be an integer >= 0, got {self.eval_every!r}")
-        for f, lo, hi in (("learning_rate", 0.0, math.inf), ("gamma", 0.0, 1.0), ("gae_lambda", 0.0, 1.0),
-                          ("clip_range", 0.0, math.inf)):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v <= hi):
-                raise ConfigError(f"{f}: must be a number > {lo:g}" + ("" if hi == math.inf else f" and <= {hi:g}")
-                                  + f", got {v!r}")
-        for f in ("ent_coef", "prior"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ConfigError(f"{f}: must be a finite number, got {v!r}")
+        from .train import check_ppo_settings
+        check_ppo_settings(self, extra_ints=("hidden",), extra_finite=("prior",))
         if (self.params is None) != (self.replica_row is None):
             raise ConfigError("--params and --replica-row go together (the tuned row every replica runs)")
         if self.params is not None:
@@ -291,12 +257,11 @@ def base_router_predict(obs, masks):
 def train_router(cfg: RouterTrainConfig) -> dict:
     import numpy as np
     import torch
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.vec_env import VecNormalize
 
     from .._io import check_writable, write_text_atomic
     from ..sb3 import make_sb3_cluster_vec_env, replica_scorer_policy_class, router_algo_class
-    from .train import progress_callback, save_agent
+    from .train import learn_and_validate, save_agent
 
     torch.set_num_threads(1)
     out = Path(cfg.out)
@@ -321,7 +286,7 @@ def train_router(cfg: RouterTrainConfig) -> dict:
     val = RouterValidator(cfg)
     base_g = val.goodput(base_router_predict)
     curve = []
-    state = {"best": -1.0, "next_eval": cfg.eval_every or None}
+    state = {"best": -1.0}
 
     def predict_now(obs, masks):
         x = np.asarray(obs, np.float32)
@@ -341,34 +306,13 @@ def train_router(cfg: RouterTrainConfig) -> dict:
             save_agent(model, venv, cfg, out / "best", {"val_goodput": g, "timesteps": step, "algo": cfg.algo})
         return g
 
-    class Callback(BaseCallback):
-        def _on_training_start(self) -> None:
-            if cfg.eval_every:
-                evaluate_now(0, self.logger)
+    def log_episode(logger, info) -> None:
+        logger.record_mean("episode/goodput", info["episode_goodput"])
 
-        def _on_step(self) -> bool:
-            for info in self.locals.get("infos", []):
-                if "episode_goodput" in info:
-                    self.logger.record_mean("episode/goodput", info["episode_goodput"])
-                if "replaced" in info:
-                    self.logger.record_mean("episode/replaced", float(info["replaced"]))
-            if state["next_eval"] is not None and self.num_timesteps >= state["next_eval"]:
-                evaluate_now(self.num_timesteps, self.logger)
-                state["next_eval"] += cfg.eval_every
-            return True
-
-    callbacks = [Callback()] + ([progress_callback()] if cfg.progress else [])
-    model.learn(total_timesteps=cfg.timesteps, callback=callbacks)
-    train_s = time.time() - t_start
-    final_g = evaluate_now(model.num_timesteps)
-    save_agent(model, venv, cfg, out / "final", {"val_goodput": final_g, "timesteps": model.num_timesteps,
-                                                 "algo": cfg.algo})
-    metrics = {"config": cfg.to_dict(), "timesteps": model.num_timesteps,
-               "wall_s": round(time.time() - t_start, 1), "train_wall_s": round(train_s, 1),
-               "env_steps_per_s_end_to_end": round(model.num_timesteps / train_s, 1),
-               "validation": {"split": cfg.val_split, "loads": list(cfg.eval_loads), "traces": cfg.eval_traces,
-                              "base_router": base_g, "best_agent": state["best"], "final_agent": final_g,
-                              "curve": curve}}
+    final_g, metrics = learn_and_validate(model, venv, cfg, out, evaluate_now, log_episode, t_start,
+                                          {"algo": cfg.algo})
+    metrics["validation"].update({"base_router": base_g, "best_agent": state["best"], "final_agent": final_g,
+                                  "curve": curve})
     write_text_atomic(out / "train_metrics.json", json.dumps(metrics, indent=1) + "\n")
     venv.close()
     return metrics

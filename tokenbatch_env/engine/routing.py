@@ -21,6 +21,20 @@ from .simulate import EnginePolicy, resolve_copies
 from .state import EngineConfig
 
 
+def decision_arrays(run, E: int, N: int, R: int) -> None:
+    """What a caller reads at each cluster's pending arrival (``RoutingRun``'s and ``PDRoutingRun``'s):
+    ``pending``, ``route`` [E, N], ``view`` [E, R, N_VIEW], ``pred``, ``mask`` [E, R], ``done``,
+    ``replaced`` and the scored span ``s0``, ``s1``."""
+    run.pending = np.zeros(E, np.int64)
+    run.route = np.full((E, N), -1, np.int64)
+    run.view = np.zeros((E, R, CK.N_VIEW), np.int64)
+    run.pred = np.zeros((E, R), np.int64)
+    run.mask = np.zeros((E, R), np.bool_)
+    run.done = np.zeros(E, np.bool_)
+    run.replaced = np.zeros(E, np.int64)
+    run.s0, run.s1 = np.zeros(E, np.int64), np.zeros(E, np.int64)
+
+
 class RoutingRun:
     """E clusters of R replicas of ``profile`` (each running ``policy`` with ``config``), cluster e
     replaying ``traces[e]`` (``load`` puts another trace on a cluster); the caller routes each arrival
@@ -73,16 +87,9 @@ class RoutingRun:
         self.keys = np.zeros((E, 2), np.int64)
         self.rpar = router_params(self.router)
         self.rstate = np.zeros((E, 1), np.int64)
-        self.pending = np.zeros(E, np.int64)
+        decision_arrays(self, E, N, R)
         self.n_of = np.zeros(E, np.int64)
-        self.route = np.full((E, N), -1, np.int64)
         self.row = np.full((E, N), -1, np.int64)
-        self.view = np.zeros((E, R, CK.N_VIEW), np.int64)
-        self.pred = np.zeros((E, R), np.int64)
-        self.mask = np.zeros((E, R), np.bool_)
-        self.done = np.zeros(E, np.bool_)
-        self.replaced = np.zeros(E, np.int64)
-        self.s0, self.s1 = np.zeros(E, np.int64), np.zeros(E, np.int64)
         self.cursor = np.zeros(E, np.int64)
         self.credited = np.zeros((E, N), np.bool_)
         self.traces: list = [None] * E
@@ -223,14 +230,7 @@ class PDRoutingRun:
         self.usable_blocks = max(1, self._resolved[0].usable_blocks)
         N = max(len(t) for t in traces)
         self.g = tuple(np.zeros((E, N), dt) for dt in (np.int64,) * 7) + (np.full((E, N), np.nan),)
-        self.route = np.full((E, N), -1, np.int64)
-        self.pending = np.zeros(E, np.int64)
-        self.view = np.zeros((E, Rp, CK.N_VIEW), np.int64)
-        self.pred = np.zeros((E, Rp), np.int64)
-        self.mask = np.zeros((E, Rp), np.bool_)
-        self.done = np.zeros(E, np.bool_)
-        self.replaced = np.zeros(E, np.int64)
-        self.s0, self.s1 = np.zeros(E, np.int64), np.zeros(E, np.int64)
+        decision_arrays(self, E, N, Rp)
         self.credited = np.zeros(E, np.bool_)
         self.n_iterations = 0
         self.states: list = [None] * E
