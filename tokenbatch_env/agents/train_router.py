@@ -23,7 +23,7 @@ DESCRIPTION = ("Train a PPO or MaskablePPO router (stable-baselines3, sb3-contri
                "challenger to the tuned routers.")
 
 EPILOG = """\
-    {cmd}                                   # 4 replicas of stress-512, MaskablePPO, small budget
+    {cmd}                                   # 4 replicas of stress-512, MaskablePPO, 100,000 steps
     {cmd} --suite azure-conv-like --profile llama3-8b-h100 --replicas 8 --rho 1.2 \\
         --params runs/tune-router/best_params.json --replica-row "round-robin x index+shed" \\
         --timesteps 2000000 --seed 0 --out runs/router-s0
