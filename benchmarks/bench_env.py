@@ -8,6 +8,7 @@
     python benchmarks/bench_env.py --breakdown --no-sync --no-adapter   # where (a)'s time goes
     python benchmarks/bench_env.py --ceiling --no-sync --no-adapter     # (d): the speed-up the engine allows
     python benchmarks/bench_env.py --v1 --cluster --no-sync --no-adapter # (e) TokenBatchCluster-v0 beside v1
+    python benchmarks/bench_env.py --cluster --cluster-pd 4:4 --cluster-copies 256 --no-sync --no-adapter --copies 8
 
 Prints, see docs/benchmarks.md ("Environment benchmark") for the definitions:
   (a) native ``TokenBatchVectorEnv`` env-steps/s (copies x steps / wall seconds), alone (--steps);
@@ -102,14 +103,15 @@ def bench_native(n: int, steps: int, warm: int) -> dict:
     return _measure(lambda: TokenBatchVectorEnv(n, **CONFIG, **ENV_KW), n, steps, warm)
 
 
-def bench_cluster_env(n: int, steps: int, warm: int) -> dict:
-    """(e): the native TokenBatchCluster-v0 vector env, random actions."""
+def bench_cluster_env(n: int, steps: int, warm: int, pd: tuple = ()) -> dict:
+    """(e): the native TokenBatchCluster-v0 vector env, random actions; ``pd``: a P/D split of the
+    same replicas (the actions: prefill replicas)."""
     from tokenbatch_env.envs.cluster_env import TokenBatchClusterVectorEnv
     t0 = time.perf_counter()
-    env = TokenBatchClusterVectorEnv(n, **CLUSTER_CONFIG)
+    env = TokenBatchClusterVectorEnv(n, **CLUSTER_CONFIG, pd=pd)
     build = time.perf_counter() - t0
     env.reset(seed=0)
-    acts = np.random.default_rng(0).integers(0, CLUSTER_CONFIG["replicas"], (warm + steps, n))
+    acts = np.random.default_rng(0).integers(0, env.config.actions, (warm + steps, n))
     wall, rew = _drive(env.step, acts, warm)
     return {"build_s": build, "wall_s": wall, "steps_per_s": n * steps / wall, "reward_sum": float(rew.sum())}
 
@@ -373,6 +375,8 @@ def main(argv=None) -> int:
                     help="TokenBatch-v1 (tpot_guard: the budget rule, its action dimensions and TPOT state)")
     ap.add_argument("--cluster", action="store_true", help="(e): also TokenBatchCluster-v0 (--cluster-copies)")
     ap.add_argument("--cluster-copies", type=int, default=1024, help="(e): clusters (default 1024)")
+    ap.add_argument("--cluster-pd", default=None, metavar="Rp:Rd",
+                    help="(e): the clusters split prefill:decode (TokenBatchCluster-v0 with pd; no target)")
     ap.add_argument("--threads", type=int, default=None,
                     help="engine threads of the native env, (a) and (c) (default: the env's, the available "
                          "cores from 64 copies on); SyncVectorEnv's single envs use 1")
@@ -451,13 +455,17 @@ def main(argv=None) -> int:
               f"copy-step: the kernels' {c['native_kernel_us'] / th:.2f} + the rest {c['rest']:.2f} now, i.e. the "
               f"rest at most {c['rest_allowed']:.2f}; {verdict}; same rewards: {c['same_rewards']}")
     if a.cluster:
-        bench_cluster_env(2, 3, 1)   # (compile/load and the workload, outside the timing)
-        cl = bench_cluster_env(a.cluster_copies, T, W)
+        from tokenbatch_env.config_cli import parse_split
+        pd = parse_split(a.cluster_pd, "--cluster-pd") if a.cluster_pd else ()
+        bench_cluster_env(2, 3, 1, pd)   # (compile/load and the workload, outside the timing)
+        cl = bench_cluster_env(a.cluster_copies, T, W, pd)
         sps = cl["steps_per_s"]
-        print(f"(e) native TokenBatchCluster-v0, {a.cluster_copies} clusters of {CLUSTER_CONFIG['replicas']} replicas "
+        what = f"P/D {pd[0]}:{pd[1]}" if pd else f"{CLUSTER_CONFIG['replicas']} replicas"
+        verdict = "no target (P/D)" if pd else (f"target >= {CLUSTER_TARGET:,} at 1,024: "
+                                                f"{'met' if sps >= CLUSTER_TARGET else 'not met'}")
+        print(f"(e) native TokenBatchCluster-v0, {a.cluster_copies} clusters of {what} "
               f"({CLUSTER_CONFIG['suite']}, rho {CLUSTER_CONFIG['rho']}, {CLUSTER_CONFIG['profile']}): {sps:,.0f} "
-              f"env-steps/s ({a.cluster_copies * T:,} in {cl['wall_s']:.2f} s; build {cl['build_s']:.1f} s); target "
-              f">= {CLUSTER_TARGET:,} at 1,024: {'met' if sps >= CLUSTER_TARGET else 'not met'}")
+              f"env-steps/s ({a.cluster_copies * T:,} in {cl['wall_s']:.2f} s; build {cl['build_s']:.1f} s); {verdict}")
     if not a.no_adapter:
         ad = bench_adapter(n, T, W)
         print(f"(c) SB3 adapter, {n} copies, alternated step by step with the raw SAME_STEP env: "
