@@ -184,4 +184,4 @@ def run_routed(traces, profile, policy, config, agent: RouterAgent, *, estimates
         a = np.asarray(predict(obs, run.mask.copy()), np.int64).reshape(-1)
         run.step(np.where(acting, a, -1), acting)
         decisions += acting
-    return RoutedRuns([run.result(e) for e in range(len(traces))], run.replaced.copy(), decisions)
+    return RoutedRuns(run.results(), run.replaced.copy(), decisions)

@@ -182,9 +182,16 @@ class RoutingRun:
 
     def result(self, e: int) -> ClusterResult:
         """Cluster e as ``simulate_cluster`` returns a replay (its ``records`` and ``replica_stats``)."""
+        return self._result(e, self.run.result())
+
+    def results(self) -> list:
+        """Every cluster's ``result``, from one pass over the engine's state."""
+        res = self.run.result()
+        return [self._result(e, res) for e in range(self.done.shape[0])]
+
+    def _result(self, e: int, res) -> ClusterResult:
         R, n = self.replicas, int(self.n_of[e])
         A = self.run.arrays
-        res = self.run.result()
         engine = dataclasses.replace(res, traces=res.traces[e * R:(e + 1) * R],
                                      profiles=res.profiles[e * R:(e + 1) * R], configs=res.configs[e * R:(e + 1) * R],
                                      arrays=A._replace(**{f: getattr(A, f)[e * R:(e + 1) * R] for f in A._fields}))
@@ -334,6 +341,10 @@ class PDRoutingRun:
                 out[e] = int(met[self.s0[e]:self.s1[e]].sum())
                 self.credited[e] = True
         return out
+
+    def results(self) -> list:
+        """Every cluster's ``result``."""
+        return [self.result(e) for e in range(self.done.shape[0])]
 
     def result(self, e: int):
         """Cluster e as ``simulate_pd`` returns a replay (a ``disagg.PDResult``)."""
