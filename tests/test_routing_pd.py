@@ -97,7 +97,7 @@ def test_cluster_env_with_pd():
         o, *_ = v.step(np.array([2, 0]))
         o1, *_ = e1.step(2)
         assert np.array_equal(o[0], o1)
-    with pytest.raises(Exception, match="pd: .*adding up to replicas 4"):
+    with pytest.raises(Exception, match="pd: 2:3 must add up to the replicas R = 4"):
         TokenBatchClusterEnv(replicas=4, pd=(2, 3))
     with pytest.raises(Exception, match="settings of a P/D cluster"):
         TokenBatchClusterEnv(replicas=4, kv_link="rdma")

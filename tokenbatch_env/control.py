@@ -145,8 +145,8 @@ class RouterAgent:
 
 class RoutedRuns:
     """``run_routed``'s replays: ``records(i)`` and ``replica_stats(i)`` of copy i as a
-    ``ClusterResult``'s (the stats with ``replaced``: the agent's masked choices, and ``routed``:
-    its decisions)."""
+    ``ClusterResult``'s (or a P/D run's ``PDResult``'s), the stats with ``replaced`` (the agent's
+    masked choices) and ``decisions`` (its decisions)."""
 
     def __init__(self, results: list, replaced, decisions):
         self.results, self.replaced, self.decisions = results, replaced, decisions

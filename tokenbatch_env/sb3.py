@@ -125,8 +125,13 @@ def load_router_agent(model_path: str, algo: str, vecnormalize_path: Optional[st
         if _saved_policy_is_scorer(model_path) else {}
     model, norm = _load_saved(router_algo_class(algo), algo, model_path, vecnormalize_path, custom,
                               observation_space, action_space)
-    maskable = algo == "maskable-ppo"
+    return router_predictor(model, norm, algo == "maskable-ppo")
 
+
+def router_predictor(model, norm, maskable: bool):
+    """``predict(obs [E, D], masks [E, R]) -> replicas [E]`` of a router model: observations
+    normalised by ``norm`` (a VecNormalize, or None), the most probable replica (MaskablePPO's among
+    the mask). The saved agent's (``load_router_agent``) and the trainer's validation replays'."""
     def predict(obs, masks):
         x = np.asarray(obs, np.float32)
         if norm is not None:

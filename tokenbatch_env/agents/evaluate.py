@@ -283,15 +283,14 @@ def evaluate_routers(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict
     from ..engine.cluster import ROUTER_NAMES
     from ..errors import ConfigError
     from ..evaluate import BenchConfig, run_benchmark
-    from ..evaluate.config import SHED_SUFFIX
+    from ..evaluate.rows import pd_label, router_agent_plain
     from ..params import RoutedRow, load_params_file, load_routed
-    from ..policies import IndexParams
     from ..report import check_report_out
-    from .load import agent_labels, router_agent, router_algo
+    from .load import agent_labels, router_agent
 
-    algos = [router_algo(m) for m in cfg.model]
-    labels = agent_labels(cfg.model, [f"{a}:" for a in algos])
-    agents = [router_agent(m, label=lab) for m, lab in zip(cfg.model, labels)]
+    agents = [router_agent(m) for m in cfg.model]
+    labels = agent_labels(cfg.model, [f"{dict(a.evidence)['algo']}:" for a in agents])
+    agents = [dataclasses.replace(a, label=lab) for a, lab in zip(agents, labels)]
     env = agents[0].env
     same = ("replicas", "profile", "policy", "shed_margin", "index", "levers", "t_ref_ms", "pd", "decode_router",
             "kv_link", "first_token_at")
@@ -304,8 +303,7 @@ def evaluate_routers(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict
         (("round-robin",) + tuple(r for r in ROUTER_NAMES if r != "round-robin"))
     from ..config_cli import check_names
     check_names(routers, ROUTER_NAMES, "--routers", "router")
-    plain = env.policy + (SHED_SUFFIX if env.shed_margin is not None else "")
-    index = IndexParams(**dict(env.index)) if env.index is not None else None
+    plain, index = router_agent_plain(env, split=False), env.index_params
     routed, kw = (), {}
     if cfg.params:   # each router's own tuned parameters for this row; the replica values are the agents'
         found = load_routed(cfg.params)
@@ -342,12 +340,10 @@ def evaluate_routers(cfg: EvaluateAgentConfig, prog: str = "tokenbatch") -> dict
               "not held out", file=sys.stderr)
     report = run_benchmark(bench)
     report.write(out)
-    from ..evaluate.rows import router_agent_plain
-    row = router_agent_plain(env)
-    agent_rows_ = [f"{a.label} x {row}" for a in agents]
+    agent_rows_ = [f"{a.label} x {router_agent_plain(env)}" for a in agents]
     comparators = [f"{r} x {plain}" if len(routers) > 1 else plain for r in routers]
     if env.pd:
-        comparators = [c + row[len(plain):] for c in comparators]
+        comparators = [pd_label(env.pd, c, env.first_token_at) for c in comparators]
     rows = versus_rows(report.data, agent_rows_, comparators)
     if cfg.pool and len(agents) > 1:
         rows += versus_rows(report.data, agent_rows_, comparators, pooled=True)

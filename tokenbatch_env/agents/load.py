@@ -16,8 +16,7 @@ from .._io import sha256_file
 from ..control import ControlSpec, policy_spec
 from ..errors import ConfigError
 
-__all__ = ["agent_files", "agent_labels", "agent_spec", "agent_warnings", "is_router_agent", "router_agent",
-           "router_algo"]
+__all__ = ["agent_files", "agent_labels", "agent_spec", "agent_warnings", "is_router_agent", "router_agent"]
 
 
 def agent_files(model_path: str, option: str = "--model", env_config: Optional[str] = None,
@@ -185,16 +184,6 @@ def is_router_agent(model_path: str) -> bool:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         return False
     return isinstance(env, dict) and env.get("kind") == "cluster"
-
-
-def router_algo(model_path: str) -> Optional[str]:
-    """A router agent's algorithm (config.json's ``algo``), or None when it names none."""
-    p = Path(model_path)
-    try:
-        algo = json.loads(((p.parent if p.suffix == ".zip" else p) / "config.json").read_text()).get("algo")
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return None
-    return algo if isinstance(algo, str) else None
 
 
 def router_agent(model_path: str, label: Optional[str] = None, option: str = "--model"):

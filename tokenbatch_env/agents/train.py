@@ -247,26 +247,39 @@ def main(argv=None, prog: str = "train_ppo.py", cmd: str = "python agents/train_
 
 
 # ------------------------------------------------------------------------------ validation
-class Validator:
+class ValidationSplit:
+    """The validation copies of a training run, as the benchmark lays them out: ``traces`` (every
+    trace of ``split`` at every load), their length estimates ``est`` and scored masks, the workload
+    ``wl``, the resolved ``profile`` and ``engine``; with ``replicas`` > 1 a cluster's workload
+    (``evaluate.cluster.bench_workload``). ``met_share(res)``: the mean over the copies of met / scored
+    of a replay of ``traces``. Both trainers' validation (``Validator``, ``train_router.RouterValidator``)."""
+
+    def __init__(self, suite: str, split: str, profile: str, loads, max_traces: int, replicas: int = 1,
+                 router: Optional[str] = None):
+        from ..engine.profiles import load_profile
+        from ..evaluate import BenchConfig
+        from ..evaluate.cluster import bench_workload
+        kw = {"replicas": replicas, "routers": (router,)} if replicas > 1 else {}
+        bc = BenchConfig(suite=suite, split=split, profile=profile, loads=loads, max_traces=max_traces,
+                         upper_bound=False, **kw)
+        self.profile = bc.engine.resolve(load_profile(profile))
+        self.engine = bc.engine
+        self.wl = bench_workload(bc, self.profile)
+        self.traces = [t for rho in loads for t in self.wl.at(rho)]
+        self.est = self.wl.estimates() * len(loads)
+        self.scored = list(self.wl.scored) * len(loads)
+
+    def met_share(self, res) -> float:
+        return float(sum(res.records(i)["met"][m].mean() for i, m in enumerate(self.scored)) / len(self.scored))
+
+
+class Validator(ValidationSplit):
     """Replays the validation split under a predict function (mean actions) with the evaluator's
     controlled replay; goodput = mean over traces x loads of met / scored."""
 
     def __init__(self, cfg: TrainConfig):
-        from ..engine.profiles import load_profile
-        from ..evaluate import BenchConfig, prepare_workload
-
+        super().__init__(cfg.env.suite, cfg.val_split, cfg.env.profile, cfg.eval_loads, cfg.eval_traces)
         self.cfg = cfg
-        bc = BenchConfig(suite=cfg.env.suite, split=cfg.val_split, profile=cfg.env.profile, loads=cfg.eval_loads,
-                         max_traces=cfg.eval_traces, upper_bound=False)
-        self.profile = bc.engine.resolve(load_profile(cfg.env.profile))
-        self.engine = bc.engine
-        self.wl = prepare_workload(bc, self.profile)
-        self.traces = [t for rho in cfg.eval_loads for t in self.wl.at(rho)]
-        self.est = self.wl.estimates() * len(cfg.eval_loads)
-        self.scored = list(self.wl.scored) * len(cfg.eval_loads)
-
-    def _goodput(self, res) -> float:
-        return float(sum(res.records(i)["met"][m].mean() for i, m in enumerate(self.scored)) / len(self.scored))
 
     def policy(self, name: str, margin, guard=None, **kw) -> float:
         """A static policy's validation goodput; ``guard``: with the tpot-guard rule at (u, B_min)."""
@@ -275,7 +288,7 @@ class Validator:
         pol = engine_policy(name, shed_margin=margin, t_ref_ms=self.wl.t_ref_ms, **kw)
         from ..engine.levers import with_guard
         engine = self.engine if guard is None else with_guard(self.engine, *guard)
-        return self._goodput(simulate(self.traces, self.profile, pol, engine, estimates=self.est,
+        return self.met_share(simulate(self.traces, self.profile, pol, engine, estimates=self.est,
                                       residual_life=self.wl.residual_life))
 
     def agent(self, predict, core) -> float:
@@ -284,7 +297,7 @@ class Validator:
         base = core.base_params if mode == "index" else core.base_weights
         spec = policy_spec("agent", mode, base, core.base_margin, self.cfg.env.k, self.cfg.env.decision_interval_ms,
                            lambda: predict, shed_action=self.cfg.env.shed_action, guard=core.base_guard)
-        return self._goodput(run_controlled(self.traces, self.profile, self.engine, spec, estimates=self.est,
+        return self.met_share(run_controlled(self.traces, self.profile, self.engine, spec, estimates=self.est,
                                             residual_life=self.wl.residual_life, t_ref_ms=self.wl.t_ref_ms,
                                             lambda_sat=self.wl.lambda_sat))
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 from ..config_cli import option
 from ..envs.cluster_env import ClusterEnvConfig
-from .train import PPOSettings, parse_rho as _parse_rho
+from .train import PPOSettings, ValidationSplit, parse_rho as _parse_rho
 
 DESCRIPTION = ("Train a PPO or MaskablePPO router (stable-baselines3, sb3-contrib) on TokenBatchCluster-v0 as a "
                "challenger to the tuned routers.")
@@ -219,32 +219,22 @@ def main(argv=None, prog: str = "train_ppo.py", cmd: str = "python agents/train_
 
 
 # ------------------------------------------------------------------------------ validation
-class RouterValidator:
+class RouterValidator(ValidationSplit):
     """Routes the validation split's copies (every load) with a predict function through the
     evaluator's replay (``control.run_routed``); goodput = mean over copies of met / scored."""
 
     def __init__(self, cfg: RouterTrainConfig):
-        from ..engine.profiles import load_profile
-        from ..evaluate import BenchConfig
-        from ..evaluate.cluster import bench_workload
         env = cfg.env
-        bc = BenchConfig(suite=env.suite, split=cfg.val_split, profile=env.profile, loads=cfg.eval_loads,
-                         max_traces=cfg.eval_traces, upper_bound=False, replicas=env.replicas,
-                         routers=(env.base_router,))
+        super().__init__(env.suite, cfg.val_split, env.profile, cfg.eval_loads, cfg.eval_traces, env.replicas,
+                         env.base_router)
         self.env = env
-        self.profile = bc.engine.resolve(load_profile(env.profile))
-        self.wl = bench_workload(bc, self.profile)
-        self.traces = [t for rho in cfg.eval_loads for t in self.wl.at(rho)]
-        self.est = self.wl.estimates(False) * len(cfg.eval_loads)
-        self.scored = list(self.wl.scored) * len(cfg.eval_loads)
 
     def goodput(self, predict) -> float:
         from ..control import RouterAgent, run_routed
         env = self.env
-        res = run_routed(self.traces, self.profile, env.replica_policy(self.wl.t_ref_ms), env.engine(),
-                         RouterAgent("agent", env, lambda: predict), estimates=self.est,
-                         residual_life=self.wl.residual_life)
-        return float(sum(res.records(i)["met"][m].mean() for i, m in enumerate(self.scored)) / len(self.scored))
+        return self.met_share(run_routed(self.traces, self.profile, env.replica_policy(self.wl.t_ref_ms),
+                                         env.engine(), RouterAgent("agent", env, lambda: predict),
+                                         estimates=self.est, residual_life=self.wl.residual_life))
 
 
 def base_router_predict(obs, masks):
@@ -255,12 +245,11 @@ def base_router_predict(obs, masks):
 
 # ------------------------------------------------------------------------------ training
 def train_router(cfg: RouterTrainConfig) -> dict:
-    import numpy as np
     import torch
     from stable_baselines3.common.vec_env import VecNormalize
 
     from .._io import check_writable, write_text_atomic
-    from ..sb3 import make_sb3_cluster_vec_env, replica_scorer_policy_class, router_algo_class
+    from ..sb3 import make_sb3_cluster_vec_env, replica_scorer_policy_class, router_algo_class, router_predictor
     from .train import learn_and_validate, save_agent
 
     torch.set_num_threads(1)
@@ -288,12 +277,7 @@ def train_router(cfg: RouterTrainConfig) -> dict:
     curve = []
     state = {"best": -1.0}
 
-    def predict_now(obs, masks):
-        x = np.asarray(obs, np.float32)
-        if cfg.normalize:
-            x = venv.normalize_obs(x)
-        kw = {"action_masks": np.asarray(masks, bool)} if maskable else {}
-        return np.asarray(model.predict(x, deterministic=True, **kw)[0], np.int64)
+    predict_now = router_predictor(model, venv if cfg.normalize else None, maskable)
 
     def evaluate_now(step: int, logger=None) -> float:
         g = val.goodput(predict_now)

@@ -119,6 +119,46 @@ _FIELD = {"finish_ns": "finish", "finish_iteration": "finish_it", "end_state": "
           "preemptions": "n_preempt", "recomputed_tokens": "recomputed", "swapped_blocks": "swapped"}
 
 
+def pd_pools(profile, config: Optional[EngineConfig], prefill_replicas, decode_replicas) -> tuple:
+    """(Rp, Rd, each replica's ``EngineConfig``, the resolved profiles) of a P/D cluster: ``config``
+    on the prefill replicas, the same without prefix caching on the decode replicas (a handoff arrives
+    with its KV; ``simulate_pd``'s and ``routing.PDRoutingRun``'s). Counts not integers >= 1:
+    ``ConfigError`` naming them."""
+    for name, v in (("prefill_replicas", prefill_replicas), ("decode_replicas", decode_replicas)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+    Rp, Rd = int(prefill_replicas), int(decode_replicas)
+    base = EngineConfig() if config is None else config
+    configs = [base] * Rp + [dataclasses.replace(base, prefix_caching=False)] * Rd
+    _, resolved = resolve_copies([profile] * (Rp + Rd), configs, Rp + Rd)
+    return Rp, Rd, configs, resolved
+
+
+def first_hold(resolved) -> int:
+    """A P/D run's first hold store per replica: twice the largest KV pool (doubled when full)."""
+    return 2 * max(p.usable_blocks for p in resolved)
+
+
+def check_pd_split(pd, replicas: int, decode_router: str, kv_link) -> tuple:
+    """(Rp, Rd) of a P/D split ``pd``: two integers >= 1 adding up to ``replicas``, its KV link and
+    decode router known; else one ``ConfigError`` naming the field (``evaluate.BenchConfig``'s and
+    ``envs.ClusterEnvConfig``'s check)."""
+    try:
+        rp, rd = pd
+    except (TypeError, ValueError):
+        raise ConfigError(f"pd: expected (prefill replicas, decode replicas), got {pd!r}") from None
+    for v in (rp, rd):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ConfigError(f"pd: replicas must be integers >= 1, got {pd!r}")
+    if rp + rd != replicas:
+        raise ConfigError(f"pd: {rp}:{rd} must add up to the replicas R = {replicas}")
+    from .cluster import ROUTER_NAMES
+    resolve_kv_link(kv_link)
+    if decode_router not in ROUTER_NAMES:
+        raise ConfigError(f"decode_router: unknown router {decode_router!r}; valid: {', '.join(ROUTER_NAMES)}")
+    return int(rp), int(rd)
+
+
 def check_first_token_at(value) -> str:
     if value not in FIRST_TOKEN_AT:
         raise ConfigError(f"first_token_at: one of {', '.join(FIRST_TOKEN_AT)}, got {value!r}")
@@ -139,20 +179,13 @@ def simulate_pd(trace: Trace, profile: Union[str, Profile] = "stress-512", polic
     it on."""
     if not isinstance(trace, Trace):
         raise ConfigError("simulate_pd replays one Trace")
-    for name, v in (("prefill_replicas", prefill_replicas), ("decode_replicas", decode_replicas)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
-    Rp, Rd = int(prefill_replicas), int(decode_replicas)
-    R = Rp + Rd
+    Rp, Rd, configs, resolved = pd_pools(profile, config, prefill_replicas, decode_replicas)
     rp, rd = resolve_router(prefill_router), resolve_router(decode_router)
     link = resolve_kv_link(kv_link)
     check_first_token_at(first_token_at)
-    base = EngineConfig() if config is None else config
-    configs = [base] * Rp + [dataclasses.replace(base, prefix_caching=False)] * Rd
-    _, resolved = resolve_copies([profile] * R, configs, R)
     # (each pool's replicas room for twice the even share of the smaller pool)
     trace, key, est_all, table, share, sizes = cluster_table(trace, resolved, estimates, min(Rp, Rd))
-    hold = 2 * max(p.usable_blocks for p in resolved)
+    hold = first_hold(resolved)
     while True:
         total, run, out, kargs = _run_pd(trace, profile, policy, configs, rp, rd, link, guard, residual_life,
                                          est_all, table, sizes, hold, key, Rp)

@@ -217,22 +217,17 @@ class PDRoutingRun:
                  decode_router: Union[str, Router] = "least-kv", kv_link="nvlink", first_token_at: str = "prefill",
                  estimates: Optional[Sequence[np.ndarray]] = None, residual_life: Optional[np.ndarray] = None,
                  scored: Optional[Sequence[tuple]] = None):
-        from .disagg import check_first_token_at
+        from .disagg import check_first_token_at, pd_pools
         from .kv_link import resolve_kv_link
         if not traces or not all(isinstance(t, Trace) for t in traces):
             raise ConfigError("PDRoutingRun routes a non-empty list of Traces, one per cluster")
-        for name, v in (("prefill_replicas", prefill_replicas), ("decode_replicas", decode_replicas)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
-        E, Rp, Rd = len(traces), int(prefill_replicas), int(decode_replicas)
+        E = len(traces)
+        Rp, Rd, self.configs, self._resolved = pd_pools(profile, config, prefill_replicas, decode_replicas)
         self.replicas, self.decode_replicas = Rp, Rd
         self.router, self.decode_router = resolve_router(base_router), resolve_router(decode_router)
         self.kv_link = resolve_kv_link(kv_link)
         self.first_token_at = check_first_token_at(first_token_at)
         self.profile, self.policy, self.residual_life = profile, policy, residual_life
-        base = EngineConfig() if config is None else config
-        self.configs = [base] * Rp + [dataclasses.replace(base, prefix_caching=False)] * Rd
-        _, self._resolved = resolve_copies([profile] * (Rp + Rd), self.configs, Rp + Rd)
         self.block_size = self._resolved[0].block_size
         self.usable_blocks = max(1, self._resolved[0].usable_blocks)
         N = max(len(t) for t in traces)
@@ -258,7 +253,6 @@ class PDRoutingRun:
         trace, key, est_all, table, share, _ = cluster_table(trace, self._resolved, estimates,
                                                              min(Rp, self.decode_replicas))
         sizes = [tot for tot, _ in share]   # (every replica's rows hold the whole trace: never full)
-        hold = 2 * max(p.usable_blocks for p in self._resolved)
         self._setup[e] = (trace, key, est_all, table, sizes)
         for dst, src in ((1, table[1]), (5, table[5]), (6, table[6]), (7, table[7])):
             self.g[dst][e, :n] = src
@@ -268,7 +262,8 @@ class PDRoutingRun:
         self.credited[e] = False
         self.s0[e], self.s1[e] = (0, n) if scored is None else scored
         self._actions[e] = []
-        self._start(e, hold)
+        from .disagg import first_hold
+        self._start(e, first_hold(self._resolved))
 
     def _start(self, e: int, hold: int) -> None:
         from . import disagg_kernel as DK

@@ -124,17 +124,8 @@ class ClusterEnvConfig:
                 raise ConfigError("decode_router, kv_link and first_token_at: settings of a P/D cluster (pd)")
             set_("pd", ())
             return
-        pd = tuple(self.pd) if isinstance(self.pd, (tuple, list)) else None
-        if pd is None or len(pd) != 2 or not all(is_int(x) and x >= 1 for x in pd) or sum(pd) != self.replicas:
-            raise ConfigError(f"pd: (prefill replicas, decode replicas), integers >= 1 adding up to replicas "
-                              f"{self.replicas}, got {self.pd!r}")
-        set_("pd", (int(pd[0]), int(pd[1])))
-        from ..engine.cluster import ROUTER_NAMES
-        from ..engine.disagg import check_first_token_at
-        from ..engine.kv_link import resolve_kv_link
-        if self.decode_router not in ROUTER_NAMES:
-            raise ConfigError(f"decode_router: unknown router {self.decode_router!r}; valid: {', '.join(ROUTER_NAMES)}")
-        resolve_kv_link(self.kv_link)
+        from ..engine.disagg import check_first_token_at, check_pd_split
+        set_("pd", check_pd_split(self.pd, self.replicas, self.decode_router, self.kv_link))
         check_first_token_at(self.first_token_at)
 
     @property
@@ -152,11 +143,16 @@ class ClusterEnvConfig:
         from ..engine.state import EngineConfig
         return with_levers(EngineConfig(), self.levers)
 
+    @property
+    def index_params(self):
+        """``index`` as ``policies.IndexParams`` (None: none given)."""
+        from ..policies import IndexParams
+        return IndexParams(**dict(self.index)) if self.index is not None else None
+
     def replica_policy(self, t_ref_ms: float):
         """Every replica's ``EnginePolicy`` (``t_ref_ms``: the workload's, unless ``self.t_ref_ms``)."""
-        from ..policies import IndexParams, engine_policy
-        params = IndexParams(**dict(self.index)) if self.index is not None else None
-        return engine_policy(self.policy, params=params, shed_margin=self.shed_margin,
+        from ..policies import engine_policy
+        return engine_policy(self.policy, params=self.index_params, shed_margin=self.shed_margin,
                              t_ref_ms=self.t_ref_ms if self.t_ref_ms is not None else t_ref_ms)
 
 

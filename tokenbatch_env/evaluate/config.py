@@ -266,7 +266,7 @@ class BenchConfig:
             return
         self._check_pd(set_)
         self._check_routed(set_)
-        self._check_router_agents(set_, routers)
+        self._check_router_agents(set_)
         if self.schedule is not None or self.controllers:
             raise ConfigError("controller rows (--schedule, agents) are not supported in cluster mode "
                               "(replicas > 1) yet")
@@ -276,7 +276,7 @@ class BenchConfig:
             raise ConfigError("upper_bound: the upper bound is a single engine's; not supported in cluster mode "
                               "(replicas > 1) yet (give upper_bound=False)")
 
-    def _check_router_agents(self, set_, routers: tuple) -> None:
+    def _check_router_agents(self, set_) -> None:
         """``router_agents``: ``control.RouterAgent`` objects with unique labels that are not routers'
         names, each trained on clusters of ``replicas`` replicas (a P/D agent on ``pd``'s split, link and
         decode router); not with staleness (the routing env has none)."""
@@ -310,23 +310,11 @@ class BenchConfig:
                 raise ConfigError("kv_link and decode_router: settings of P/D rows (pd, --pd Rp:Rd)")
             set_("pd", ())
             return
-        try:
-            rp, rd = self.pd
-        except (TypeError, ValueError):
-            raise ConfigError(f"pd: expected (prefill replicas, decode replicas), got {self.pd!r}") from None
-        for v in (rp, rd):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ConfigError(f"pd: replicas must be integers >= 1, got {self.pd!r}")
-        if rp + rd != self.replicas:
-            raise ConfigError(f"pd: {rp}:{rd} must add up to the replicas R = {self.replicas}")
-        from ..engine.cluster import ROUTER_NAMES
-        from ..engine.kv_link import resolve_kv_link
-        resolve_kv_link(self.kv_link)
-        if self.decode_router not in ROUTER_NAMES:
-            raise ConfigError(f"decode_router: unknown router {self.decode_router!r}; valid: {', '.join(ROUTER_NAMES)}")
+        from ..engine.disagg import check_pd_split
+        split = check_pd_split(self.pd, self.replicas, self.decode_router, self.kv_link)
         if self.metrics_staleness_ms:
             raise ConfigError("pd: metrics staleness is not supported for P/D rows (docs/design.md section 13)")
-        set_("pd", (int(rp), int(rd)))
+        set_("pd", split)
 
     def _check_routed(self, set_) -> None:
         """``routed``: labels ``"<router> x <row>"`` of this benchmark's routers, each a ``RoutedRow``

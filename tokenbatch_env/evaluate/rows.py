@@ -105,34 +105,28 @@ def router_agent_row(agent) -> Row:
     """A trained router's row: ``"<agent> x <replica row>"``, its replicas running the replica
     policy it was trained with (its env's policy, shed margin, index and levers)."""
     env = agent.env
-    index = None
-    if env.index is not None:
-        from ..policies import IndexParams
-        index = IndexParams(**dict(env.index))
     return Row(f"{agent.label} x {router_agent_plain(env)}", env.policy, env.shed_margin, added=True,
-               levers=env.levers, index_params=index, router=agent.label, router_agent=agent, pd=env.pd,
+               levers=env.levers, index_params=env.index_params, router=agent.label, router_agent=agent, pd=env.pd,
                first_token_at=env.first_token_at if env.pd else None)
 
 
-def router_agent_plain(env) -> str:
+def router_agent_plain(env, split: bool = True) -> str:
     """The row a router agent's replicas run, without a router (``index+shed``; a P/D agent's with
-    its split and convention, as ``pd_label`` names it)."""
+    its split and convention, ``pd_label``, unless not ``split``)."""
     plain = env.policy + (SHED_SUFFIX if env.shed_margin is not None else "")
-    if env.pd:
-        plain += f"{PD_LABEL}{env.pd[0]}:{env.pd[1]}, first token at {env.first_token_at}]"
-    return plain
+    return pd_label(env.pd, plain, env.first_token_at) if env.pd and split else plain
 
 
-def pd_label(cfg: BenchConfig, label: str, first_token_at: str) -> str:
-    """A P/D row's label: ``"<row> [P/D Rp:Rd, first token at <first_token_at>]"``."""
-    return f"{label}{PD_LABEL}{cfg.pd[0]}:{cfg.pd[1]}, first token at {first_token_at}]"
+def pd_label(pd: tuple, label: str, first_token_at: str) -> str:
+    """A P/D row's label: ``"<row> [P/D Rp:Rd, first token at <first_token_at>]"`` (``pd``: (Rp, Rd))."""
+    return f"{label}{PD_LABEL}{pd[0]}:{pd[1]}, first token at {first_token_at}]"
 
 
 def pd_row(cfg: BenchConfig, r: Row, first_token_at: str) -> Row:
     """The routed row ``r`` on ``cfg.pd``'s split (docs/design.md section 13)."""
-    return dataclasses.replace(r, label=pd_label(cfg, r.label, first_token_at), added=True, pd=cfg.pd,
+    return dataclasses.replace(r, label=pd_label(cfg.pd, r.label, first_token_at), added=True, pd=cfg.pd,
                                first_token_at=first_token_at,
-                               twin=None if r.twin is None else pd_label(cfg, r.twin, first_token_at))
+                               twin=None if r.twin is None else pd_label(cfg.pd, r.twin, first_token_at))
 
 
 def routed_row(cfg: BenchConfig, router: str, r: Row) -> Row:
